@@ -1,0 +1,46 @@
+"""trainguard's framework-free core: control plane, decisions, checkpoints, faults.
+
+Nothing under :mod:`trainguard.core` imports torch, MindSpore or Megatron;
+adapters build on the names exported here.
+"""
+
+from .api import (
+    EXIT_AFTER_DUMP,
+    EXIT_UNRECOVERABLE,
+    CheckpointError,
+    ConfigError,
+    ControllerLostError,
+    ControllerState,
+    DataStatus,
+    Fault,
+    FaultKind,
+    ForceStop,
+    Plan,
+    ProtocolError,
+    RankState,
+    RecoveryError,
+    RunStatus,
+    Severity,
+    Strategy,
+    Transfer,
+    TrainguardError,
+    TransitionError,
+)
+from .checkpoint import MEGATRON, TORCH, CheckpointStore, FileInfo
+from .classify import Classifier
+from .config import ControllerConfig, ProcessorConfig, check_env, parse_strategies
+from .decide import decide
+from .faults import FaultInjector, FaultSpec
+from .processor import Processor
+from .recovery import Handlers, Outcome, recover, report_left_step
+from .replicas import ReplicaGroup, choose_savers, choose_sources
+from .server import Controller
+
+__all__ = [
+    "EXIT_AFTER_DUMP", "EXIT_UNRECOVERABLE", "CheckpointError", "CheckpointStore", "Classifier", "ConfigError",
+    "Controller", "ControllerConfig", "ControllerLostError", "ControllerState", "DataStatus", "Fault",
+    "FaultInjector", "FaultKind", "FaultSpec", "FileInfo", "ForceStop", "Handlers", "MEGATRON", "Outcome",
+    "Plan", "Processor", "ProcessorConfig", "ProtocolError", "RankState", "RecoveryError", "ReplicaGroup",
+    "RunStatus", "Severity", "Strategy", "TORCH", "Transfer", "TrainguardError", "TransitionError",
+    "check_env", "choose_savers", "choose_sources", "decide", "parse_strategies", "recover", "report_left_step",
+]

@@ -1,0 +1,318 @@
+"""Checkpoint directories that a reader never sees half-written.
+
+A checkpoint is a directory named by its step in the framework's habit
+(:data:`TORCH`: ``step_00000123``; :data:`MEGATRON`: ``iter_0000123``). It
+is written as ``<name>_tmp``; every file's size and SHA-256 are recorded as
+it is written; one rank then verifies every file, writes ``manifest.json``,
+renames the directory to its final name and, last, rewrites the tracker file
+(``latest_step.txt`` / ``latest_checkpointed_iteration.txt``).
+
+:meth:`CheckpointStore.latest` walks the complete checkpoints newest first,
+verifies each against its manifest and returns the first one that passes,
+logging why each newer one was skipped. Formats that could run code on load
+are never used: the manifest is JSON and tensors are loaded by the adapters
+with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator, Mapping, Sequence
+
+from .api import CheckpointError
+
+__all__ = [
+    "FORMAT",
+    "MEGATRON",
+    "TORCH",
+    "CheckpointStore",
+    "FileInfo",
+    "Naming",
+    "Verified",
+]
+
+log = logging.getLogger("trainguard.checkpoint")
+
+FORMAT = "trainguard-checkpoint/1"
+MANIFEST = "manifest.json"
+TMP_SUFFIX = "_tmp"
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How a framework names checkpoint directories and its tracker file."""
+
+    pattern: str  # str.format pattern with one integer field
+    tracker: str
+    regex: str
+
+    def dirname(self, step: int) -> str:
+        return self.pattern.format(step)
+
+    def step_of(self, name: str) -> int | None:
+        m = re.fullmatch(self.regex, name)
+        return int(m.group(1)) if m else None
+
+
+TORCH = Naming("step_{:08d}", "latest_step.txt", r"step_(\d{8,})")
+MEGATRON = Naming("iter_{:07d}", "latest_checkpointed_iteration.txt", r"iter_(\d{7,})")
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A checkpoint that passed verification."""
+
+    step: int
+    path: Path
+    manifest: dict
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes and counts what passes through."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.hash = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        self.bytes += len(data)
+        return self.raw.write(data)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _io_error(what: str, e: OSError) -> CheckpointError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointError(f"{what}: the disk is full ({e.strerror}); the previous checkpoint is untouched")
+    return CheckpointError(f"{what}: {e.strerror or e}")
+
+
+class CheckpointStore:
+    """One directory of checkpoints for one job.
+
+    Args:
+        root: the checkpoint directory (created on first save).
+        naming: the framework's directory and tracker names.
+        keep: how many complete checkpoints to keep (0: all).
+    """
+
+    def __init__(self, root: str | os.PathLike, naming: Naming = TORCH, *, keep: int = 0) -> None:
+        self.root = Path(root)
+        self.naming = naming
+        self.keep = keep
+
+    # ---------------------------------------------------------------- write
+    def tmp_path(self, step: int) -> Path:
+        return self.root / (self.naming.dirname(step) + TMP_SUFFIX)
+
+    def final_path(self, step: int) -> Path:
+        return self.root / self.naming.dirname(step)
+
+    def write(self, step: int, name: str, write: Callable[[BinaryIO], None]) -> FileInfo:
+        """Write one file of ``step``'s checkpoint under the temporary name.
+
+        ``write`` receives a binary file object and must write sequentially.
+
+        Raises:
+            CheckpointError: the file could not be written (disk full, ...).
+        """
+        if "/" in name or name in ("", ".", "..", MANIFEST):
+            raise CheckpointError(f"invalid checkpoint file name {name!r}")
+        directory = self.tmp_path(step)
+        path = directory / name
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as raw:
+                writer = _HashingWriter(raw)
+                write(writer)
+                raw.flush()
+                os.fsync(raw.fileno())
+        except OSError as e:
+            raise _io_error(f"writing {path}", e) from None
+        return FileInfo(name, writer.bytes, writer.hash.hexdigest())
+
+    def finalize(self, step: int, files: Sequence[FileInfo], *, layout: Mapping | None = None,
+                 meta: Mapping | None = None) -> Path:
+        """Verify ``step``'s temporary directory, write its manifest, rename it
+        to the final name and update the tracker. Called by one rank.
+
+        Raises:
+            CheckpointError: a file is missing or does not match its record
+                (the temporary directory is left for inspection).
+        """
+        tmp, final = self.tmp_path(step), self.final_path(step)
+        for f in files:
+            path = tmp / f.name
+            if not path.is_file():
+                raise CheckpointError(f"cannot finalise step {step}: {path} is missing")
+            size = path.stat().st_size
+            if size != f.bytes or sha256_of(path) != f.sha256:
+                raise CheckpointError(f"cannot finalise step {step}: {path} does not match what its saver "
+                                      f"wrote ({size} bytes vs {f.bytes})")
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "created": time.time(),
+            "layout": dict(layout or {}),
+            "files": {f.name: {"bytes": f.bytes, "sha256": f.sha256} for f in files},
+            "meta": dict(meta or {}),
+        }
+        try:
+            with open(tmp / MANIFEST, "w") as out:
+                json.dump(manifest, out, indent=1, sort_keys=True)
+                out.flush()
+                os.fsync(out.fileno())
+            _fsync_dir(tmp)
+            if final.exists():  # a same-step checkpoint: keep it until the new one is in place
+                old = final.with_name(final.name + ".old")
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(final)
+            _fsync_dir(self.root)
+            self._write_tracker(step)
+        except OSError as e:
+            raise _io_error(f"finalising {final}", e) from None
+        log.info("checkpoint %s finalised (%d files)", final, len(files))
+        self._prune(step)
+        return final
+
+    def _write_tracker(self, step: int) -> None:
+        tracker = self.root / self.naming.tracker
+        tmp = tracker.with_name(tracker.name + TMP_SUFFIX)
+        with open(tmp, "w") as out:
+            out.write(f"{step}\n")
+            out.flush()
+            os.fsync(out.fileno())
+        tmp.replace(tracker)
+        _fsync_dir(self.root)
+
+    def _prune(self, newest: int) -> None:
+        """Drop leftover temporary directories older than ``newest`` and,
+        with ``keep``, the oldest complete checkpoints."""
+        for path in self.root.iterdir():
+            if path.name.endswith(TMP_SUFFIX):
+                step = self.naming.step_of(path.name[: -len(TMP_SUFFIX)])
+                if step is not None and step < newest:
+                    shutil.rmtree(path, ignore_errors=True)
+        if self.keep:
+            for step, path in list(self._complete())[self.keep:]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ----------------------------------------------------------------- read
+    def _complete(self) -> Iterator[tuple[int, Path]]:
+        """Final-named checkpoint directories, newest first."""
+        if not self.root.is_dir():
+            return iter(())
+        found = []
+        for path in self.root.iterdir():
+            step = self.naming.step_of(path.name)
+            if step is not None and path.is_dir():
+                found.append((step, path))
+        return iter(sorted(found, reverse=True))
+
+    def steps(self) -> list[int]:
+        return [s for s, _ in self._complete()]
+
+    def tracked_step(self) -> int | None:
+        """The step the tracker names, if it names one."""
+        try:
+            return int((self.root / self.naming.tracker).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def verify(self, path: Path) -> Verified:
+        """Check a checkpoint directory against its manifest.
+
+        Raises:
+            CheckpointError: saying what is wrong (missing manifest or file,
+                size or checksum mismatch).
+        """
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path.name}: no {MANIFEST}") from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path.name}: unreadable {MANIFEST} ({e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{path.name}: not a {FORMAT} manifest")
+        step = self.naming.step_of(path.name)
+        if manifest.get("step") != step:
+            raise CheckpointError(f"{path.name}: manifest says step {manifest.get('step')}")
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not files:
+            raise CheckpointError(f"{path.name}: manifest lists no files")
+        for name, record in files.items():
+            f = path / name
+            if not f.is_file():
+                raise CheckpointError(f"{path.name}: {name} is missing")
+            size = f.stat().st_size
+            if size != record.get("bytes"):
+                raise CheckpointError(f"{path.name}: {name} has {size} bytes, expected {record.get('bytes')} "
+                                      f"(truncated or overwritten)")
+            if sha256_of(f) != record.get("sha256"):
+                raise CheckpointError(f"{path.name}: {name} fails its checksum (corrupted)")
+        return Verified(step, path, manifest)
+
+    def latest(self) -> Verified | None:
+        """The newest checkpoint that verifies, or ``None`` when there is none.
+
+        Each newer checkpoint that fails verification is logged with the
+        reason, and so is a tracker that names a missing or broken one.
+        """
+        tracked = self.tracked_step()
+        for step, path in self._complete():
+            try:
+                found = self.verify(path)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
+                continue
+            if tracked is not None and tracked != step:
+                log.warning("tracker %s names step %d but the newest complete checkpoint is step %d",
+                            self.naming.tracker, tracked, step)
+            log.info("using checkpoint %s", path)
+            return found
+        if tracked is not None:
+            log.warning("tracker names step %d but no complete checkpoint was found in %s", tracked, self.root)
+        return None

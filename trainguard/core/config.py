@@ -1,0 +1,194 @@
+"""Settings: one frozen dataclass per component, read from the environment once.
+
+Every ``TRAINGUARD_*`` variable the project understands is listed in
+:data:`ENV`; an unknown one is an error (a typo such as
+``TRAINGUARD_STRATEGY`` must not silently leave a job unprotected).
+Arguments given in code win over the environment only where a caller passes
+them explicitly to :meth:`ControllerConfig.from_env`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .api import ConfigError, Strategy
+
+__all__ = [
+    "ENV",
+    "ControllerConfig",
+    "ProcessorConfig",
+    "check_env",
+    "parse_strategies",
+]
+
+#: Every environment variable trainguard reads, and what it is for.
+ENV: Mapping[str, str] = {
+    "TRAINGUARD_CONTROLLER": "controller address host:port (set by the launcher)",
+    "TRAINGUARD_TOKEN": "per-job secret authenticating control messages (set by the launcher)",
+    "TRAINGUARD_JOB_ID": "job id used in logs and checkpoints",
+    "TRAINGUARD_STRATEGIES": "ordered recover strategies, comma-separated (retry,dump,exit)",
+    "TRAINGUARD_FAULT": "fault injection: KIND:rank=R,step=N[,phase=P];...",
+    "TRAINGUARD_HOST": "address the controller binds to (default 127.0.0.1)",
+    "TRAINGUARD_PORT": "port the controller binds to (default: any free port)",
+    "TRAINGUARD_HEARTBEAT_INTERVAL_S": "seconds between rank heartbeats (default 1)",
+    "TRAINGUARD_HEARTBEAT_MISSES": "missed heartbeats before a rank counts as lost (default 3)",
+    "TRAINGUARD_PRELOCK_TIMEOUT_S": "seconds healthy ranks get to stop at a consistent step (default 30)",
+    "TRAINGUARD_HANDLER_TIMEOUT_S": "seconds a stop/clean/repair/rollback handler may take (default 180)",
+    "TRAINGUARD_SAVE_TIMEOUT_S": "seconds a dying-gasp save may take (default 1800)",
+    "TRAINGUARD_MAX_MESSAGE_BYTES": "largest control message accepted (default 1 MiB)",
+    "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
+}
+
+
+def check_env(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse unknown ``TRAINGUARD_*`` variables.
+
+    Raises:
+        ConfigError: naming the variable and the closest known one.
+    """
+    environ = os.environ if environ is None else environ
+    for name in environ:
+        if name.startswith("TRAINGUARD_") and name not in ENV:
+            close = difflib.get_close_matches(name, list(ENV), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"unknown setting {name}{hint} (known: {', '.join(sorted(ENV))})")
+
+
+def parse_strategies(text: str | tuple | list) -> tuple[Strategy, ...]:
+    """Parse ``"retry,dump,exit"`` (or a list of names) into strategies.
+
+    Raises:
+        ConfigError: an empty list, an unknown name or a repeated one.
+    """
+    names = [n.strip() for n in text.split(",")] if isinstance(text, str) else [str(n).strip() for n in text]
+    names = [n for n in names if n]
+    if not names:
+        raise ConfigError("the recover-strategy list is empty; give at least one of "
+                          + ", ".join(s.value for s in Strategy))
+    valid = {s.value: s for s in Strategy}
+    out: list[Strategy] = []
+    for name in names:
+        if name not in valid:
+            raise ConfigError(f"unknown recover strategy {name!r}; valid: {', '.join(valid)}")
+        if valid[name] in out:
+            raise ConfigError(f"recover strategy {name!r} is listed twice")
+        out.append(valid[name])
+    return tuple(out)
+
+
+def _number(name: str, value: str, kind: type) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    """How the controller detects, decides and drives recoveries."""
+
+    strategies: tuple[Strategy, ...] = (Strategy.RETRY, Strategy.DUMP, Strategy.EXIT)
+    host: str = "127.0.0.1"
+    port: int = 0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 3
+    prelock_timeout_s: float = 30.0
+    handler_timeout_s: float = 180.0
+    save_timeout_s: float = 1800.0
+    max_message_bytes: int = 1 << 20
+    job_id: str = "trainguard"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.strategies, (str, list)):
+            object.__setattr__(self, "strategies", parse_strategies(self.strategies))
+        for f in ("heartbeat_interval_s", "prelock_timeout_s", "handler_timeout_s", "save_timeout_s"):
+            if not getattr(self, f) > 0:
+                raise ConfigError(f"{f} must be > 0, got {getattr(self, f)!r}")
+        if self.heartbeat_misses < 1:
+            raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+        if not 1024 <= self.max_message_bytes <= 64 << 20:
+            raise ConfigError(f"max_message_bytes must be in [1 KiB, 64 MiB], got {self.max_message_bytes}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_misses
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "ControllerConfig":
+        """Build from ``TRAINGUARD_*`` variables; explicit ``overrides`` win.
+
+        Raises:
+            ConfigError: an unknown variable or an invalid value.
+        """
+        environ = os.environ if environ is None else environ
+        check_env(environ)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - set(fields)
+        if unknown:
+            raise ConfigError(f"unknown controller settings: {sorted(unknown)}")
+        values: dict[str, Any] = {}
+        for name, f in fields.items():
+            raw = environ.get(f"TRAINGUARD_{name.upper()}")
+            if raw is None:
+                continue
+            if name == "strategies":
+                values[name] = parse_strategies(raw)
+            elif f.type in ("int", int):
+                values[name] = _number(f"TRAINGUARD_{name.upper()}", raw, int)
+            elif f.type in ("float", float):
+                values[name] = _number(f"TRAINGUARD_{name.upper()}", raw, float)
+            else:
+                values[name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessorConfig:
+    """Where a rank's processor connects and how long it waits."""
+
+    controller: str
+    token: str
+    rank: int
+    world_size: int
+    max_message_bytes: int = 1 << 20
+    connect_timeout_s: float = 60.0
+    exit_grace_s: float = 10.0  # after an exit command, before forcing the exit
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.controller.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"controller address must be host:port, got {self.controller!r}")
+        if not self.token:
+            raise ConfigError("the job token is empty; the launcher must set TRAINGUARD_TOKEN")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size}")
+
+    @classmethod
+    def from_env(cls, *, rank: int, world_size: int,
+                 environ: Mapping[str, str] | None = None) -> "ProcessorConfig | None":
+        """The processor settings the launcher left in the environment, or
+        ``None`` when no controller was started for this job.
+
+        Raises:
+            ConfigError: an unknown variable, or a controller without a token.
+        """
+        environ = os.environ if environ is None else environ
+        check_env(environ)
+        address = environ.get("TRAINGUARD_CONTROLLER")
+        if not address:
+            return None
+        size = environ.get("TRAINGUARD_MAX_MESSAGE_BYTES")
+        return cls(
+            controller=address,
+            token=environ.get("TRAINGUARD_TOKEN", ""),
+            rank=rank,
+            world_size=world_size,
+            **({"max_message_bytes": _number("TRAINGUARD_MAX_MESSAGE_BYTES", size, int)} if size else {}),
+        )

@@ -1,0 +1,475 @@
+"""The controller's state machine: ranks, fault episodes, plans in phases.
+
+:class:`ControllerCore` holds no sockets and no threads. The gRPC server
+(:mod:`trainguard.core.server`) feeds it events (``on_hello``,
+``on_fault``...) from one event loop and it answers by calling ``send(rank,
+command)``. Its clocks are injected, so tests drive it by hand.
+
+An *episode* begins with the first fault while training runs normally:
+
+1. **prelock** -- every live rank is told to STOP; each leaves its step at
+   the next safe point and reports its step and data status. When all have
+   (or the prelock timeout named the laggards as hung) the step is locked.
+2. **decide** -- :func:`trainguard.core.decide.decide` picks the plan.
+3. **phases** -- the plan's commands go out phase by phase (retry: clean,
+   rebuild, repair, rollback, resume; dump: save, finalise, exit); a phase
+   ends when every target answered. A failed answer, a timeout or a new fault
+   abandons the plan: the strategy is marked tried, every rank is stopped
+   again and the next strategy is decided.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .api import (
+    ControllerState,
+    DataStatus,
+    Fault,
+    FaultKind,
+    Plan,
+    ProtocolError,
+    RankState,
+    RecoveryRecord,
+    RunStatus,
+    Strategy,
+)
+from .config import ControllerConfig
+from .decide import decide
+from .protocol import trainguard_pb2 as pb
+from .replicas import ReplicaGroup, validate_layout
+from .rpc import fault_fields, from_pb_status
+from .transitions import advance
+
+__all__ = ["ControllerCore"]
+
+log = logging.getLogger("trainguard.controller")
+
+
+@dataclass
+class _Rank:
+    rank: int
+    pid: int
+    host: str
+    device: str
+    repairable: bool
+    groups: tuple[ReplicaGroup, ...]
+    step: int
+    run: RunStatus
+    data: DataStatus
+    last_seen: float
+    pids: list[int] = field(default_factory=list)
+    alive: bool = True
+    stopped: bool = False
+    reached: int = 0  # highest step this rank ever reported
+
+    def update(self, step: int, run: RunStatus, data: DataStatus) -> None:
+        self.step, self.run, self.data = step, run, data
+        self.reached = max(self.reached, step)
+
+
+@dataclass
+class _Phase:
+    name: str
+    commands: dict[int, pb.Command]
+    timeout_s: float
+    deadline: float = 0.0
+    waiting: set[int] = field(default_factory=set)
+    files: dict[int, list] = field(default_factory=dict)
+
+
+@dataclass
+class _Episode:
+    epoch: int
+    faults: list[Fault]
+    detected_at: float  # wall clock
+    stop_deadline: float  # monotonic
+    reached: int
+    tried: set[Strategy] = field(default_factory=set)
+    plan: Plan | None = None
+    reason: str = ""
+    phases: list[_Phase] = field(default_factory=list)
+    record: RecoveryRecord | None = None
+
+
+class ControllerCore:
+    """The job's brain. Every method is called from one thread (the server's
+    event loop); none blocks.
+
+    Args:
+        config: strategies, timeouts, limits.
+        world_size: number of ranks in the job.
+        send: delivers a command to a rank's session.
+        clock: monotonic seconds, for timeouts.
+        wall: unix seconds, for reported times.
+    """
+
+    def __init__(
+        self,
+        config: ControllerConfig,
+        world_size: int,
+        *,
+        send: Callable[[int, pb.Command], None],
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.world_size = world_size
+        self._send = send
+        self._clock, self._wall = clock, wall
+        self.state = ControllerState.INIT
+        self.ranks: dict[int, _Rank] = {}
+        self.records: list[RecoveryRecord] = []
+        self.episode: _Episode | None = None
+        self.generation = 0
+        self._epoch = 0
+        self._next_id = 1
+        self._exiting: set[int] = set()
+        self._finished: set[int] = set()
+        self._pids: dict[int, list[int]] = {}
+
+    # ----------------------------------------------------------------- events
+    def on_hello(self, hello: pb.Hello) -> None:
+        """Register a rank (its first message).
+
+        Raises:
+            ProtocolError: the rank is already connected, or its replica
+                groups disagree with its peers'.
+        """
+        rank = hello.rank
+        old = self.ranks.get(rank)
+        if old is not None and old.alive:
+            raise ProtocolError(f"rank {rank} is already registered by pid {old.pid} on {old.host}")
+        groups = tuple(ReplicaGroup(tuple(g.rank_list), g.replica_cnt, g.replica_shift) for g in hello.replicas)
+        if not groups:
+            groups = (ReplicaGroup.full([rank]),)
+        layout = {r: s.groups for r, s in self.ranks.items()}
+        layout[rank] = groups
+        try:
+            validate_layout(layout, self.world_size)
+        except Exception as e:
+            raise ProtocolError(f"rank {rank}: {e}") from None
+        step, run, data = from_pb_status(hello.status)
+        self._pids.setdefault(rank, []).append(hello.pid)
+        self.ranks[rank] = _Rank(
+            rank=rank, pid=hello.pid, host=hello.host, device=hello.device or "cpu",
+            repairable=hello.device_repairable, groups=groups, step=step, run=run, data=data,
+            last_seen=self._clock(), reached=step,
+        )
+        log.info("rank %d registered (pid %d on %s, step %d)", rank, hello.pid, hello.host, step)
+        if self.state is ControllerState.INIT and len(self.ranks) == self.world_size:
+            self._to(ControllerState.NORMAL)
+            log.info("all %d ranks registered", self.world_size)
+
+    def on_heartbeat(self, rank: int, status: pb.Status) -> None:
+        r = self._known(rank)
+        r.last_seen = self._clock()
+        r.update(*from_pb_status(status))
+
+    def on_stopped(self, rank: int, status: pb.Status) -> None:
+        r = self._known(rank)
+        r.last_seen = self._clock()
+        r.update(*from_pb_status(status))
+        if self.episode is not None:
+            r.stopped = True
+            self._check_prelock()
+
+    def on_fault(self, rank: int, report: pb.FaultReport) -> None:
+        r = self._known(rank)
+        r.last_seen = self._clock()
+        r.update(*from_pb_status(report.status))
+        kind, severity = fault_fields(report)
+        r.stopped = True
+        self._fault(Fault(kind=kind, rank=rank, severity=severity, message=report.message,
+                          phase=report.phase, occurred_at=report.occurred_at or None,
+                          detected_at=self._wall()))
+
+    def on_result(self, rank: int, result: pb.CommandResult) -> None:
+        r = self._known(rank)
+        r.last_seen = self._clock()
+        r.update(*from_pb_status(result.status))
+        phase = self._current_phase()
+        if phase is None or phase.commands.get(rank) is None or phase.commands[rank].id != result.command_id:
+            log.debug("ignoring stale result %d from rank %d", result.command_id, rank)
+            return
+        if not result.ok:
+            self._plan_failed(f"{phase.name} failed on rank {rank}: {result.message or f'code {result.code}'}")
+            return
+        phase.waiting.discard(rank)
+        phase.files[rank] = list(result.files)
+        if not phase.waiting:
+            self._next_phase()
+
+    def on_goodbye(self, rank: int, status: pb.Status) -> None:
+        r = self._known(rank)
+        r.update(*from_pb_status(status))
+        r.alive = False
+        self._finished.add(rank)
+        log.info("rank %d finished at step %d", rank, r.step)
+        if self._finished >= set(range(self.world_size)) and self.state is ControllerState.NORMAL:
+            self._to(ControllerState.FINISHED)
+
+    def on_disconnect(self, rank: int) -> None:
+        """The rank's session ended without Goodbye."""
+        r = self.ranks.get(rank)
+        if r is None or not r.alive:
+            return
+        r.alive = False
+        if rank in self._exiting or rank in self._finished:
+            return
+        self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank,
+                          message=f"pid {r.pid} on {r.host} disconnected", detected_at=self._wall()))
+
+    def on_process_exit(self, rank: int, pid: int, code: int) -> None:
+        """A node agent saw the rank's process exit with ``code``."""
+        r = self.ranks.get(rank)
+        if r is None or r.pid != pid or rank in self._exiting or rank in self._finished:
+            return
+        if not r.alive:
+            return
+        r.alive = False
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank, message=f"pid {pid} {how}",
+                          detected_at=self._wall()))
+
+    def tick(self) -> None:
+        """Check heartbeats and deadlines; call a few times a second."""
+        now = self._clock()
+        for r in self.ranks.values():
+            if (r.alive and r.rank not in self._exiting
+                    and now - r.last_seen > self.config.heartbeat_timeout_s):
+                r.alive = False
+                self._fault(Fault(kind=FaultKind.HANG, rank=r.rank, detected_at=self._wall(),
+                                  message=f"no heartbeat for {now - r.last_seen:.1f} s"))
+        ep = self.episode
+        if ep is None:
+            return
+        if self.state is ControllerState.ABNORMAL and now > ep.stop_deadline:
+            for r in self.ranks.values():
+                if r.alive and not r.stopped:
+                    r.alive = False
+                    ep.faults.append(Fault(kind=FaultKind.HANG, rank=r.rank, detected_at=self._wall(),
+                                           message=f"did not stop within {self.config.prelock_timeout_s:g} s"))
+            self._check_prelock()
+        phase = self._current_phase()
+        if phase is not None and phase.waiting and now > phase.deadline:
+            late = sorted(phase.waiting)
+            self._plan_failed(f"{phase.name} did not finish within {phase.timeout_s:g} s on ranks {late}")
+
+    # ------------------------------------------------------------- snapshots
+    def snapshot(self) -> dict:
+        """A JSON-able view for ``trainguard status`` and agents."""
+        return {
+            "state": self.state.name,
+            "job_id": self.config.job_id,
+            "world_size": self.world_size,
+            "ranks": {
+                r.rank: {"pid": r.pid, "host": r.host, "step": r.step, "run": r.run.name,
+                         "data": r.data.name, "alive": r.alive}
+                for r in self.ranks.values()
+            },
+            "pids": {str(k): v for k, v in self._pids.items()},
+            "recoveries": [rec.to_dict() for rec in self.records],
+            "episode": None if self.episode is None else {
+                "faults": [f.describe() for f in self.episode.faults],
+                "plan": self.episode.plan.strategy.value if self.episode.plan else None,
+                "reason": self.episode.reason,
+            },
+        }
+
+    # --------------------------------------------------------------- faults
+    def _fault(self, fault: Fault) -> None:
+        log.warning("fault: %s", fault.describe())
+        if self.state in (ControllerState.EXITED, ControllerState.FINISHED):
+            return
+        ep = self.episode
+        if ep is None:
+            self._epoch += 1
+            reached = max((r.reached for r in self.ranks.values()), default=0)
+            self.episode = _Episode(self._epoch, [fault], fault.detected_at,
+                                    self._clock() + self.config.prelock_timeout_s, reached)
+            self._to(ControllerState.ABNORMAL)
+            self._stop_all(f"{fault.describe()}")
+            return
+        ep.faults.append(fault)
+        if self.state in (ControllerState.RECOVERING, ControllerState.DUMPING):
+            self._plan_failed(f"second fault during {ep.plan.strategy.value}: {fault.describe()}")
+        else:
+            self._check_prelock()
+
+    def _stop_all(self, reason: str) -> None:
+        ep = self.episode
+        ep.stop_deadline = self._clock() + self.config.prelock_timeout_s
+        for r in self.ranks.values():
+            if r.alive and not r.stopped:
+                self._command(r.rank, stop=pb.Stop(reason=reason))
+        self._check_prelock()
+
+    def _check_prelock(self) -> None:
+        if self.state is not ControllerState.ABNORMAL:
+            return
+        if any(r.alive and not r.stopped for r in self.ranks.values()):
+            return
+        self._decide()
+
+    def _decide(self) -> None:
+        ep = self.episode
+        view = {
+            r.rank: RankState(rank=r.rank, step=r.step, data=r.data, run=r.run, alive=r.alive,
+                              stopped=r.stopped, device_repairable=r.repairable)
+            for r in self.ranks.values()
+        }
+        layout = {r.rank: r.groups for r in self.ranks.values()}
+        plan, reason = decide(view, ep.faults, self.config, self._wall(), layout=layout, tried=ep.tried)
+        ep.plan, ep.reason = plan, reason
+        log.warning("decision: %s", reason)
+        ep.phases = self._phases(plan, layout)
+        self._to({Strategy.RETRY: ControllerState.RECOVERING,
+                  Strategy.DUMP: ControllerState.DUMPING}.get(plan.strategy, ControllerState.EXITED))
+        self._start_phase()
+
+    # --------------------------------------------------------------- phases
+    def _phases(self, plan: Plan, layout) -> list[_Phase]:
+        cfg = self.config
+        everyone = list(plan.participants)
+        if plan.strategy is Strategy.RETRY:
+            uce = {f.rank for f in self.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
+            self.generation += 1
+            involved = sorted({t.src for t in plan.transfers} | {t.dst for t in plan.transfers})
+            transfers = [pb.Transfer(src=t.src, dst=t.dst) for t in plan.transfers]
+            phases = [
+                self._phase("clean", {r: dict(clean=pb.Clean(uce=r in uce)) for r in everyone}, cfg.handler_timeout_s),
+                self._phase("rebuild", {r: dict(rebuild=pb.Rebuild(generation=self.generation, ranks=everyone))
+                                        for r in everyone}, cfg.handler_timeout_s),
+            ]
+            if transfers:
+                phases.append(self._phase("repair", {r: dict(repair=pb.Repair(step=plan.step, transfers=transfers))
+                                                     for r in involved}, cfg.handler_timeout_s))
+            phases.append(self._phase("rollback", {r: dict(rollback=pb.Rollback(step=plan.step)) for r in everyone},
+                                      cfg.handler_timeout_s))
+            phases.append(self._phase("resume", {r: dict(resume=pb.Resume(step=plan.step)) for r in everyone}, 0))
+            return phases
+        if plan.strategy is Strategy.DUMP:
+            return [
+                self._phase("save", {r: dict(save=pb.Save(step=plan.step, shard=s)) for s, r in plan.savers.items()},
+                            cfg.save_timeout_s),
+                self._phase("finalize", {plan.finaliser: dict(finalize=pb.Finalize(step=plan.step))},
+                            cfg.handler_timeout_s),
+                self._phase("exit", {r: dict(exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason))
+                                     for r in everyone}, 0),
+            ]
+        return [self._phase("exit", {r: dict(exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason))
+                                     for r in everyone}, 0)]
+
+    def _phase(self, name: str, actions: dict[int, dict], timeout_s: float) -> _Phase:
+        commands = {}
+        for rank, action in actions.items():
+            commands[rank] = pb.Command(id=self._next_id, epoch=self.episode.epoch, **action)
+            self._next_id += 1
+        return _Phase(name, commands, timeout_s)
+
+    def _current_phase(self) -> _Phase | None:
+        ep = self.episode
+        if ep is None or not ep.phases or self.state not in (ControllerState.RECOVERING, ControllerState.DUMPING):
+            return None
+        return ep.phases[0]
+
+    def _start_phase(self) -> None:
+        ep = self.episode
+        phase = ep.phases[0]
+        if phase.name == "finalize":
+            self._fill_finalize(phase)
+        if phase.name == "resume":
+            record = self._record()
+            for cmd in phase.commands.values():
+                cmd.resume.record_json = json.dumps(record.to_dict())
+        if phase.name == "exit":
+            self._exiting.update(phase.commands)
+            if ep.plan.strategy is Strategy.EXIT:
+                self._record()
+        phase.deadline = self._clock() + phase.timeout_s
+        phase.waiting = set(phase.commands) if phase.timeout_s > 0 else set()
+        for rank, cmd in phase.commands.items():
+            self._send(rank, cmd)
+        if not phase.waiting:
+            self._next_phase()
+
+    def _next_phase(self) -> None:
+        ep = self.episode
+        done = ep.phases.pop(0)
+        if ep.phases:
+            self._carry(done, ep.phases[0])
+            self._start_phase()
+            return
+        if done.name == "resume":
+            for r in self.ranks.values():
+                r.stopped = False
+            self.episode = None
+            self._to(ControllerState.NORMAL)
+            log.warning("recovered: training resumed at step %d", ep.plan.step)
+        else:
+            if self.state is not ControllerState.EXITED:
+                self._to(ControllerState.EXITED)
+            log.warning("job exiting: %s", ep.reason)
+
+    def _carry(self, done: _Phase, nxt: _Phase) -> None:
+        """Hand the savers' file lists to the finalise phase."""
+        if done.name == "save" and nxt.name == "finalize":
+            nxt.files = done.files
+
+    def _fill_finalize(self, phase: _Phase) -> None:
+        ep = self.episode
+        record = self._record()
+        history = {"records": [record.to_dict()], "pids": {str(k): v for k, v in self._pids.items()}}
+        (cmd,) = phase.commands.values()
+        owner = {sid: rank for sid, rank in ep.plan.savers.items()}
+        for sid in sorted(owner):
+            cmd.finalize.shards.add(shard=sid, rank=owner[sid], files=phase.files.get(owner[sid], []))
+        cmd.finalize.history_json = json.dumps(history)
+
+    def _plan_failed(self, why: str) -> None:
+        ep = self.episode
+        log.warning("%s; falling back", why)
+        ep.tried.add(ep.plan.strategy)
+        ep.reason = f"{ep.reason}; {why}"
+        ep.phases = []
+        self._to(ControllerState.ABNORMAL)
+        for r in self.ranks.values():
+            r.stopped = False
+        self._stop_all(why)
+
+    def _record(self) -> RecoveryRecord:
+        """The record of this episode (created once, when the plan succeeds)."""
+        ep = self.episode
+        if ep.record is not None:
+            return ep.record
+        first = ep.faults[0]
+        lost = max(0, ep.reached - ep.plan.step) if ep.plan.step >= 0 else None
+        record = RecoveryRecord(
+            fault=first.kind.name.lower(), rank=first.rank, step=ep.plan.step,
+            strategy=ep.plan.strategy.value, reason=ep.reason,
+            detect_s=(round(first.detected_at - first.occurred_at, 3) if first.occurred_at else None),
+            recover_s=round(self._wall() - ep.detected_at, 3), lost_steps=lost if lost is not None else -1,
+        )
+        ep.record = record
+        self.records.append(record)
+        return record
+
+    # --------------------------------------------------------------- helpers
+    def _command(self, rank: int, **action) -> None:
+        cmd = pb.Command(id=self._next_id, epoch=self.episode.epoch if self.episode else 0, **action)
+        self._next_id += 1
+        self._send(rank, cmd)
+
+    def _known(self, rank: int) -> _Rank:
+        r = self.ranks.get(rank)
+        if r is None:
+            raise ProtocolError(f"message from unregistered rank {rank}")
+        return r
+
+    def _to(self, state: ControllerState) -> None:
+        self.state = advance(self.state, state, what="controller")

@@ -1,0 +1,218 @@
+"""Deciding what to do about a fault: a pure function with a reason.
+
+:func:`decide` takes the controller's view of every rank after the prelock
+(every live rank stopped), the faults of this episode, the job's config and
+the clock, and returns the :class:`~trainguard.core.api.Plan` of the first
+strategy in the job's list that can succeed, plus a sentence saying why each
+earlier one could not. ``exit`` can always be carried out, so a plan always
+comes back.
+
+Strategies plug in through :data:`PLANNERS`; each planner is a small
+function ``(view) -> Plan | str`` (a plan, or the reason it cannot work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+from .api import (
+    EXIT_AFTER_DUMP,
+    EXIT_UNRECOVERABLE,
+    DataStatus,
+    Fault,
+    FaultKind,
+    Plan,
+    RankState,
+    Severity,
+    Strategy,
+)
+from .config import ControllerConfig
+from .replicas import Layout, choose_savers, choose_sources
+
+__all__ = ["JobView", "PLANNERS", "decide", "lock_step"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobView:
+    """Everything a planner may look at, computed once per decision."""
+
+    ranks: Mapping[int, RankState]
+    faults: Sequence[Fault]
+    layout: Layout
+    tried: frozenset[Strategy] = frozenset()
+    lock: int | None = None
+    usable: frozenset[int] = frozenset()
+    bad: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def live(self) -> tuple[int, ...]:
+        return tuple(sorted(r for r, s in self.ranks.items() if s.alive))
+
+
+def _state_bad(faults: Iterable[Fault]) -> frozenset[int]:
+    return frozenset(f.rank for f in faults if f.corrupts_state)
+
+
+def lock_step(ranks: Mapping[int, RankState], bad: Iterable[int]) -> int | None:
+    """The prelock step: the highest step at which a trusted rank is
+    ``UPDATED`` and stopped, or ``None`` when no rank qualifies."""
+    bad = set(bad)
+    steps = [
+        s.step
+        for r, s in ranks.items()
+        if s.alive and s.stopped and r not in bad and s.data is DataStatus.UPDATED
+    ]
+    return max(steps) if steps else None
+
+
+def _usable(ranks: Mapping[int, RankState], bad: Iterable[int], lock: int | None) -> frozenset[int]:
+    bad = set(bad)
+    return frozenset(
+        r
+        for r, s in ranks.items()
+        if lock is not None
+        and s.alive
+        and s.stopped
+        and r not in bad
+        and s.data is DataStatus.UPDATED
+        and s.step == lock
+    )
+
+
+def _nothing_to_recover(view: JobView, what: str) -> str | None:
+    if view.lock is None:
+        return f"no healthy rank is consistent (UPDATED) at any step, so there is nothing to {what}"
+    if view.lock == 0:
+        return f"the fault came at step 0: no completed step to {what}"
+    return None
+
+
+def _corrupted(view: JobView) -> str | None:
+    hit = [f for f in view.faults if f.kind is FaultKind.UCE and f.severity is Severity.CORRUPTED]
+    if hit:
+        return f"{hit[0].describe()}; corrupted data may have reached the replicas"
+    return None
+
+
+def plan_retry(view: JobView) -> Plan | str:
+    for f in view.faults:
+        if not f.kind.in_process:
+            return f"{f.describe()}; retry only repairs in-process faults (device memory, communication)"
+    why = _corrupted(view) or _nothing_to_recover(view, "return to")
+    if why:
+        return why
+    for f in view.faults:
+        state = view.ranks.get(f.rank)
+        if f.kind is FaultKind.UCE and f.corrupts_state and state is not None and not state.device_repairable:
+            return f"{f.describe()}; this rank's device cannot be repaired in-process"
+    stuck = [r for r in view.live if not view.ranks[r].stopped]
+    if stuck:
+        return f"ranks {stuck} did not stop at a consistent step"
+    targets = [r for r in view.live if r not in view.usable]
+    transfers, missing = choose_sources(view.layout, targets, view.usable)
+    if missing:
+        rank, kind = missing[0]
+        return f"no consistent replica at step {view.lock} to repair rank {rank} (state kind {kind}) from"
+    return Plan(strategy=Strategy.RETRY, step=view.lock, participants=view.live, transfers=tuple(transfers))
+
+
+def plan_dump(view: JobView) -> Plan | str:
+    why = _corrupted(view) or _nothing_to_recover(view, "save")
+    if why:
+        return why
+    savers, missing = choose_savers(view.layout, view.usable)
+    if missing:
+        return (f"no consistent copy of shard {list(missing[0].copies)} (state kind {missing[0].kind}) "
+                f"at step {view.lock}")
+    return Plan(
+        strategy=Strategy.DUMP,
+        step=view.lock,
+        participants=view.live,
+        savers=savers,
+        finaliser=min(savers.values()),
+        exit_code=EXIT_AFTER_DUMP,
+    )
+
+
+def plan_exit(view: JobView) -> Plan:
+    return Plan(
+        strategy=Strategy.EXIT,
+        step=-1 if view.lock is None else view.lock,
+        participants=view.live,
+        exit_code=EXIT_UNRECOVERABLE,
+    )
+
+
+def _not_yet(name: str) -> Callable[[JobView], str]:
+    return lambda view: f"{name} is not available in this version of trainguard"
+
+
+#: Strategy -> planner. A planner returns a Plan, or why it cannot work.
+PLANNERS: dict[Strategy, Callable[[JobView], Plan | str]] = {
+    Strategy.RETRY: plan_retry,
+    Strategy.RECOVER_IN_PLACE: _not_yet("recover-in-place"),
+    Strategy.RECOVER: _not_yet("recover"),
+    Strategy.ELASTIC_TRAINING: _not_yet("elastic-training"),
+    Strategy.DUMP: plan_dump,
+    Strategy.EXIT: plan_exit,
+}
+
+
+def _describe(plan: Plan) -> str:
+    if plan.strategy is Strategy.RETRY:
+        copies = ", ".join(f"rank {t.dst} from rank {t.src}" for t in plan.transfers) or "no state copy needed"
+        return f"retry at step {plan.step} ({copies})"
+    if plan.strategy is Strategy.DUMP:
+        savers = ", ".join(f"shard {s} by rank {r}" for s, r in sorted(plan.savers.items()))
+        return f"dump at step {plan.step} ({savers}; rank {plan.finaliser} finalises)"
+    return "exit"
+
+
+def decide(
+    ranks: Mapping[int, RankState],
+    faults: Sequence[Fault],
+    config: ControllerConfig,
+    now: float,
+    *,
+    layout: Layout,
+    tried: Iterable = (),
+) -> tuple[Plan, str]:
+    """Choose the plan for a fault episode.
+
+    Args:
+        ranks: every rank's state after the prelock.
+        faults: the faults of this episode, oldest first.
+        config: supplies the ordered strategy list.
+        now: the controller's clock (unix seconds); planners that wait for
+            replacements use it.
+        layout: each rank's replica groups.
+        tried: strategies that already failed in this episode.
+
+    Returns:
+        ``(plan, reason)``; ``reason`` says why each earlier strategy was
+        passed over and what the plan does.
+    """
+    del now  # no strategy of this version waits on the clock
+    bad = _state_bad(faults)
+    lock = lock_step(ranks, bad)
+    view = JobView(
+        ranks=ranks,
+        faults=tuple(faults),
+        layout=layout,
+        tried=frozenset(tried),
+        lock=lock,
+        usable=_usable(ranks, bad, lock),
+        bad=bad,
+    )
+    passed: list[str] = []
+    for strategy in config.strategies:
+        if strategy in view.tried:
+            passed.append(f"{strategy.value}: already failed in this episode")
+            continue
+        outcome = PLANNERS[strategy](view)
+        if isinstance(outcome, Plan):
+            return outcome, "; ".join(passed + [_describe(outcome)])
+        passed.append(f"{strategy.value}: {outcome}")
+    plan = plan_exit(view)
+    return plan, "; ".join(passed + ["exit (no strategy left)"])

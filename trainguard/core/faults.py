@@ -1,0 +1,217 @@
+"""Fault injection: rehearse a failure exactly where and when you choose.
+
+A fault is written as ``KIND:rank=R,step=N[,phase=P][,factor=F][,severity=S]``
+and several are joined by ``;`` — in ``TRAINGUARD_FAULT``, in an example's
+config, or built in code::
+
+    FaultSpec.parse("uce:rank=1,step=5,phase=backward;crash:rank=2,step=9")
+
+Kinds:
+
+* ``uce``   raise a device memory error (``UCE ERROR ...``) in the chosen phase
+* ``comm``  raise a communication error (``SUSPECT REMOTE ERROR ...``)
+* ``crash`` SIGKILL the rank's own process
+* ``hang``  stop making progress (sleep forever in Python)
+* ``slow``  from step N on, sleep ``(factor - 1) x`` each step's duration
+
+Phases: ``forward``, ``backward``, ``optimizer`` (inside the update, after the
+parameters changed) and ``recovery`` (while handling a recovery command;
+``step`` is then the locked step). ``step`` counts completed updates, so
+``step=5`` strikes the loop iteration that would complete update 6.
+
+Each fault strikes once per job. When a log path is given (the adapters use
+``<checkpoint_dir>/.trainguard/faults.jsonl``) the strike is appended there
+before it happens, so a relaunched job does not strike it again, and the
+strike time is known for reporting detection latency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .api import ConfigError, Severity
+
+__all__ = ["FaultInjector", "FaultSpec", "KINDS", "PHASES", "read_fault_log"]
+
+KINDS = ("uce", "crash", "hang", "comm", "slow")
+PHASES = ("forward", "backward", "optimizer", "recovery")
+_KEYS = {"rank", "step", "phase", "factor", "severity"}
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    rank: int
+    step: int
+    phase: str = "forward"
+    factor: float = 1.0
+    severity: Severity = Severity.HIGH
+
+    @property
+    def text(self) -> str:
+        extra = f",factor={self.factor:g}" if self.kind == "slow" else ""
+        if self.kind == "uce" and self.severity is not Severity.HIGH:
+            extra += f",severity={self.severity.name.lower()}"
+        return f"{self.kind}:rank={self.rank},step={self.step},phase={self.phase}{extra}"
+
+    @classmethod
+    def parse(cls, text: str) -> list["FaultSpec"]:
+        """Parse one or more ``;``-separated faults.
+
+        Raises:
+            ConfigError: naming the part that is wrong and the expected form.
+        """
+        specs = []
+        for part in (p.strip() for p in text.split(";")):
+            if part:
+                specs.append(cls._parse_one(part))
+        return specs
+
+    @classmethod
+    def _parse_one(cls, part: str) -> "FaultSpec":
+        form = "KIND:rank=R,step=N[,phase=forward|backward|optimizer|recovery][,factor=F]"
+        kind, sep, rest = part.partition(":")
+        kind = kind.strip().lower()
+        if not sep or kind not in KINDS:
+            raise ConfigError(f"bad fault {part!r}: expected {form} with KIND in {', '.join(KINDS)}")
+        fields: dict[str, str] = {}
+        for item in filter(None, (i.strip() for i in rest.split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or key not in _KEYS:
+                raise ConfigError(f"bad fault {part!r}: unknown or malformed item {item!r}; expected {form}")
+            if key in fields:
+                raise ConfigError(f"bad fault {part!r}: {key} given twice")
+            fields[key] = value.strip()
+        missing = {"rank", "step"} - set(fields)
+        if missing:
+            raise ConfigError(f"bad fault {part!r}: missing {', '.join(sorted(missing))}; expected {form}")
+        try:
+            rank, step = int(fields["rank"]), int(fields["step"])
+            factor = float(fields.get("factor", "1"))
+        except ValueError:
+            raise ConfigError(f"bad fault {part!r}: rank and step must be integers, factor a number") from None
+        if rank < 0 or step < 0:
+            raise ConfigError(f"bad fault {part!r}: rank and step must be >= 0")
+        phase = fields.get("phase", "forward").lower()
+        if phase not in PHASES:
+            raise ConfigError(f"bad fault {part!r}: phase must be one of {', '.join(PHASES)}")
+        if "factor" in fields and kind != "slow":
+            raise ConfigError(f"bad fault {part!r}: factor only applies to slow")
+        if kind == "slow" and not factor >= 1.0:
+            raise ConfigError(f"bad fault {part!r}: slow needs factor >= 1, got {factor}")
+        severity = Severity.HIGH
+        if "severity" in fields:
+            if kind != "uce":
+                raise ConfigError(f"bad fault {part!r}: severity only applies to uce")
+            try:
+                severity = Severity[fields["severity"].upper()]
+            except KeyError:
+                raise ConfigError(f"bad fault {part!r}: severity must be low, high or corrupted") from None
+        return cls(kind, rank, step, phase, factor, severity)
+
+
+def read_fault_log(path: str | os.PathLike) -> list[dict]:
+    """The strikes recorded in a fault log (missing file: none)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a strike cut short by the kill it announced
+    return out
+
+
+class FaultInjector:
+    """Strikes this rank's faults at the injection points adapters call.
+
+    Args:
+        specs: every fault of the job (other ranks' are ignored).
+        rank: this process's rank.
+        log_path: where strikes are recorded (``None``: memory only).
+        kill, sleep, clock: injected for tests.
+    """
+
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        rank: int,
+        *,
+        log_path: str | os.PathLike | None = None,
+        kill: Callable[[int, int], None] = os.kill,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._log = Path(log_path) if log_path else None
+        struck = {e.get("spec") for e in read_fault_log(self._log)} if self._log else set()
+        self._pending = [s for s in specs if s.rank == rank and s.text not in struck]
+        self._rank = rank
+        self._kill, self._sleep, self._clock = kill, sleep, clock
+        self._slow = [s for s in self._pending if s.kind == "slow"]
+        self._pending = [s for s in self._pending if s.kind != "slow"]
+
+    @classmethod
+    def from_env(cls, rank: int, **kwargs) -> "FaultInjector":
+        return cls(FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", "")), rank, **kwargs)
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._pending or self._slow)
+
+    def wants(self, phase: str) -> bool:
+        """Whether any pending fault strikes in ``phase`` (lets adapters skip
+        installing hooks they do not need)."""
+        return any(s.phase == phase for s in self._pending)
+
+    def strike(self, phase: str, step: int) -> None:
+        """Strike the pending fault for ``(phase, step)``, if any.
+
+        Raises:
+            RuntimeError: for ``uce`` and ``comm``, with the text real
+                devices and networks produce.
+        """
+        spec = next((s for s in self._pending if s.phase == phase and s.step == step), None)
+        if spec is None:
+            return
+        self._pending.remove(spec)
+        self._record(spec, step)
+        where = f"rank {self._rank}, step {step}, {phase}"
+        if spec.kind == "uce":
+            raise RuntimeError(f"UCE ERROR: trainguard injected device memory error "
+                               f"({spec.severity.name.lower()}; {where})")
+        if spec.kind == "comm":
+            raise RuntimeError(f"SUSPECT REMOTE ERROR: trainguard injected communication failure ({where})")
+        if spec.kind == "crash":
+            self._kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "hang":
+            while True:
+                self._sleep(3600)
+
+    def after_step(self, step: int, step_seconds: float) -> None:
+        """Stretch the step that just completed ``step`` updates (``slow``)."""
+        for spec in self._slow:
+            if step > spec.step:
+                self._sleep((spec.factor - 1.0) * step_seconds)
+
+    def _record(self, spec: FaultSpec, step: int) -> None:
+        if self._log is None:
+            return
+        entry = {"spec": spec.text, "rank": self._rank, "step": step, "phase": spec.phase,
+                 "kind": spec.kind, "time": self._clock(), "pid": os.getpid()}
+        self._log.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(entry) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)

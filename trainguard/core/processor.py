@@ -1,0 +1,244 @@
+"""The processor: a rank's link to the controller.
+
+It keeps the rank's status (step, run status, data status), sends it as a
+heartbeat, sends fault reports and command results at once, and receives
+commands on a background thread. A STOP command sets :attr:`stop_event` and
+runs the stop listeners on that thread (the adapters use them to release
+collectives stuck on a faulty peer); every command is also queued for the
+training thread, which executes it in :mod:`trainguard.core.recovery`.
+
+The per-step calls :meth:`start_update` and :meth:`end_update` only change a
+field (after checking the transition); they never touch the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Callable, Iterable, Sequence
+
+import grpc
+
+from .api import ControllerLostError, DataStatus, ProtocolError, RunStatus, Severity, FaultKind
+from .config import ProcessorConfig
+from .protocol import trainguard_pb2 as pb
+from .replicas import ReplicaGroup
+from .rpc import SERVICE, auth_metadata, client_channel, to_pb_status
+from .transitions import advance
+
+__all__ = ["Processor"]
+
+log = logging.getLogger("trainguard.processor")
+
+_CLOSE = object()
+_LOST = object()
+
+
+class Processor:
+    """One per training process.
+
+    Args:
+        config: controller address, token, rank and world size.
+        force_exit: how the process is ended when the training thread does
+            not leave within the grace time after an exit command.
+        clock: unix seconds, for fault timestamps.
+    """
+
+    def __init__(
+        self,
+        config: ProcessorConfig,
+        *,
+        force_exit: Callable[[int], None] = os._exit,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.rank = config.rank
+        self.step = 0
+        self.data = DataStatus.UPDATED
+        self.run = RunStatus.STARTING
+        self.stop_event = threading.Event()
+        self.job_id = ""
+        self._force_exit = force_exit
+        self._clock = clock
+        self._outbox: queue.Queue = queue.Queue()
+        self._commands: queue.Queue = queue.Queue()
+        self._stop_listeners: list[Callable[[], None]] = []
+        self._welcome = threading.Event()
+        self._lost = threading.Event()
+        self._error: str = ""
+        self._heartbeat_s = 1.0
+        self._call = None
+        self._channel = None
+        self._reader: threading.Thread | None = None
+        self._exit_timer: threading.Timer | None = None
+
+    # ---------------------------------------------------------- connection
+    def connect(
+        self,
+        *,
+        step: int = 0,
+        replicas: Sequence[ReplicaGroup] = (),
+        device: str = "cpu",
+        device_repairable: bool = True,
+        restart_count: int = 0,
+    ) -> None:
+        """Register with the controller and start the background thread.
+
+        Raises:
+            ControllerLostError: the controller did not answer in time.
+            ProtocolError: it refused the registration (wrong token, ...).
+        """
+        self.step = step
+        hello = pb.Hello(
+            rank=self.rank, world_size=self.config.world_size, pid=os.getpid(), host=socket.gethostname(),
+            status=to_pb_status(step, self.run, self.data), device=device,
+            device_repairable=device_repairable, restart_count=restart_count,
+            replicas=[pb.ReplicaGroup(rank_list=g.rank_list, replica_cnt=g.replica_cnt,
+                                      replica_shift=g.replica_shift) for g in replicas],
+        )
+        self._channel = client_channel(self.config.controller, self.config.max_message_bytes)
+        session = self._channel.stream_stream(
+            f"/{SERVICE}/Session",
+            request_serializer=pb.RankMessage.SerializeToString,
+            response_deserializer=pb.ControllerMessage.FromString,
+        )
+        self._call = session(self._requests(hello), metadata=auth_metadata(self.config.token))
+        self._reader = threading.Thread(target=self._receive, name=f"trainguard-processor-{self.rank}", daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        while not self._welcome.wait(0.05):
+            if self._lost.is_set():
+                raise ProtocolError(f"controller at {self.config.controller} refused rank {self.rank}: {self._error}")
+            if time.monotonic() > deadline:
+                self.close(finished=False)
+                raise ControllerLostError(
+                    f"no answer from the controller at {self.config.controller} "
+                    f"within {self.config.connect_timeout_s:g} s")
+        self.run = advance(self.run, RunStatus.TRAINING, what=f"rank {self.rank}")
+
+    def _requests(self, hello: pb.Hello) -> Iterable[pb.RankMessage]:
+        yield pb.RankMessage(hello=hello)
+        while True:
+            try:
+                msg = self._outbox.get(timeout=self._heartbeat_s)
+            except queue.Empty:
+                msg = pb.RankMessage(heartbeat=self._status())
+            if msg is _CLOSE:
+                return
+            yield msg
+
+    def _receive(self) -> None:
+        try:
+            for msg in self._call:
+                if msg.HasField("welcome"):
+                    self.job_id = msg.welcome.job_id
+                    self._heartbeat_s = msg.welcome.heartbeat_interval_s or self._heartbeat_s
+                    self._welcome.set()
+                    continue
+                cmd = msg.command
+                action = cmd.WhichOneof("action")
+                if action == "stop":
+                    self.stop_event.set()
+                    for listener in list(self._stop_listeners):
+                        try:
+                            listener()
+                        except Exception:
+                            log.exception("stop listener failed")
+                elif action == "exit":
+                    self._arm_exit(cmd.exit.code)
+                self._commands.put(cmd)
+        except grpc.RpcError as e:
+            self._error = f"{e.code().name}: {e.details()}"
+        finally:
+            self._lost.set()
+            self._commands.put(_LOST)
+            if self._error and self.run not in (RunStatus.EXITING, RunStatus.FINISHED):
+                log.error("rank %d lost the controller: %s", self.rank, self._error)
+
+    def _arm_exit(self, code: int) -> None:
+        def force() -> None:
+            log.error("rank %d did not exit within %g s of the exit command; forcing exit %d",
+                      self.rank, self.config.exit_grace_s, code)
+            self._force_exit(code)
+
+        self._exit_timer = threading.Timer(self.config.exit_grace_s, force)
+        self._exit_timer.daemon = True
+        self._exit_timer.start()
+
+    def add_stop_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` on the processor thread whenever a STOP arrives."""
+        self._stop_listeners.append(listener)
+
+    @property
+    def connected(self) -> bool:
+        return self._welcome.is_set() and not self._lost.is_set()
+
+    def close(self, *, finished: bool = True) -> None:
+        """Say goodbye (when ``finished``) and end the session."""
+        if self._call is None:
+            return
+        if finished and self.connected:
+            self.run = RunStatus.FINISHED
+            self._outbox.put(pb.RankMessage(goodbye=pb.Goodbye(status=self._status())))
+        self._outbox.put(_CLOSE)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        if self._reader is not None and self._reader.is_alive():
+            self._call.cancel()
+            self._reader.join(timeout=5)
+        if self._exit_timer is not None:
+            self._exit_timer.cancel()
+        self._channel.close()
+        self._call = None
+
+    # ----------------------------------------------------------- hot path
+    def start_update(self) -> None:
+        self.data = advance(self.data, DataStatus.UPDATING, what=f"rank {self.rank} start_update")
+
+    def end_update(self, step: int) -> None:
+        self.data = advance(self.data, DataStatus.UPDATED, what=f"rank {self.rank} end_update")
+        self.step = step
+
+    # ----------------------------------------------------------- reports
+    def _status(self) -> pb.Status:
+        return to_pb_status(self.step, self.run, self.data)
+
+    def report_fault(self, kind: FaultKind, severity: Severity, message: str, *, phase: str = "",
+                     occurred_at: float | None = None) -> None:
+        self.run = RunStatus.STOPPED
+        self._outbox.put(pb.RankMessage(fault=pb.FaultReport(
+            kind=kind.value, severity=severity.value, phase=phase, message=message[:2000],
+            occurred_at=occurred_at or self._clock(), status=self._status())))
+
+    def report_stopped(self) -> None:
+        self.run = RunStatus.STOPPED
+        self._outbox.put(pb.RankMessage(stopped=self._status()))
+
+    def send_result(self, cmd: pb.Command, *, ok: bool, code: int = 0, message: str = "",
+                    files: Sequence[pb.FileInfo] = ()) -> None:
+        self._outbox.put(pb.RankMessage(result=pb.CommandResult(
+            command_id=cmd.id, ok=ok, code=code, message=message[:2000], status=self._status(), files=files)))
+
+    def next_command(self, timeout: float | None = None) -> pb.Command | None:
+        """The next command for the training thread (``None`` on timeout).
+
+        Raises:
+            ControllerLostError: the session with the controller ended.
+        """
+        try:
+            cmd = self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if cmd is _LOST:
+            self._commands.put(_LOST)  # keep later callers from blocking
+            raise ControllerLostError(f"rank {self.rank} lost the controller: {self._error or 'session ended'}")
+        return cmd
+
+    def resumed(self) -> None:
+        """Training continues: clear the stop signal."""
+        self.stop_event.clear()
+        self.run = RunStatus.TRAINING

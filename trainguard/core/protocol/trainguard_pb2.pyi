@@ -1,0 +1,324 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_STATUS_UNSPECIFIED: _ClassVar[DataStatus]
+    UPDATED: _ClassVar[DataStatus]
+    UPDATING: _ClassVar[DataStatus]
+    COPYING: _ClassVar[DataStatus]
+
+class RunStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_STATUS_UNSPECIFIED: _ClassVar[RunStatus]
+    STARTING: _ClassVar[RunStatus]
+    TRAINING: _ClassVar[RunStatus]
+    STOPPED: _ClassVar[RunStatus]
+    RECOVERING: _ClassVar[RunStatus]
+    EXITING: _ClassVar[RunStatus]
+    FINISHED: _ClassVar[RunStatus]
+
+class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAULT_KIND_UNSPECIFIED: _ClassVar[FaultKind]
+    UCE: _ClassVar[FaultKind]
+    COMM: _ClassVar[FaultKind]
+    PROCESS_LOST: _ClassVar[FaultKind]
+    HANG: _ClassVar[FaultKind]
+    UNKNOWN: _ClassVar[FaultKind]
+
+class Severity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEVERITY_UNSPECIFIED: _ClassVar[Severity]
+    LOW: _ClassVar[Severity]
+    HIGH: _ClassVar[Severity]
+    CORRUPTED: _ClassVar[Severity]
+DATA_STATUS_UNSPECIFIED: DataStatus
+UPDATED: DataStatus
+UPDATING: DataStatus
+COPYING: DataStatus
+RUN_STATUS_UNSPECIFIED: RunStatus
+STARTING: RunStatus
+TRAINING: RunStatus
+STOPPED: RunStatus
+RECOVERING: RunStatus
+EXITING: RunStatus
+FINISHED: RunStatus
+FAULT_KIND_UNSPECIFIED: FaultKind
+UCE: FaultKind
+COMM: FaultKind
+PROCESS_LOST: FaultKind
+HANG: FaultKind
+UNKNOWN: FaultKind
+SEVERITY_UNSPECIFIED: Severity
+LOW: Severity
+HIGH: Severity
+CORRUPTED: Severity
+
+class ReplicaGroup(_message.Message):
+    __slots__ = ("rank_list", "replica_cnt", "replica_shift")
+    RANK_LIST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_CNT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    rank_list: _containers.RepeatedScalarFieldContainer[int]
+    replica_cnt: int
+    replica_shift: int
+    def __init__(self, rank_list: _Optional[_Iterable[int]] = ..., replica_cnt: _Optional[int] = ..., replica_shift: _Optional[int] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("step", "run", "data")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    run: RunStatus
+    data: DataStatus
+    def __init__(self, step: _Optional[int] = ..., run: _Optional[_Union[RunStatus, str]] = ..., data: _Optional[_Union[DataStatus, str]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("rank", "world_size", "pid", "host", "status", "replicas", "device", "device_repairable", "restart_count")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_REPAIRABLE_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    pid: int
+    host: str
+    status: Status
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaGroup]
+    device: str
+    device_repairable: bool
+    restart_count: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., device: _Optional[str] = ..., device_repairable: _Optional[bool] = ..., restart_count: _Optional[int] = ...) -> None: ...
+
+class FaultReport(_message.Message):
+    __slots__ = ("kind", "severity", "phase", "message", "occurred_at", "status")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OCCURRED_AT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    kind: FaultKind
+    severity: Severity
+    phase: str
+    message: str
+    occurred_at: float
+    status: Status
+    def __init__(self, kind: _Optional[_Union[FaultKind, str]] = ..., severity: _Optional[_Union[Severity, str]] = ..., phase: _Optional[str] = ..., message: _Optional[str] = ..., occurred_at: _Optional[float] = ..., status: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class FileInfo(_message.Message):
+    __slots__ = ("name", "bytes", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    bytes: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CommandResult(_message.Message):
+    __slots__ = ("command_id", "ok", "code", "message", "status", "files")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    ok: bool
+    code: int
+    message: str
+    status: Status
+    files: _containers.RepeatedCompositeFieldContainer[FileInfo]
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
+
+class Goodbye(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class RankMessage(_message.Message):
+    __slots__ = ("hello", "heartbeat", "stopped", "fault", "result", "goodbye")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    heartbeat: Status
+    stopped: Status
+    fault: FaultReport
+    result: CommandResult
+    goodbye: Goodbye
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Status, _Mapping]] = ..., stopped: _Optional[_Union[Status, _Mapping]] = ..., fault: _Optional[_Union[FaultReport, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("job_id", "heartbeat_interval_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    heartbeat_interval_s: float
+    def __init__(self, job_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class Stop(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Clean(_message.Message):
+    __slots__ = ("uce",)
+    UCE_FIELD_NUMBER: _ClassVar[int]
+    uce: bool
+    def __init__(self, uce: _Optional[bool] = ...) -> None: ...
+
+class Rebuild(_message.Message):
+    __slots__ = ("generation", "ranks")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Transfer(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
+class Repair(_message.Message):
+    __slots__ = ("step", "transfers")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    transfers: _containers.RepeatedCompositeFieldContainer[Transfer]
+    def __init__(self, step: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ...) -> None: ...
+
+class Rollback(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class Save(_message.Message):
+    __slots__ = ("step", "shard")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    shard: int
+    def __init__(self, step: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class ShardFiles(_message.Message):
+    __slots__ = ("shard", "rank", "files")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    rank: int
+    files: _containers.RepeatedCompositeFieldContainer[FileInfo]
+    def __init__(self, shard: _Optional[int] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
+
+class Finalize(_message.Message):
+    __slots__ = ("step", "shards", "history_json")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_JSON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardFiles]
+    history_json: str
+    def __init__(self, step: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardFiles, _Mapping]]] = ..., history_json: _Optional[str] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("step", "record_json")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    record_json: str
+    def __init__(self, step: _Optional[int] = ..., record_json: _Optional[str] = ...) -> None: ...
+
+class Exit(_message.Message):
+    __slots__ = ("code", "reason")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("id", "epoch", "stop", "clean", "rebuild", "repair", "rollback", "save", "finalize", "resume", "exit")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    CLEAN_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FIELD_NUMBER: _ClassVar[int]
+    FINALIZE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    epoch: int
+    stop: Stop
+    clean: Clean
+    rebuild: Rebuild
+    repair: Repair
+    rollback: Rollback
+    save: Save
+    finalize: Finalize
+    resume: Resume
+    exit: Exit
+    def __init__(self, id: _Optional[int] = ..., epoch: _Optional[int] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., clean: _Optional[_Union[Clean, _Mapping]] = ..., rebuild: _Optional[_Union[Rebuild, _Mapping]] = ..., repair: _Optional[_Union[Repair, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., save: _Optional[_Union[Save, _Mapping]] = ..., finalize: _Optional[_Union[Finalize, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., exit: _Optional[_Union[Exit, _Mapping]] = ...) -> None: ...
+
+class ControllerMessage(_message.Message):
+    __slots__ = ("welcome", "command")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    command: Command
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
+
+class ProcessExit(_message.Message):
+    __slots__ = ("rank", "pid", "exit_code")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    exit_code: int
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "state", "json")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: str
+    json: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,157 @@
+"""What a rank does between leaving a step and training again (or exiting).
+
+Adapters implement :class:`Handlers` (MindIO's stop / clean / repair /
+rollback / save / rename handlers, as one object) and call :func:`recover`
+on the training thread after the step was left. ``recover`` reports the
+fault (or answers the STOP that caused the stop), then executes the
+controller's commands one by one until it is told to resume or to exit.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .api import DataStatus, FaultKind, ForceStop, RunStatus, Severity, Transfer
+from .checkpoint import FileInfo
+from .classify import Classifier
+from .faults import FaultInjector
+from .processor import Processor
+from .protocol import trainguard_pb2 as pb
+
+__all__ = ["Handlers", "Outcome", "recover"]
+
+log = logging.getLogger("trainguard.recovery")
+
+#: ``clean`` results, as MindIO defines them.
+CLEAN_OK, CLEAN_FAILED, CLEAN_NO_REBUILD = 0, 1, 2
+
+
+class Handlers(abc.ABC):
+    """How a framework carries out each recovery command. Every method runs
+    on the training thread and may raise; a raised error fails the command
+    and the controller falls back to its next strategy."""
+
+    @abc.abstractmethod
+    def clean(self, uce: bool) -> int:
+        """Throw away the effects of the step that was left; when ``uce``,
+        also clean the faulty device. Returns 0 (ok), 1 (failed) or 2 (ok,
+        and the fault did not touch state)."""
+
+    @abc.abstractmethod
+    def rebuild(self, generation: int, ranks: Sequence[int]) -> None:
+        """Create fresh communication among ``ranks`` (every rank calls it)."""
+
+    @abc.abstractmethod
+    def repair(self, step: int, transfers: Sequence[Transfer]) -> None:
+        """Send or receive state for each transfer naming this rank."""
+
+    @abc.abstractmethod
+    def rollback(self, step: int) -> None:
+        """Put data position, LR schedule and step counter back to ``step``."""
+
+    @abc.abstractmethod
+    def save(self, step: int, shard: int) -> Sequence[FileInfo]:
+        """Write this rank's copy of ``shard`` at ``step`` under the
+        checkpoint's temporary name; return the files written."""
+
+    @abc.abstractmethod
+    def finalize(self, step: int, shards: Mapping[int, Sequence[FileInfo]], history: dict) -> None:
+        """Verify every shard's files, write the manifest, rename the
+        checkpoint to its final name and update the tracker."""
+
+    def resumed(self, step: int, record: dict) -> None:
+        """Training continues at ``step`` (``record`` describes the recovery)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How :func:`recover` ended: resume at ``step``, or exit with ``exit_code``."""
+
+    resume: bool
+    step: int = -1
+    exit_code: int = 0
+    reason: str = ""
+    record: dict | None = None
+
+
+def report_left_step(processor: Processor, error: BaseException, classifier: Classifier,
+                     *, phase: str = "", occurred_at: float | None = None) -> bool:
+    """Tell the controller why this rank left its step.
+
+    Returns:
+        True when ``error`` is the rank's own fault (it was reported), False
+        when it only answers a stop (the queued STOP command is answered in
+        :func:`recover`).
+    """
+    verdict = classifier.classify(error, in_update=processor.data is DataStatus.UPDATING)
+    if verdict.is_stop:
+        if processor.stop_event.is_set():
+            return False
+        # FORCE STOP text with no stop pending: a peer aborted our collective.
+        kind, severity = FaultKind.COMM, Severity.HIGH
+    else:
+        kind, severity = verdict.kind, verdict.severity
+    processor.report_fault(kind, severity, f"{type(error).__name__}: {error}", phase=phase,
+                           occurred_at=occurred_at)
+    log.error("rank %d left step %d: %s (%s)", processor.rank, processor.step, error, kind.name)
+    return True
+
+
+def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector | None = None) -> Outcome:
+    """Execute the controller's commands until resume or exit.
+
+    Raises:
+        ControllerLostError: the controller went away mid-recovery.
+    """
+    while True:
+        cmd = processor.next_command()
+        action = cmd.WhichOneof("action")
+        if action == "stop":
+            processor.report_stopped()
+            continue
+        if action == "exit":
+            processor.run = RunStatus.EXITING
+            return Outcome(resume=False, exit_code=cmd.exit.code, reason=cmd.exit.reason)
+        if action == "resume":
+            record = json.loads(cmd.resume.record_json) if cmd.resume.record_json else None
+            handlers.resumed(cmd.resume.step, record or {})
+            processor.resumed()
+            return Outcome(resume=True, step=cmd.resume.step, record=record)
+        processor.run = RunStatus.RECOVERING
+        try:
+            if injector is not None:
+                injector.strike("recovery", processor.step)
+            code, files = _execute(handlers, action, cmd)
+            processor.send_result(cmd, ok=code != CLEAN_FAILED, code=code,
+                                  message="clean failed" if code == CLEAN_FAILED else "", files=files)
+        except ForceStop as e:
+            processor.send_result(cmd, ok=False, message=str(e))
+        except Exception as e:
+            log.exception("rank %d: %s handler failed", processor.rank, action)
+            processor.send_result(cmd, ok=False, message=f"{type(e).__name__}: {e}")
+        processor.run = RunStatus.STOPPED
+
+
+def _execute(handlers: Handlers, action: str, cmd: pb.Command) -> tuple[int, list[pb.FileInfo]]:
+    if action == "clean":
+        return handlers.clean(cmd.clean.uce), []
+    if action == "rebuild":
+        handlers.rebuild(cmd.rebuild.generation, list(cmd.rebuild.ranks))
+    elif action == "repair":
+        handlers.repair(cmd.repair.step, [Transfer(t.src, t.dst) for t in cmd.repair.transfers])
+    elif action == "rollback":
+        handlers.rollback(cmd.rollback.step)
+    elif action == "save":
+        files = handlers.save(cmd.save.step, cmd.save.shard)
+        return 0, [pb.FileInfo(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]
+    elif action == "finalize":
+        shards = {s.shard: [FileInfo(f.name, f.bytes, f.sha256) for f in s.files] for s in cmd.finalize.shards}
+        history = json.loads(cmd.finalize.history_json) if cmd.finalize.history_json else {}
+        handlers.finalize(cmd.finalize.step, shards, history)
+    else:
+        raise ValueError(f"unknown command {action!r}")
+    return 0, []

@@ -1,0 +1,276 @@
+"""The controller's gRPC server, run on its own event-loop thread.
+
+One asyncio loop serves every rank's session (so 16k ranks cost 16k
+coroutines, not 16k threads) and is the only thread that touches
+:class:`~trainguard.core.controller.ControllerCore`. Launchers use
+:class:`Controller`, whose methods are safe to call from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any, AsyncIterator
+
+import grpc
+
+from .api import ControllerState, ProtocolError, TrainguardError
+from .config import ControllerConfig
+from .controller import ControllerCore
+from .protocol import trainguard_pb2 as pb
+from .rpc import SERVICE, Refused, check_token, decoder, new_token, validate_rank_message
+
+__all__ = ["Controller"]
+
+log = logging.getLogger("trainguard.controller")
+
+_TICK_S = 0.05
+_END = object()
+
+
+class _Abort:
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        self.code, self.reason = code, reason
+
+
+class _Service:
+    """The ``Control`` service; every method runs on the controller's loop."""
+
+    def __init__(self, core: ControllerCore, token: str) -> None:
+        self.core = core
+        self.token = token
+        self.sessions: dict[int, asyncio.Queue] = {}
+
+    def deliver(self, rank: int, command: pb.Command) -> None:
+        queue = self.sessions.get(rank)
+        if queue is None:
+            log.debug("no session for rank %d; dropping command %d", rank, command.id)
+            return
+        queue.put_nowait(command)
+
+    async def _refuse(self, context, code: grpc.StatusCode, reason: str) -> None:
+        log.warning("refused %s from %s: %s", code.name, context.peer(), reason)
+        await context.abort(code, f"trainguard: {reason}")
+
+    async def _authorize(self, context) -> None:
+        if not check_token(context.invocation_metadata(), self.token):
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED,
+                               "missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)")
+
+    async def session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.ControllerMessage]:
+        await self._authorize(context)
+        stream = requests.__aiter__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        if isinstance(first, Refused):
+            await self._refuse(context, first.code, first.reason)
+        try:
+            validate_rank_message(first, world_size=self.core.world_size, first=True)
+            self.core.on_hello(first.hello)
+        except ProtocolError as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rank = first.hello.rank
+        queue: asyncio.Queue = asyncio.Queue()
+        self.sessions[rank] = queue
+        state = {"goodbye": False}
+        reader = asyncio.ensure_future(self._read(rank, stream, queue, state))
+        try:
+            yield pb.ControllerMessage(welcome=pb.Welcome(
+                job_id=self.core.config.job_id,
+                heartbeat_interval_s=self.core.config.heartbeat_interval_s))
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    break
+                if isinstance(item, _Abort):
+                    await self._refuse(context, item.code, f"rank {rank}: {item.reason}")
+                yield pb.ControllerMessage(command=item)
+        finally:
+            reader.cancel()
+            if self.sessions.get(rank) is queue:
+                del self.sessions[rank]
+                if not state["goodbye"]:
+                    self.core.on_disconnect(rank)
+
+    async def _read(self, rank: int, stream, queue: asyncio.Queue, state: dict) -> None:
+        try:
+            async for msg in stream:
+                if isinstance(msg, Refused):
+                    queue.put_nowait(_Abort(msg.code, msg.reason))
+                    return
+                body = validate_rank_message(msg, world_size=self.core.world_size, first=False)
+                self._dispatch(rank, body, msg)
+                if body == "goodbye":
+                    state["goodbye"] = True
+                    return
+        except ProtocolError as e:
+            queue.put_nowait(_Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            return
+        except asyncio.CancelledError:
+            raise
+        except grpc.RpcError:
+            pass  # the stream broke: the finally clause reports the loss
+        except Exception:  # a bug in the controller must not take the server down
+            log.exception("controller error while handling rank %d", rank)
+        queue.put_nowait(_END)
+
+    def _dispatch(self, rank: int, body: str, msg: pb.RankMessage) -> None:
+        core = self.core
+        if body == "heartbeat":
+            core.on_heartbeat(rank, msg.heartbeat)
+        elif body == "stopped":
+            core.on_stopped(rank, msg.stopped)
+        elif body == "fault":
+            core.on_fault(rank, msg.fault)
+        elif body == "result":
+            core.on_result(rank, msg.result)
+        elif body == "goodbye":
+            core.on_goodbye(rank, msg.goodbye.status)
+
+    async def report_process_exit(self, request, context) -> pb.Ack:
+        await self._authorize(context)
+        if isinstance(request, Refused):
+            await self._refuse(context, request.code, request.reason)
+        self.core.on_process_exit(request.rank, request.pid, request.exit_code)
+        return pb.Ack()
+
+    async def get_status(self, request, context) -> pb.JobStatus:
+        await self._authorize(context)
+        snap = self.core.snapshot()
+        return pb.JobStatus(job_id=snap["job_id"], state=snap["state"], json=json.dumps(snap))
+
+
+class Controller:
+    """The job's controller, served from a background thread.
+
+    Args:
+        config: bind address, strategies, timeouts.
+        world_size: number of ranks that will register.
+        token: the job secret; a fresh one is made when omitted.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(self, config: ControllerConfig, world_size: int, *, token: str | None = None) -> None:
+        if world_size < 1:
+            raise TrainguardError(f"world_size must be >= 1, got {world_size}")
+        self.config = config
+        self.world_size = world_size
+        self.token = token or new_token()
+        self.address = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: Any = None
+        self._service: _Service | None = None
+        self._core: ControllerCore | None = None
+
+    def start(self) -> str:
+        """Bind, start serving and return ``host:port``.
+
+        Raises:
+            TrainguardError: the address could not be bound.
+        """
+        ready: Future = Future()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="trainguard-controller", daemon=True)
+        self._thread.start()
+        port = ready.result(timeout=30)
+        host = self.config.host
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        log.info("controller listening on %s for %d ranks", self.address, self.world_size)
+        return self.address
+
+    def _run(self, ready: Future) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve(ready))
+        except BaseException as e:  # surfaced through `ready` when it happens at start-up
+            if not ready.done():
+                ready.set_exception(e)
+        finally:
+            self._loop.close()
+
+    async def _serve(self, ready: Future) -> None:
+        self._core = ControllerCore(self.config, self.world_size, send=lambda r, c: self._service.deliver(r, c))
+        self._service = _Service(self._core, self.token)
+        limit = self.config.max_message_bytes
+        handlers = {
+            "Session": grpc.stream_stream_rpc_method_handler(
+                self._service.session, request_deserializer=decoder(pb.RankMessage, limit),
+                response_serializer=pb.ControllerMessage.SerializeToString),
+            "ReportProcessExit": grpc.unary_unary_rpc_method_handler(
+                self._service.report_process_exit, request_deserializer=decoder(pb.ProcessExit, limit),
+                response_serializer=pb.Ack.SerializeToString),
+            "GetStatus": grpc.unary_unary_rpc_method_handler(
+                self._service.get_status, request_deserializer=decoder(pb.StatusRequest, limit),
+                response_serializer=pb.JobStatus.SerializeToString),
+        }
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", max(4 * limit, 4 << 20)),
+            ("grpc.so_reuseport", 0),
+        ])
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        host = self.config.host
+        bind = f"[{host}]:{self.config.port}" if ":" in host else f"{host}:{self.config.port}"
+        try:
+            port = self._server.add_insecure_port(bind)
+        except RuntimeError as e:
+            raise TrainguardError(f"controller could not bind {bind}: {e}") from None
+        await self._server.start()
+        ready.set_result(port)
+        while True:
+            await asyncio.sleep(_TICK_S)
+            try:
+                self._core.tick()
+            except Exception:
+                log.exception("controller tick failed")
+
+    def _call(self, fn, *args) -> Any:
+        if self._loop is None or not self._loop.is_running():
+            raise TrainguardError("controller is not running")
+
+        async def run():
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
+
+    def report_process_exit(self, rank: int, pid: int, code: int) -> None:
+        """Tell the controller a worker process exited (from a node agent)."""
+        self._call(lambda: self._core.on_process_exit(rank, pid, code))
+
+    def snapshot(self) -> dict:
+        return self._call(lambda: json.loads(json.dumps(self._core.snapshot())))
+
+    @property
+    def state(self) -> ControllerState:
+        return self._call(lambda: self._core.state)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving and join the thread (idempotent)."""
+        if self._loop is None or self._thread is None:
+            return
+        if self._loop.is_running():
+            async def shutdown():
+                await self._server.stop(grace_s)
+                for task in asyncio.all_tasks():
+                    if task is not asyncio.current_task():
+                        task.cancel()
+
+            try:
+                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=grace_s + 10)
+            except Exception:  # the loop ends either way below
+                pass
+        self._thread.join(timeout=grace_s + 10)
+        self._thread = None
+
+    def __enter__(self) -> "Controller":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

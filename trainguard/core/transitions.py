@@ -1,0 +1,68 @@
+"""The one table of legal transitions for each state enum, and the check.
+
+Every state change in trainguard goes through :func:`advance`, so an illegal
+transition (an optimizer update started twice, a resume while the controller
+is dumping) is a named error at the point it happens, not a corrupt
+checkpoint later.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Mapping, TypeVar
+
+from .api import ControllerState as C
+from .api import DataStatus as D
+from .api import RunStatus as R
+from .api import TransitionError
+
+__all__ = ["DATA", "RUN", "CONTROLLER", "advance", "allowed"]
+
+E = TypeVar("E", bound=enum.Enum)
+
+DATA: Mapping[D, frozenset[D]] = {
+    D.UPDATED: frozenset({D.UPDATING, D.COPYING}),
+    D.UPDATING: frozenset({D.UPDATED, D.COPYING}),
+    D.COPYING: frozenset({D.UPDATED}),
+}
+
+RUN: Mapping[R, frozenset[R]] = {
+    R.STARTING: frozenset({R.TRAINING, R.STOPPED, R.EXITING}),
+    R.TRAINING: frozenset({R.STOPPED, R.EXITING, R.FINISHED}),
+    R.STOPPED: frozenset({R.RECOVERING, R.TRAINING, R.EXITING}),
+    R.RECOVERING: frozenset({R.STOPPED, R.EXITING}),
+    R.EXITING: frozenset(),
+    R.FINISHED: frozenset(),
+}
+
+CONTROLLER: Mapping[C, frozenset[C]] = {
+    C.INIT: frozenset({C.NORMAL, C.ABNORMAL, C.EXITED}),
+    C.NORMAL: frozenset({C.ABNORMAL, C.FINISHED, C.EXITED}),
+    C.ABNORMAL: frozenset({C.RECOVERING, C.DUMPING, C.EXITED}),
+    C.RECOVERING: frozenset({C.NORMAL, C.ABNORMAL, C.EXITED}),
+    C.DUMPING: frozenset({C.ABNORMAL, C.EXITED}),
+    C.EXITED: frozenset(),
+    C.FINISHED: frozenset(),
+}
+
+_TABLES: dict[type, Mapping] = {D: DATA, R: RUN, C: CONTROLLER}
+
+
+def allowed(current: E, new: E) -> bool:
+    """Whether ``current -> new`` is in the table for their enum."""
+    return new in _TABLES[type(current)][current]
+
+
+def advance(current: E, new: E, *, what: str = "") -> E:
+    """Return ``new`` if the transition is legal, else raise.
+
+    Raises:
+        TransitionError: ``current -> new`` is not in the table.
+    """
+    if not allowed(current, new):
+        subject = f"{what}: " if what else ""
+        raise TransitionError(
+            f"{subject}illegal {type(current).__name__} transition "
+            f"{current.name} -> {new.name}"
+        )
+    return new
