@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointStore",
     "FileInfo",
     "Naming",
+    "SavedShard",
     "Verified",
 ]
 
@@ -53,6 +54,27 @@ class FileInfo:
     name: str
     bytes: int
     sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedShard:
+    """One shard of a checkpoint: which state kind, which ranks hold copies
+    of it (every rank of the replica group when ``full``), who saved it."""
+
+    kind: int
+    copies: tuple[int, ...]
+    full: bool
+    rank: int
+    files: tuple[FileInfo, ...]
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "copies": list(self.copies), "full": self.full, "saved_by": self.rank,
+                "files": [f.name for f in self.files]}
+
+
+def shard_file(kind: int, copies: Sequence[int], suffix: str) -> str:
+    """The file name of a shard, derivable by every rank holding a copy."""
+    return f"shard_k{kind}_r{min(copies)}{suffix}"
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from .api import (
 from .config import ControllerConfig
 from .decide import decide
 from .protocol import trainguard_pb2 as pb
-from .replicas import ReplicaGroup, validate_layout
+from .replicas import ReplicaGroup, shard_ids, validate_layout
 from .rpc import fault_fields, from_pb_status
 from .transitions import advance
 
@@ -79,7 +79,6 @@ class _Phase:
     timeout_s: float
     deadline: float = 0.0
     waiting: set[int] = field(default_factory=set)
-    files: dict[int, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,6 +93,7 @@ class _Episode:
     reason: str = ""
     phases: list[_Phase] = field(default_factory=list)
     record: RecoveryRecord | None = None
+    shards: list = field(default_factory=list)  # pb.ShardFiles of a dump, filled as savers answer
 
 
 class ControllerCore:
@@ -200,7 +200,11 @@ class ControllerCore:
             self._plan_failed(f"{phase.name} failed on rank {rank}: {result.message or f'code {result.code}'}")
             return
         phase.waiting.discard(rank)
-        phase.files[rank] = list(result.files)
+        if phase.name == "save":
+            written = {s.kind: s.files for s in result.shards}
+            for shard in self.episode.shards:
+                if shard.rank == rank:
+                    shard.files.extend(written.get(shard.kind, []))
         if not phase.waiting:
             self._next_phase()
 
@@ -340,7 +344,7 @@ class ControllerCore:
             uce = {f.rank for f in self.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
             self.generation += 1
             involved = sorted({t.src for t in plan.transfers} | {t.dst for t in plan.transfers})
-            transfers = [pb.Transfer(src=t.src, dst=t.dst) for t in plan.transfers]
+            transfers = [pb.Transfer(src=t.src, dst=t.dst, kind=t.kind) for t in plan.transfers]
             phases = [
                 self._phase("clean", {r: dict(clean=pb.Clean(uce=r in uce)) for r in everyone}, cfg.handler_timeout_s),
                 self._phase("rebuild", {r: dict(rebuild=pb.Rebuild(generation=self.generation, ranks=everyone))
@@ -354,8 +358,17 @@ class ControllerCore:
             phases.append(self._phase("resume", {r: dict(resume=pb.Resume(step=plan.step)) for r in everyone}, 0))
             return phases
         if plan.strategy is Strategy.DUMP:
+            keys = {sid: key for key, sid in shard_ids(layout).items()}
+            kinds: dict[int, list[int]] = {}
+            for sid, rank in sorted(plan.savers.items()):
+                key = keys[sid]
+                group = layout[rank][key.kind]
+                kinds.setdefault(rank, []).append(key.kind)
+                self.episode.shards.append(pb.ShardFiles(
+                    kind=key.kind, copies=key.copies, rank=rank,
+                    full=group.replica_cnt == len(group.rank_list)))
             return [
-                self._phase("save", {r: dict(save=pb.Save(step=plan.step, shard=s)) for s, r in plan.savers.items()},
+                self._phase("save", {r: dict(save=pb.Save(step=plan.step, kinds=k)) for r, k in kinds.items()},
                             cfg.save_timeout_s),
                 self._phase("finalize", {plan.finaliser: dict(finalize=pb.Finalize(step=plan.step))},
                             cfg.handler_timeout_s),
@@ -402,7 +415,6 @@ class ControllerCore:
         ep = self.episode
         done = ep.phases.pop(0)
         if ep.phases:
-            self._carry(done, ep.phases[0])
             self._start_phase()
             return
         if done.name == "resume":
@@ -416,19 +428,12 @@ class ControllerCore:
                 self._to(ControllerState.EXITED)
             log.warning("job exiting: %s", ep.reason)
 
-    def _carry(self, done: _Phase, nxt: _Phase) -> None:
-        """Hand the savers' file lists to the finalise phase."""
-        if done.name == "save" and nxt.name == "finalize":
-            nxt.files = done.files
-
     def _fill_finalize(self, phase: _Phase) -> None:
         ep = self.episode
         record = self._record()
         history = {"records": [record.to_dict()], "pids": {str(k): v for k, v in self._pids.items()}}
         (cmd,) = phase.commands.values()
-        owner = {sid: rank for sid, rank in ep.plan.savers.items()}
-        for sid in sorted(owner):
-            cmd.finalize.shards.add(shard=sid, rank=owner[sid], files=phase.files.get(owner[sid], []))
+        cmd.finalize.shards.extend(ep.shards)
         cmd.finalize.history_json = json.dumps(history)
 
     def _plan_failed(self, why: str) -> None:

@@ -42,7 +42,10 @@ class Processor:
     """One per training process.
 
     Args:
-        config: controller address, token, rank and world size.
+        config: controller address, token, rank and world size; ``None``
+            makes an offline processor (no controller: statuses are kept,
+            nothing is sent, and a recovery cannot be coordinated).
+        rank: this rank, when ``config`` is ``None``.
         force_exit: how the process is ended when the training thread does
             not leave within the grace time after an exit command.
         clock: unix seconds, for fault timestamps.
@@ -50,13 +53,15 @@ class Processor:
 
     def __init__(
         self,
-        config: ProcessorConfig,
+        config: ProcessorConfig | None,
         *,
+        rank: int = 0,
         force_exit: Callable[[int], None] = os._exit,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.rank = config.rank
+        self.rank = config.rank if config is not None else rank
+        self.stops = 0  # STOP commands received; a handler compares it to notice a new one
         self.step = 0
         self.data = DataStatus.UPDATED
         self.run = RunStatus.STARTING
@@ -92,6 +97,8 @@ class Processor:
             ControllerLostError: the controller did not answer in time.
             ProtocolError: it refused the registration (wrong token, ...).
         """
+        if self.config is None:
+            raise ControllerLostError("an offline processor cannot connect")
         self.step = step
         hello = pb.Hello(
             rank=self.rank, world_size=self.config.world_size, pid=os.getpid(), host=socket.gethostname(),
@@ -142,6 +149,7 @@ class Processor:
                 cmd = msg.command
                 action = cmd.WhichOneof("action")
                 if action == "stop":
+                    self.stops += 1
                     self.stop_event.set()
                     for listener in list(self._stop_listeners):
                         try:
@@ -203,32 +211,47 @@ class Processor:
         self.data = advance(self.data, DataStatus.UPDATED, what=f"rank {self.rank} end_update")
         self.step = step
 
+    def begin_copy(self) -> None:
+        """This rank's state is being replaced from a replica."""
+        self.data = advance(self.data, DataStatus.COPYING, what=f"rank {self.rank} repair")
+
+    def end_copy(self, step: int) -> None:
+        self.data = advance(self.data, DataStatus.UPDATED, what=f"rank {self.rank} repair")
+        self.step = step
+
     # ----------------------------------------------------------- reports
     def _status(self) -> pb.Status:
         return to_pb_status(self.step, self.run, self.data)
 
+    def _post(self, msg: pb.RankMessage) -> None:
+        if self._call is not None:
+            self._outbox.put(msg)
+
     def report_fault(self, kind: FaultKind, severity: Severity, message: str, *, phase: str = "",
                      occurred_at: float | None = None) -> None:
         self.run = RunStatus.STOPPED
-        self._outbox.put(pb.RankMessage(fault=pb.FaultReport(
+        self._post(pb.RankMessage(fault=pb.FaultReport(
             kind=kind.value, severity=severity.value, phase=phase, message=message[:2000],
             occurred_at=occurred_at or self._clock(), status=self._status())))
 
     def report_stopped(self) -> None:
         self.run = RunStatus.STOPPED
-        self._outbox.put(pb.RankMessage(stopped=self._status()))
+        self._post(pb.RankMessage(stopped=self._status()))
 
     def send_result(self, cmd: pb.Command, *, ok: bool, code: int = 0, message: str = "",
-                    files: Sequence[pb.FileInfo] = ()) -> None:
-        self._outbox.put(pb.RankMessage(result=pb.CommandResult(
-            command_id=cmd.id, ok=ok, code=code, message=message[:2000], status=self._status(), files=files)))
+                    shards: Sequence[pb.ShardFiles] = ()) -> None:
+        self._post(pb.RankMessage(result=pb.CommandResult(
+            command_id=cmd.id, ok=ok, code=code, message=message[:2000], status=self._status(), shards=shards)))
 
     def next_command(self, timeout: float | None = None) -> pb.Command | None:
         """The next command for the training thread (``None`` on timeout).
 
         Raises:
-            ControllerLostError: the session with the controller ended.
+            ControllerLostError: the session with the controller ended, or
+                there never was one.
         """
+        if self.config is None:
+            raise ControllerLostError("no controller: start the job with `trainguard run` to recover from faults")
         try:
             cmd = self._commands.get(timeout=timeout)
         except queue.Empty:

@@ -13,10 +13,10 @@ import abc
 import json
 import logging
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from .api import DataStatus, FaultKind, ForceStop, RunStatus, Severity, Transfer
-from .checkpoint import FileInfo
+from .checkpoint import FileInfo, SavedShard
 from .classify import Classifier
 from .faults import FaultInjector
 from .processor import Processor
@@ -54,12 +54,12 @@ class Handlers(abc.ABC):
         """Put data position, LR schedule and step counter back to ``step``."""
 
     @abc.abstractmethod
-    def save(self, step: int, shard: int) -> Sequence[FileInfo]:
-        """Write this rank's copy of ``shard`` at ``step`` under the
-        checkpoint's temporary name; return the files written."""
+    def save(self, step: int, kind: int) -> Sequence[FileInfo]:
+        """Write this rank's copy of its ``kind`` state (0 dense, 1 experts)
+        at ``step`` under the checkpoint's temporary name; return the files."""
 
     @abc.abstractmethod
-    def finalize(self, step: int, shards: Mapping[int, Sequence[FileInfo]], history: dict) -> None:
+    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
         """Verify every shard's files, write the manifest, rename the
         checkpoint to its final name and update the tracker."""
 
@@ -125,9 +125,9 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
         try:
             if injector is not None:
                 injector.strike("recovery", processor.step)
-            code, files = _execute(handlers, action, cmd)
+            code, shards = _execute(handlers, action, cmd)
             processor.send_result(cmd, ok=code != CLEAN_FAILED, code=code,
-                                  message="clean failed" if code == CLEAN_FAILED else "", files=files)
+                                  message="clean failed" if code == CLEAN_FAILED else "", shards=shards)
         except ForceStop as e:
             processor.send_result(cmd, ok=False, message=str(e))
         except Exception as e:
@@ -136,20 +136,26 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
         processor.run = RunStatus.STOPPED
 
 
-def _execute(handlers: Handlers, action: str, cmd: pb.Command) -> tuple[int, list[pb.FileInfo]]:
+def _execute(handlers: Handlers, action: str, cmd: pb.Command) -> tuple[int, list[pb.ShardFiles]]:
     if action == "clean":
         return handlers.clean(cmd.clean.uce), []
     if action == "rebuild":
         handlers.rebuild(cmd.rebuild.generation, list(cmd.rebuild.ranks))
     elif action == "repair":
-        handlers.repair(cmd.repair.step, [Transfer(t.src, t.dst) for t in cmd.repair.transfers])
+        handlers.repair(cmd.repair.step, [Transfer(t.src, t.dst, t.kind) for t in cmd.repair.transfers])
     elif action == "rollback":
         handlers.rollback(cmd.rollback.step)
     elif action == "save":
-        files = handlers.save(cmd.save.step, cmd.save.shard)
-        return 0, [pb.FileInfo(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]
+        written = []
+        for kind in cmd.save.kinds:
+            files = handlers.save(cmd.save.step, kind)
+            written.append(pb.ShardFiles(kind=kind, files=[
+                pb.FileInfo(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]))
+        return 0, written
     elif action == "finalize":
-        shards = {s.shard: [FileInfo(f.name, f.bytes, f.sha256) for f in s.files] for s in cmd.finalize.shards}
+        shards = [SavedShard(kind=s.kind, copies=tuple(s.copies), full=s.full, rank=s.rank,
+                             files=tuple(FileInfo(f.name, f.bytes, f.sha256) for f in s.files))
+                  for s in cmd.finalize.shards]
         history = json.loads(cmd.finalize.history_json) if cmd.finalize.history_json else {}
         handlers.finalize(cmd.finalize.step, shards, history)
     else:

@@ -130,20 +130,20 @@ class FileInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class CommandResult(_message.Message):
-    __slots__ = ("command_id", "ok", "code", "message", "status", "files")
+    __slots__ = ("command_id", "ok", "code", "message", "status", "shards")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
-    FILES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     ok: bool
     code: int
     message: str
     status: Status
-    files: _containers.RepeatedCompositeFieldContainer[FileInfo]
-    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[ShardFiles]
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardFiles, _Mapping]]] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("status",)
@@ -196,12 +196,14 @@ class Rebuild(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("src", "dst")
+    __slots__ = ("src", "dst", "kind")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     src: int
     dst: int
-    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+    kind: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ..., kind: _Optional[int] = ...) -> None: ...
 
 class Repair(_message.Message):
     __slots__ = ("step", "transfers")
@@ -218,22 +220,26 @@ class Rollback(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class Save(_message.Message):
-    __slots__ = ("step", "shard")
+    __slots__ = ("step", "kinds")
     STEP_FIELD_NUMBER: _ClassVar[int]
-    SHARD_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
     step: int
-    shard: int
-    def __init__(self, step: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+    kinds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShardFiles(_message.Message):
-    __slots__ = ("shard", "rank", "files")
-    SHARD_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("kind", "copies", "full", "rank", "files")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
-    shard: int
+    kind: int
+    copies: _containers.RepeatedScalarFieldContainer[int]
+    full: bool
     rank: int
     files: _containers.RepeatedCompositeFieldContainer[FileInfo]
-    def __init__(self, shard: _Optional[int] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(self, kind: _Optional[int] = ..., copies: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
 
 class Finalize(_message.Message):
     __slots__ = ("step", "shards", "history_json")

@@ -1,0 +1,55 @@
+"""A small DDP job for the tests: an MLP with BatchNorm, Adam + StepLR,
+batches that are a function of (seed, step, rank). Writes a JSON report.
+
+usage: tiny_train.py STEPS REPORT CHECKPOINT_DIR [SAVE_EVERY]
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainguard.torch import Guard
+
+
+def batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 32, generator=g)
+    return x, (x.sum(dim=1, keepdim=True) > 0).float()
+
+
+def main() -> None:
+    steps, report, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    save_every = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                        nn.Linear(64, 1))
+    model = DDP(net, bucket_cap_mb=0.01)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every)
+    rank = dist.get_rank()
+    for step in guard.steps(steps):
+        with guard.protect():
+            x, y = batch(step, rank)
+            loss = F.binary_cross_entropy_with_logits(model(x), y)
+            guard.optimizer.zero_grad()
+            loss.backward()
+            guard.optimizer.step()
+            sched.step()
+    out = guard.report()
+    guard.close()
+    if rank == 0:
+        with open(report, "w") as f:
+            json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""``Guard``: protect an ordinary PyTorch training loop.
+
+::
+
+    dist.init_process_group("gloo")
+    model = DDP(net)
+    guard = Guard(model, torch.optim.AdamW(model.parameters()), scheduler=sched,
+                  checkpoint_dir="ckpt", save_every=100)
+    for step in guard.steps(10_000):          # resumes where the checkpoint left off
+        with guard.protect():                 # a fault here is recovered, not raised
+            x, y = batch(step)
+            loss = F.cross_entropy(model(x), y)
+            guard.optimizer.zero_grad()
+            loss.backward()
+            guard.optimizer.step()
+            sched.step()
+    guard.close()
+
+One iteration of the loop is one training step (put gradient accumulation
+inside the body). ``steps`` yields the number of completed steps; after a
+recovery it yields the step that failed again. Launched with ``trainguard
+run`` the guard connects to the job's controller; launched any other way it
+still checkpoints and resumes, but cannot recover in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from trainguard.core import (
+    CheckpointError,
+    CheckpointStore,
+    Classifier,
+    ConfigError,
+    ControllerLostError,
+    DataStatus,
+    FaultInjector,
+    ForceStop,
+    Processor,
+    ProcessorConfig,
+    ReplicaGroup,
+    recover,
+    report_left_step,
+)
+from trainguard.core.checkpoint import FileInfo, SavedShard
+
+from .device import for_module
+from .handlers import TorchHandlers, read_shard, shard_name
+from .optimizer import GuardedOptimizer
+from .process_group import AbortableProcessGroup, allreduce_hook, job_namespace
+from .state import state_sha256
+from .trainstate import TrainState
+
+__all__ = ["Guard"]
+
+log = logging.getLogger("trainguard.torch")
+
+
+class Guard:
+    """Fault tolerance for one training loop.
+
+    Args:
+        model: the module being trained; a ``DistributedDataParallel`` is
+            switched onto trainguard's process group and comm hook.
+        optimizer: any ``torch.optim.Optimizer``; use :attr:`optimizer`
+            (the wrapped one) in the loop.
+        scheduler, scaler: LR scheduler and ``GradScaler`` (optional).
+        data: an object with ``state_dict``/``load_state_dict`` holding the
+            data position (optional; not needed when batches are a function
+            of the step).
+        extra: more named stateful objects to save and repair.
+        checkpoint_dir: where periodic and dying-gasp checkpoints go; the
+            newest complete one is loaded at start.
+        save_every: periodic checkpoint interval in steps (0: none).
+        keep: complete checkpoints kept (0: all).
+        replicas: this rank's replica groups (default: every rank holds the
+            whole state, as in DDP).
+        processor, injector, classifier: collaborators, from the
+            environment when omitted.
+        comm_timeout: the inner backend's own timeout.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: Any = None,
+        scaler: Any = None,
+        data: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        save_every: int = 0,
+        keep: int = 2,
+        replicas: Sequence[ReplicaGroup] | None = None,
+        processor: Processor | None = None,
+        injector: FaultInjector | None = None,
+        classifier: Classifier | None = None,
+        comm_timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        if not dist.is_initialized():
+            raise ConfigError("call torch.distributed.init_process_group() before creating a Guard")
+        if isinstance(optimizer, GuardedOptimizer):
+            raise ConfigError("pass the plain optimizer; the Guard wraps it (use guard.optimizer)")
+        if save_every < 0 or (save_every and checkpoint_dir is None):
+            raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
+        _refuse_unsupported(model)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = for_module(model)
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.state = TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, data=data, extra=extra)
+        self.optimizer = GuardedOptimizer(optimizer, self._start_update, self._end_update)
+        self.groups = tuple(replicas) if replicas else (ReplicaGroup.full(range(self.world_size)),)
+        self.store = CheckpointStore(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
+        self.save_every = save_every
+        self.classifier = classifier or Classifier()
+        self.records: list[dict] = []
+        self.history: dict = {"records": [], "pids": {}}
+        self._handlers = TorchHandlers(self)
+        self._step = 0
+        self._updated = False
+        self._entered = False
+        self._step_started = 0.0
+        self._hooks: list[Any] = []
+
+        self.process_group = AbortableProcessGroup(
+            dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
+            backend_factory=self.device.backend, timeout=comm_timeout, namespace=job_namespace(),
+            abort=self.device.abort)
+        if self.ddp is not None:
+            self.ddp._update_process_group(self.process_group)
+            try:
+                self.ddp.register_comm_hook(self.process_group, allreduce_hook)
+            except RuntimeError as e:
+                raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
+        self.pids = {int(r): p for r, p in enumerate(self.process_group.all_gather_json(
+            os.getpid(), self.device.torch_device))}
+        self._step = self._load()
+        self.state.commit(self._step)
+
+        log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
+        self.injector = injector or FaultInjector.from_env(self.rank, log_path=log_path)
+        self._install_fault_hooks()
+        self.processor = processor or self._connect()
+        self.processor.add_stop_listener(self.process_group.stop)
+
+    # --------------------------------------------------------------- setup
+    def _connect(self) -> Processor:
+        config = ProcessorConfig.from_env(rank=self.rank, world_size=self.world_size)
+        if config is None:
+            if self.rank == 0:
+                log.warning("no trainguard controller in this job (TRAINGUARD_CONTROLLER unset): checkpoints "
+                            "work, but faults will not be recovered; launch with `trainguard run`")
+            processor = Processor(None, rank=self.rank)
+            processor.step = self._step
+            return processor
+        processor = Processor(config)
+        processor.connect(step=self._step, replicas=self.groups, device=self.device.name,
+                          device_repairable=self.device.repairable,
+                          restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        return processor
+
+    def _install_fault_hooks(self) -> None:
+        module = self.state.module
+        if self.injector.wants("forward"):
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda mod, args: self.injector.strike("forward", self._step)))
+        if self.injector.wants("backward"):
+            params = [p for p in module.parameters() if p.requires_grad]
+            middle = params[len(params) // 2]  # mid-backward: some buckets already reduced
+
+            def hook(grad: torch.Tensor) -> torch.Tensor:
+                self.injector.strike("backward", self._step)
+                return grad
+
+            self._hooks.append(middle.register_hook(hook))
+
+    # ----------------------------------------------------------- the loop
+    @property
+    def step(self) -> int:
+        """Completed steps."""
+        return self._step
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the number of completed steps until ``total`` are done."""
+        while self._step < total:
+            if self.processor.stop_event.is_set():
+                self._handle(ForceStop("stopped at a step boundary"))
+                continue
+            self._entered = False
+            yield self._step
+            if not self._entered:
+                raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
+
+    def protect(self) -> "_Protected":
+        """Context manager around one step's body; see the module docstring."""
+        return _Protected(self)
+
+    def _begin(self) -> None:
+        self._entered = True
+        self._updated = False
+        self._step_started = time.perf_counter()
+
+    def _start_update(self) -> None:
+        if self.ddp is not None and self.ddp.will_sync_module_buffers():
+            # Make buffers (BatchNorm statistics) identical on every replica
+            # before the update, so any replica can serve or save the step.
+            self.ddp._sync_buffers()
+        self.processor.start_update()
+
+    def _end_update(self) -> None:
+        self.injector.strike("optimizer", self._step)
+        self._updated = True
+
+    def _commit(self) -> None:
+        if not self._updated:  # no optimizer step in this iteration (e.g. GradScaler skipped it)
+            self._start_update()
+        self.processor.end_update(self._step + 1)
+        self._step += 1
+        self._updated = False
+        self.state.commit(self._step)
+        self.injector.after_step(self._step, time.perf_counter() - self._step_started)
+        if self.save_every and self._step % self.save_every == 0:
+            self.save()
+
+    def _handle(self, error: BaseException) -> None:
+        """Report why the step was left and carry out the recovery."""
+        phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
+        own = report_left_step(self.processor, error, self.classifier, phase=phase)
+        if own:
+            log.error("rank %d fault at step %d", self.rank, self._step, exc_info=error)
+        try:
+            outcome = recover(self.processor, self._handlers, injector=self.injector)
+        except ControllerLostError as lost:
+            raise error from lost
+        if not outcome.resume:
+            log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
+            self.close(finished=False)
+            raise SystemExit(outcome.exit_code)
+
+    def rolled_back(self, step: int) -> None:
+        """Called by the rollback handler: training continues at ``step``."""
+        self._step = step
+        self._updated = False
+        self.processor.step = step
+        if self.processor.data is not DataStatus.UPDATED:
+            self.processor.end_update(step)
+        self.state.commit(step)
+
+    # -------------------------------------------------------- checkpoints
+    def write_shard(self, step: int):
+        """Write this rank's committed dense state at ``step`` (temporary name)."""
+        state = self.state.committed_state_dict()
+        state["step"] = step
+        return self.store.write(step, shard_name(self.groups[0].copies(self.rank)),
+                                lambda f: torch.save(state, f))
+
+    def finalize_checkpoint(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
+        self.store.finalize(
+            step, [f for s in shards for f in s.files],
+            layout={"world_size": self.world_size, "shards": [s.describe() for s in shards]},
+            meta={"history": history})
+
+    def save(self) -> None:
+        """Save a checkpoint at the current step (every rank calls this).
+
+        The lowest rank holding each shard writes it; rank 0 finalises.
+        """
+        if self.store is None:
+            raise CheckpointError("no checkpoint_dir was given to the Guard")
+        step, group = self._step, self.groups[0]
+        copies = group.copies(self.rank)
+        mine = None
+        if self.rank == min(copies):
+            info = self.write_shard(step)
+            mine = {"copies": copies, "full": group.replica_cnt == len(group.rank_list),
+                    "file": [info.name, info.bytes, info.sha256]}
+        shards = [s for s in self.process_group.all_gather_json(mine, self.device.torch_device) if s]
+        if self.rank == 0:
+            saved = [SavedShard(kind=0, copies=tuple(s["copies"]), full=s["full"], rank=min(s["copies"]),
+                                files=(FileInfo(*s["file"]),)) for s in shards]
+            self.finalize_checkpoint(step, saved, self.merged_history({}))
+
+    def _load(self) -> int:
+        """Load the newest complete checkpoint, if any; return its step."""
+        found = self.store.latest() if self.store is not None else None
+        step = found.step if found is not None else 0
+        steps = self.process_group.all_gather_json(step, self.device.torch_device)
+        if len(set(steps)) != 1:
+            raise CheckpointError(f"ranks disagree on the newest complete checkpoint: {steps}")
+        if found is None:
+            return 0
+        shards = found.manifest.get("layout", {}).get("shards", [])
+        mine = next((s for s in shards if s["kind"] == 0 and (s["full"] or self.rank in s["copies"])), None)
+        if mine is None:
+            raise CheckpointError(f"{found.path} holds no dense shard for rank {self.rank} "
+                                  f"(saved with world size {found.manifest.get('layout', {}).get('world_size')})")
+        state = read_shard(found.file(mine["files"][0]), self.device.torch_device)
+        self.state.load_state_dict(state)
+        self.history = found.manifest.get("meta", {}).get("history", self.history)
+        if self.rank == 0:
+            log.warning("resumed from %s at step %d", found.path, found.step)
+        return found.step
+
+    def merged_history(self, controller: dict) -> dict:
+        """Records and PIDs of every launch so far, for a checkpoint."""
+        pids = {k: list(v) for k, v in self.history.get("pids", {}).items()}
+        for rank, pid in self.pids.items():
+            seen = pids.setdefault(str(rank), [])
+            if pid not in seen:
+                seen.append(pid)
+        for rank, more in controller.get("pids", {}).items():
+            seen = pids.setdefault(str(rank), [])
+            seen.extend(p for p in more if p not in seen)
+        records = list(self.history.get("records", [])) + self.records + list(controller.get("records", []))
+        return {"records": records, "pids": pids}
+
+    # ------------------------------------------------------------- report
+    def report(self) -> dict:
+        """What happened so far: steps, lost steps, PIDs per rank, recoveries,
+        and a hash of model + optimizer state (equal on every replica)."""
+        history = self.merged_history({})
+        return {
+            "steps_completed": self._step,
+            "lost_steps": sum(max(0, r.get("lost_steps", 0)) for r in history["records"]),
+            "pids": {int(k): v for k, v in sorted(history["pids"].items(), key=lambda kv: int(kv[0]))},
+            "recoveries": history["records"],
+            "final_state_sha256": state_sha256(self.state.model_and_optimizer()),
+        }
+
+    def close(self, *, finished: bool = True) -> None:
+        """Say goodbye to the controller and remove trainguard's hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.processor.close(finished=finished)
+
+
+class _Protected:
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+
+    def __enter__(self) -> "_Protected":
+        self.guard._begin()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            try:
+                self.guard._commit()
+            except Exception as e:  # a collective of the commit (buffer sync, periodic save) failed
+                self.guard._handle(e)
+            return False
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
+            return False
+        self.guard._handle(exc)
+        return True
+
+
+def _refuse_unsupported(model: torch.nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return
+    if isinstance(model, FullyShardedDataParallel) or any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ConfigError("FSDP models are not supported by trainguard's torch adapter yet")

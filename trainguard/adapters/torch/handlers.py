@@ -1,0 +1,112 @@
+"""The torch adapter's recovery handlers (clean, rebuild, repair, rollback,
+save, finalise), executed on the training thread by
+:func:`trainguard.core.recover`."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from trainguard.core import CheckpointError, RecoveryError, Transfer
+from trainguard.core.checkpoint import FileInfo, SavedShard, shard_file
+from trainguard.core.recovery import Handlers
+
+from .state import recv_state, send_state
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+__all__ = ["TorchHandlers"]
+
+log = logging.getLogger("trainguard.torch")
+
+
+class TorchHandlers(Handlers):
+    """Recovery commands carried out on one :class:`~.guard.Guard`'s objects."""
+
+    def __init__(self, guard: "Guard") -> None:
+        self.guard = guard
+        self._repaired = False
+
+    def clean(self, uce: bool) -> int:
+        g = self.guard
+        g.optimizer.zero_grad(set_to_none=True)
+        g.state.restore_buffers()
+        self._repaired = False
+        return g.device.clean(uce)
+
+    def rebuild(self, generation: int, ranks: Sequence[int]) -> None:
+        g = self.guard
+        if sorted(ranks) != list(range(g.world_size)):
+            raise RecoveryError(f"rebuild with ranks {list(ranks)}: a smaller world needs elastic-training")
+        stops = g.processor.stops
+        g.process_group.rebuild(generation, cancelled=lambda: g.processor.stops != stops)
+        if g.ddp is not None:
+            g.ddp._update_process_group(g.process_group)  # resets the reducer after the abandoned step
+
+    def repair(self, step: int, transfers: Sequence[Transfer]) -> None:
+        g = self.guard
+        for t in transfers:
+            if g.rank not in (t.src, t.dst):
+                continue
+            if t.kind != 0:
+                raise RecoveryError(f"the torch adapter holds dense state only, not kind {t.kind}")
+            if g.rank == t.src:
+                if g.state.snapshot_step != step:
+                    raise RecoveryError(f"rank {g.rank} is at step {g.state.snapshot_step}, cannot serve step {step}")
+                send_state(g.process_group, g.state.committed_state_dict(), t.dst, device=g.device.torch_device)
+                log.info("rank %d sent its state at step %d to rank %d", g.rank, step, t.dst)
+            else:
+                g.processor.begin_copy()
+                state = recv_state(g.process_group, t.src, device=g.device.torch_device)
+                g.state.load_state_dict(state)
+                g.processor.end_copy(step)
+                self._repaired = True
+                log.info("rank %d took its state at step %d from rank %d", g.rank, step, t.src)
+
+    def rollback(self, step: int) -> None:
+        g = self.guard
+        if self._repaired:
+            # Host objects came from the replica; the RNG streams are this rank's own.
+            if g.state.snapshot_step == step:
+                g.state.restore_rng()
+            else:
+                log.warning("rank %d keeps its current RNG state (its snapshot is from step %s, not %d)",
+                            g.rank, g.state.snapshot_step, step)
+        else:
+            if g.state.snapshot_step != step:
+                raise RecoveryError(f"rank {g.rank} committed step {g.state.snapshot_step} and was not repaired; "
+                                    f"it cannot roll back to step {step}")
+            g.state.restore_host()
+        g.rolled_back(step)
+
+    def save(self, step: int, kind: int) -> Sequence[FileInfo]:
+        g = self.guard
+        if kind != 0:
+            raise CheckpointError(f"the torch adapter holds dense state only, not kind {kind}")
+        if g.store is None:
+            raise CheckpointError("no checkpoint_dir was given to the Guard, so there is nowhere to save")
+        if g.state.snapshot_step != step:
+            raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}")
+        return [g.write_shard(step)]
+
+    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
+        self.guard.finalize_checkpoint(step, shards, self.guard.merged_history(history))
+
+    def resumed(self, step: int, record: dict) -> None:
+        if record:
+            self.guard.records.append(record)
+
+
+def shard_name(copies: Sequence[int]) -> str:
+    return shard_file(0, copies, ".pt")
+
+
+def read_shard(path, device: torch.device) -> dict:
+    """Load one verified shard file without unpickling arbitrary objects."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} could not be loaded safely: {e}") from None

@@ -1,0 +1,61 @@
+"""The optimizer wrapper: reports the start and end of every update.
+
+It behaves as the optimizer it wraps (``param_groups``, ``state``,
+``state_dict``, ``zero_grad``...), so LR schedulers, ``GradScaler`` and
+gradient clipping work unchanged; only ``step`` is bracketed by two calls
+that cost a field write each.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["GuardedOptimizer"]
+
+
+class GuardedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so each ``step()`` calls ``on_start()`` before the
+    update and ``on_end()`` after it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, on_start: Callable[[], None],
+                 on_end: Callable[[], None]) -> None:
+        # Deliberately no super().__init__: all state lives in the wrapped optimizer.
+        if isinstance(optimizer, GuardedOptimizer):
+            raise TypeError("the optimizer is already wrapped by trainguard")
+        self.optimizer = optimizer
+        self._on_start, self._on_end = on_start, on_end
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._on_start()
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self._on_end()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    def __repr__(self) -> str:
+        return f"GuardedOptimizer({self.optimizer!r})"

@@ -1,0 +1,286 @@
+"""A process group whose collectives can be released and whose backend can
+be replaced while the process keeps running.
+
+When a peer fails, the healthy ranks sit inside a collective until the
+backend's timeout (gloo: 30 minutes). Aborting a gloo group does not release
+such a call (measured on torch 2.13), so :class:`AbortableProcessGroup`
+never lets the training thread wait on a backend call directly: every
+collective is issued asynchronously on the *inner* backend and the caller
+waits on a future that trainguard completes -- with the result when the
+backend finishes, or with :class:`~trainguard.core.ForceStop` when the
+controller says STOP. A fresh backend is then built among the ranks for the
+next generation and the abandoned one destroyed (see :meth:`_retire`).
+
+DDP uses it through a comm hook (:func:`allreduce_hook`), so its reducer
+waits on trainguard's future rather than in C++ on the backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch._C._distributed_c10d as c10d
+
+from trainguard.core import ForceStop
+
+__all__ = ["AbortableProcessGroup", "allreduce_hook"]
+
+log = logging.getLogger("trainguard.torch")
+
+BackendFactory = Callable[[Any, int, int, timedelta], Any]
+
+
+class _Work(dist._Work):
+    """A collective's handle whose future trainguard completes."""
+
+    def __init__(self, group: "AbortableProcessGroup", inner: Any, result: Any) -> None:
+        super().__init__()
+        self._group = group
+        self._result = result
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._lock = threading.Lock()
+        if inner is None:
+            return
+        group._pending.add(self)
+        try:
+            future = inner.get_future()
+        except RuntimeError:  # gloo's send/recv work has no future: wait on a helper thread
+            threading.Thread(target=self._wait_inner, args=(inner,), daemon=True,
+                             name="trainguard-p2p-wait").start()
+        else:
+            future.then(self._inner_done)
+
+    def _wait_inner(self, inner: Any) -> None:
+        try:
+            inner.wait()
+        except Exception as e:  # the backend's own failure (peer gone, timeout)
+            self.finish(error=e)
+        else:
+            self.finish()
+
+    def _inner_done(self, fut: torch.futures.Future) -> None:
+        try:
+            fut.wait()
+        except Exception as e:  # the backend's own failure (peer gone, timeout)
+            self.finish(error=e)
+        else:
+            self.finish()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._future.done():
+                return
+            self._group._pending.discard(self)
+            if error is None:
+                self._future.set_result(self._result)
+            else:
+                self._future.set_exception(error)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._future.wait()  # raises the stored exception, if any
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class AbortableProcessGroup(dist.ProcessGroup):
+    """A process group over a replaceable inner backend.
+
+    Args:
+        store: the rendezvous store all ranks share (the default group's).
+        rank, size: this rank and the world size.
+        backend_factory: builds an inner backend ``(store, rank, size,
+            timeout)``; gloo when omitted.
+        timeout: the inner backend's own timeout (only reached when no STOP
+            releases a call, e.g. with no controller).
+        namespace: store prefix; must differ between job restarts.
+        abort: called with the inner backend on STOP (NCCL needs its
+            communicator aborted to free the device; gloo needs nothing).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        *,
+        backend_factory: BackendFactory | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        namespace: str = "trainguard",
+        abort: Callable[[Any], None] | None = None,
+    ) -> None:
+        super().__init__(rank, size)
+        self._store = store
+        self._rank, self._size = rank, size
+        self._factory = backend_factory or (lambda s, r, n, t: dist.ProcessGroupGloo(s, r, n, t))
+        self._timeout = timeout
+        self._namespace = namespace
+        self._abort = abort
+        self._pending: set[_Work] = set()
+        self._halted = False
+        self.generation = 0
+        self._inner = self._build(0)
+
+    # ------------------------------------------------------------ lifecycle
+    def _build(self, generation: int) -> Any:
+        prefix = dist.PrefixStore(f"{self._namespace}/pg/{generation}/", self._store)
+        return self._factory(prefix, self._rank, self._size, self._timeout)
+
+    def stop(self, reason: str = "stopped by the controller") -> None:
+        """Fail every pending collective and refuse new ones until
+        :meth:`rebuild`. Safe to call from any thread."""
+        self._halted = True
+        for work in list(self._pending):
+            work.finish(error=ForceStop(reason))
+        if self._abort is not None:
+            self._abort(self._inner)
+
+    @property
+    def halted(self) -> bool:
+        return self._halted
+
+    def rebuild(self, generation: int, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Replace the inner backend with a fresh one (every rank calls this
+        with the same ``generation``).
+
+        The build runs on a helper thread so that a new STOP (``cancelled()``
+        turning true) can abandon a build whose peers never arrive.
+
+        Raises:
+            ForceStop: ``cancelled()`` turned true before the build finished.
+        """
+        for work in list(self._pending):
+            work.finish(error=ForceStop("process group rebuilt"))
+        built: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                built["pg"] = self._build(generation)
+            except Exception as e:  # surfaced on the training thread below
+                built["error"] = e
+
+        thread = threading.Thread(target=build, name=f"trainguard-pg-build-{generation}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            if cancelled() and thread.is_alive():
+                raise ForceStop(f"rebuild of process group generation {generation} abandoned")
+        if "error" in built:
+            raise built["error"]
+        old, self._inner = self._inner, built["pg"]
+        self._retire(old)
+        self.generation = generation
+        self._halted = False
+        log.info("rank %d: process group rebuilt (generation %d)", self._rank, generation)
+
+    def _retire(self, backend: Any) -> None:
+        """Destroy an abandoned backend off the training thread.
+
+        Its calls may still be pending (issued before the STOP, never matched
+        by a faulty peer). ``abort()`` does not release them under gloo, and
+        leaving them until exit makes gloo run their callbacks while Python
+        finalizes, which aborts the process. The destructor does release them:
+        it runs without the GIL, waits for in-flight calls and closes the
+        sockets, so every rank destroying its copy at the same rebuild frees
+        all of them within milliseconds (the rank that issued fewest calls
+        has none pending and closes first).
+        """
+        holder = [backend]
+        del backend
+        threading.Thread(target=holder.clear, name="trainguard-pg-retire", daemon=True).start()
+
+    # ------------------------------------------------------------ collectives
+    def _issue(self, op: str, *args: Any, result: Any) -> _Work:
+        if self._halted:
+            work = _Work(self, None, result)
+            work.finish(error=ForceStop(f"{op} refused: the process group is stopped"))
+            return work
+        return _Work(self, getattr(self._inner, op)(*args), result)
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        return self._issue("allreduce", tensors, opts, result=tensors)
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        return self._issue("broadcast", tensors, opts, result=tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        return self._issue("allgather", output_tensors, input_tensors, opts, result=output_tensors)
+
+    def _allgather_base(self, output, input, opts=None):
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        return self._issue("_allgather_base", output, input, opts, result=[output])
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._issue("reduce_scatter", output_tensors, input_tensors, opts, result=output_tensors)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._issue("_reduce_scatter_base", output, input, opts, result=[output])
+
+    def barrier(self, opts=None):
+        opts = opts if opts is not None else dist.BarrierOptions()
+        return self._issue("barrier", opts, result=[])
+
+    def send(self, tensors, dst, tag=0):
+        return self._issue("send", tensors, dst, tag, result=tensors)
+
+    def recv(self, tensors, src, tag=0):
+        return self._issue("recv", tensors, src, tag, result=tensors)
+
+    def all_gather_json(self, obj: Any, device: torch.device = torch.device("cpu")) -> list[Any]:
+        """Every rank's JSON-able ``obj``, in rank order (for small metadata).
+
+        ``device`` is where the backend wants tensors (cuda for NCCL)."""
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self._size)]
+        self.allgather([lengths], [torch.tensor([data.numel()], dtype=torch.int64, device=device)]).wait()
+        sizes = [int(t.item()) for t in lengths]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        out = [torch.zeros(max(sizes), dtype=torch.uint8, device=device) for _ in range(self._size)]
+        self.allgather([out], [padded.to(device)]).wait()
+        return [json.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(out, sizes)]
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def getBackendName(self) -> str:
+        return "trainguard"
+
+    def name(self) -> str:
+        return "trainguard"
+
+
+def allreduce_hook(group, bucket):  # no annotations: DDP compares them to real types
+    """DDP comm hook: average the bucket over ``group`` (an
+    :class:`AbortableProcessGroup`) through a future trainguard can fail; the
+    same arithmetic as DDP's default hook."""
+    tensor = bucket.buffer()
+    tensor.div_(group.size())
+    return group.allreduce([tensor]).get_future().then(lambda fut: fut.value()[0])
+
+
+def job_namespace() -> str:
+    """A store prefix unique to this launch of the job (torchelastic restarts
+    reuse the store, so its restart count is part of the name)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"trainguard/{run_id}/{restart}"

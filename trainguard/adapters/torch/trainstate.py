@@ -1,0 +1,140 @@
+"""Everything a rank must get back to continue exactly where it was.
+
+:class:`TrainState` groups the objects the user registered (model,
+optimizer, LR scheduler, grad scaler, data position, extras) and keeps a
+*commit snapshot* taken at the end of every step: module buffers (mutated by
+forward passes, e.g. BatchNorm statistics), the scheduler, scaler and data
+positions, and the RNG streams. Parameters and optimizer state are not
+copied (too big, and the update window protects them); everything a failed
+step may have touched before its update is restored from the snapshot.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+from typing import Any, Mapping
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["TrainState", "unwrap"]
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+
+
+class TrainState:
+    """The registered training objects and their last commit snapshot.
+
+    Args:
+        model: the module (DDP-wrapped or not).
+        optimizer: the (unwrapped) optimizer.
+        scheduler, scaler, data: optional objects with ``state_dict`` /
+            ``load_state_dict``.
+        extra: more named stateful objects to save and repair.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                 scaler: Any = None, data: Any = None, extra: Mapping[str, Any] | None = None) -> None:
+        self.module = unwrap(model)
+        self.optimizer = optimizer
+        self.host: dict[str, Any] = {k: v for k, v in
+                                     {"scheduler": scheduler, "scaler": scaler, "data": data, **(extra or {})}.items()
+                                     if v is not None}
+        for name, obj in self.host.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{name} must have state_dict() and load_state_dict()")
+        self._buffer_names = [n for n, _ in self.module.named_buffers()]
+        self.snapshot: dict[str, Any] | None = None
+        self.snapshot_step: int | None = None
+
+    # ------------------------------------------------------------ snapshots
+    def commit(self, step: int) -> None:
+        """Record the state at the end of ``step`` (cheap: buffers, small dicts, RNG)."""
+        buffers = dict(self.module.named_buffers())
+        self.snapshot = {
+            "buffers": {n: buffers[n].detach().clone() for n in self._buffer_names},
+            "host": {k: copy.deepcopy(v.state_dict()) for k, v in self.host.items()},
+            "rng": _rng_state(),
+        }
+        self.snapshot_step = step
+
+    def restore_buffers(self) -> None:
+        """Undo what forward passes since the last commit did to buffers."""
+        if self.snapshot is None:
+            return
+        buffers = dict(self.module.named_buffers())
+        with torch.no_grad():
+            for name, saved in self.snapshot["buffers"].items():
+                buffers[name].copy_(saved)
+
+    def restore_host(self) -> None:
+        """Put scheduler, scaler, data position and RNG back to the commit."""
+        if self.snapshot is None:
+            return
+        for name, obj in self.host.items():
+            obj.load_state_dict(copy.deepcopy(self.snapshot["host"][name]))
+        self.restore_rng()
+
+    def restore_rng(self) -> None:
+        if self.snapshot is not None:
+            _set_rng_state(self.snapshot["rng"])
+
+    # ------------------------------------------------------------ state dicts
+    def state_dict(self) -> dict:
+        """The state as it is now."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "host": {k: v.state_dict() for k, v in self.host.items()},
+        }
+
+    def committed_state_dict(self) -> dict:
+        """The state at the last commit: current parameters and optimizer
+        (unchanged since, outside an update) with the snapshot's buffers and
+        host objects."""
+        state = self.state_dict()
+        if self.snapshot is not None:
+            state["model"].update(self.snapshot["buffers"])
+            state["host"] = copy.deepcopy(self.snapshot["host"])
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load a state produced by :meth:`state_dict` on a replica.
+
+        Raises:
+            KeyError/RuntimeError: the state does not fit these objects.
+        """
+        with torch.no_grad():
+            self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        missing = set(self.host) - set(state.get("host", {}))
+        if missing:
+            raise KeyError(f"state lacks {sorted(missing)}")
+        for name, obj in self.host.items():
+            obj.load_state_dict(state["host"][name])
+
+    def model_and_optimizer(self) -> dict:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}

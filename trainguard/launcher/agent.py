@@ -1,0 +1,125 @@
+"""torchrun's local elastic agent, with a controller and a dying gasp.
+
+:class:`TrainguardAgent` subclasses torch's ``LocalElasticAgent`` and changes
+two things:
+
+* after each rendezvous, the agent of node 0 starts the job's controller
+  and publishes its address (and, unless the user set one, a fresh job
+  token) in the rendezvous store; every agent hands both to its workers
+  through the environment;
+* when a worker dies, the agent reports it to the controller at once and
+  lets the survivors finish what the controller tells them (a dying-gasp
+  save, then exit) instead of killing them on the spot. Once every worker
+  has exited, torch's usual restart logic (``--max-restarts``) applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from trainguard.core import Controller, ControllerConfig, ConfigError
+from trainguard.core.client import ControllerClient
+from trainguard.core.rpc import new_token
+
+__all__ = ["TrainguardAgent"]
+
+log = logging.getLogger("trainguard.launcher")
+
+_ADDRESS_KEY = "trainguard/controller"
+_TOKEN_KEY = "trainguard/token"
+
+
+class TrainguardAgent(LocalElasticAgent):
+    """Args: as ``LocalElasticAgent``, plus the controller's config."""
+
+    def __init__(self, *args: Any, controller_config: ControllerConfig, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._config = controller_config
+        self.controller: Controller | None = None
+        self._client: ControllerClient | None = None
+        self._failed_at: float | None = None
+        self._reported: set[int] = set()
+        self.last_status: dict | None = None
+
+    # ----------------------------------------------------------- controller
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._failed_at, self._reported = None, set()
+        store = worker_group.store
+        world_size = worker_group.workers[0].world_size
+        if worker_group.group_rank == 0:
+            self._stop_controller()
+            if worker_group.group_world_size > 1 and self._config.host in ("127.0.0.1", "localhost", "::1"):
+                raise ConfigError("a multi-node job needs the controller on an address other nodes reach: "
+                                  "pass --controller-host (or TRAINGUARD_HOST)")
+            token = os.environ.get("TRAINGUARD_TOKEN") or new_token()
+            self.controller = Controller(self._config, world_size, token=token)
+            store.set(_ADDRESS_KEY, self.controller.start())
+            store.set(_TOKEN_KEY, token)
+        address = store.get(_ADDRESS_KEY).decode()
+        token = store.get(_TOKEN_KEY).decode()
+        os.environ.update(TRAINGUARD_CONTROLLER=address, TRAINGUARD_TOKEN=token,
+                          TRAINGUARD_JOB_ID=self._config.job_id)
+        if self._client is not None:
+            self._client.close()
+        self._client = ControllerClient(address, token)
+
+    def _stop_controller(self) -> None:
+        if self.controller is not None:
+            try:
+                self.last_status = self.controller.snapshot()
+            except Exception:  # a controller that already stopped has nothing more to say
+                pass
+            self.controller.stop()
+            self.controller = None
+
+    def shutdown_controller(self) -> None:
+        """Stop the controller (after the run), keeping its last status."""
+        self._stop_controller()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # ----------------------------------------------------------- monitoring
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        handlers = getattr(self._pcontext, "subprocess_handlers", None)
+        if not handlers:
+            return super()._monitor_workers(worker_group)
+        codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+        failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
+        running = [lr for lr, c in codes.items() if c is None]
+        for lr, code in failed.items():
+            pid = handlers[lr].proc.pid
+            if pid not in self._reported:
+                self._reported.add(pid)
+                self._report(worker_group.workers[lr].global_rank, pid, code)
+        if failed and running:
+            now = time.monotonic()
+            if self._failed_at is None:
+                self._failed_at = now
+            if now - self._failed_at < self._grace_s():
+                return RunResult(state=WorkerState.HEALTHY)
+            log.error("workers %s still running %.0f s after a failure; stopping them", running,
+                      now - self._failed_at)
+        return super()._monitor_workers(worker_group)
+
+    def _grace_s(self) -> float:
+        c = self._config
+        return c.prelock_timeout_s + c.save_timeout_s + 2 * c.handler_timeout_s + 30
+
+    def _report(self, rank: int, pid: int, code: int) -> None:
+        log.warning("worker rank %d (pid %d) %s", rank, pid,
+                    f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        try:
+            if self.controller is not None:
+                self.controller.report_process_exit(rank, pid, code)
+            elif self._client is not None:
+                self._client.report_process_exit(rank, pid, code)
+        except Exception as e:  # the controller also notices through the broken session
+            log.warning("could not report the exit of rank %d to the controller: %s", rank, e)

@@ -1,0 +1,123 @@
+"""``trainguard run``: torchrun with a controller.
+
+Takes every torchrun flag (``--nproc-per-node``, ``--nnodes``,
+``--rdzv-*``, ``--max-restarts``, ...) plus trainguard's own, parses them
+with torch's own parser and launches the workers through torch's elastic
+launcher pieces, with :class:`~.agent.TrainguardAgent` as the agent.
+
+Exit codes: 0 when training finished; 75 when the job stopped after a
+dying-gasp checkpoint (relaunch the same command to resume); 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+from typing import Sequence
+
+from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, TrainguardError, check_env
+
+__all__ = ["main", "parser"]
+
+log = logging.getLogger("trainguard.launcher")
+
+
+def parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "trainguard run"
+    p.description = "Launch a training script like torchrun, protected by trainguard."
+    tg = p.add_argument_group("trainguard")
+    tg.add_argument("--strategies", default=None,
+                    help="ordered recover strategies, comma-separated (default: TRAINGUARD_STRATEGIES or "
+                         "retry,dump,exit)")
+    tg.add_argument("--controller-host", default=None,
+                    help="address the controller binds to (default: TRAINGUARD_HOST or 127.0.0.1)")
+    tg.add_argument("--controller-port", type=int, default=None,
+                    help="port the controller binds to (default: any free port)")
+    tg.add_argument("--job-id", default=None, help="job id in logs and reports (default: the rendezvous id)")
+    return p
+
+
+def _standalone_defaults(args: argparse.Namespace) -> None:
+    """torchrun's own defaulting for single-node runs (``run()`` does it
+    inline; repeated here because we do not call ``run()``)."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+                           and parse_min_max_nnodes(args.nnodes)[1] == 1):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def launch(argv: Sequence[str]) -> int:
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.launcher.api import _get_addr_and_port
+    from torch.distributed.run import config_from_args
+
+    from .agent import TrainguardAgent
+
+    check_env()
+    args = parser().parse_args(argv)
+    _standalone_defaults(args)
+    config, cmd, cmd_args = config_from_args(args)
+    if config.min_nodes != config.max_nodes:
+        raise TrainguardError("elastic node counts (--nnodes MIN:MAX) need elastic-training; give one number")
+    controller_config = ControllerConfig.from_env(
+        strategies=args.strategies, host=args.controller_host, port=args.controller_port,
+        job_id=args.job_id or config.run_id)
+    params = RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rdzv_configs)
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
+        local_addr=config.local_addr)
+    agent = TrainguardAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
+                            log_line_prefix_template=config.log_line_prefix_template,
+                            controller_config=controller_config)
+    try:
+        result = agent.run()
+    finally:
+        agent.shutdown_controller()
+        spec.rdzv_handler.shutdown()
+    return _summarise(result, agent.last_status)
+
+
+def _summarise(result, status: dict | None) -> int:
+    records = (status or {}).get("recoveries", [])
+    for r in records:
+        log.warning("recovery: %s on rank %d at step %d -> %s (detect %ss, recover %ss, lost %d steps): %s",
+                    r["fault"], r["rank"], r["step"], r["strategy"], r["detect_s"], r["recover_s"],
+                    r["lost_steps"], r["reason"])
+    if not result.is_failed():
+        return 0
+    codes = {f.exitcode for f in result.failures.values()}
+    if records and records[-1]["strategy"] == "dump" and EXIT_AFTER_DUMP in codes:
+        print(f"trainguard: the job saved a dying-gasp checkpoint at step {records[-1]['step']} and stopped; "
+              f"relaunch the same command to resume from it.", file=sys.stderr)
+        return EXIT_AFTER_DUMP
+    for rank, failure in sorted(result.failures.items()):
+        print(f"trainguard: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO"),
+                        format="[trainguard %(levelname)s %(asctime)s] %(message)s")
+    try:
+        return launch(sys.argv[1:] if argv is None else argv)
+    except TrainguardError as e:
+        print(f"trainguard run: {e}", file=sys.stderr)
+        return 2
