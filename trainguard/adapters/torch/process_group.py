@@ -49,6 +49,11 @@ class _Work(dist._Work):
         if inner is None:
             return
         group._pending.add(self)
+        if group.halted:
+            # stop() ran between the caller's check and the add above: it set
+            # the flag before sweeping _pending, so one of the two catches us.
+            self.finish(error=ForceStop("the process group was stopped"))
+            return
         try:
             future = inner.get_future()
         except RuntimeError:  # gloo's send/recv work has no future: wait on a helper thread
