@@ -137,11 +137,11 @@ class Guard:
             backend_factory=self.device.backend, timeout=comm_timeout, namespace=job_namespace(),
             abort=self.device.abort)
         if self.ddp is not None:
-            self.ddp._update_process_group(self.process_group)
             try:
                 self.ddp.register_comm_hook(self.process_group, allreduce_hook)
             except RuntimeError as e:
                 raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
+            self.attach_ddp()
         self.pids = {int(r): p for r, p in enumerate(self.process_group.all_gather_json(
             os.getpid(), self.device.torch_device))}
         self._step = self._load()
@@ -168,6 +168,23 @@ class Guard:
                           device_repairable=self.device.repairable,
                           restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         return processor
+
+    def attach_ddp(self) -> None:
+        """Point DDP at the (possibly rebuilt) process group and pin its
+        gradient buckets.
+
+        DDP normally runs its first iteration with buckets in reverse
+        registration order and then rebuilds them in autograd order. Where an
+        element sits in a bucket decides the order in which ranks' values are
+        summed, so a process that starts at step n (after a relaunch, or with
+        a reset reducer after a repair) would round differently from one that
+        never stopped. Rebuilding once, before any step, from the same order
+        in every process fixes the layout for the whole job.
+        """
+        self.ddp._update_process_group(self.process_group)  # also resets the reducer's per-step state
+        self.ddp.reducer._push_all_rebuilt_params()
+        self.ddp.reducer._rebuild_buckets()
+        self.ddp._has_rebuilt_buckets = True
 
     def _install_fault_hooks(self) -> None:
         module = self.state.module

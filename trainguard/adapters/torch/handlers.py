@@ -44,7 +44,7 @@ class TorchHandlers(Handlers):
         stops = g.processor.stops
         g.process_group.rebuild(generation, cancelled=lambda: g.processor.stops != stops)
         if g.ddp is not None:
-            g.ddp._update_process_group(g.process_group)  # resets the reducer after the abandoned step
+            g.attach_ddp()  # resets the reducer after the abandoned step
 
     def repair(self, step: int, transfers: Sequence[Transfer]) -> None:
         g = self.guard
