@@ -31,6 +31,9 @@ class Classification:
 
 _DEFAULT: list[tuple[str, FaultKind | str, Severity | None]] = [
     (r"FORCE STOP", STOP, None),
+    # An explicit severity, as the fault injector and adapters that know it write it.
+    (r"UCE ERROR \[severity=low\]", FaultKind.UCE, Severity.LOW),
+    (r"UCE ERROR \[severity=corrupted\]", FaultKind.UCE, Severity.CORRUPTED),
     (r"UCE ERROR", FaultKind.UCE, Severity.HIGH),
     # Severity None: corrupted when it struck inside an optimizer update.
     (r"HBM MULTI BIT ECC", FaultKind.UCE, None),

@@ -329,7 +329,8 @@ class ControllerCore:
         }
         layout = {r.rank: r.groups for r in self.ranks.values()}
         plan, reason = decide(view, ep.faults, self.config, self._wall(), layout=layout, tried=ep.tried)
-        ep.plan, ep.reason = plan, reason
+        ep.plan = plan
+        ep.reason = f"{ep.reason}; then {reason}" if ep.reason else reason  # keep what failed before
         log.warning("decision: %s", reason)
         ep.phases = self._phases(plan, layout)
         self._to({Strategy.RETRY: ControllerState.RECOVERING,

@@ -187,8 +187,8 @@ class FaultInjector:
         self._record(spec, step)
         where = f"rank {self._rank}, step {step}, {phase}"
         if spec.kind == "uce":
-            raise RuntimeError(f"UCE ERROR: trainguard injected device memory error "
-                               f"({spec.severity.name.lower()}; {where})")
+            raise RuntimeError(f"UCE ERROR [severity={spec.severity.name.lower()}]: trainguard injected "
+                               f"device memory error ({where})")
         if spec.kind == "comm":
             raise RuntimeError(f"SUSPECT REMOTE ERROR: trainguard injected communication failure ({where})")
         if spec.kind == "crash":

@@ -36,6 +36,7 @@ log = logging.getLogger("trainguard.processor")
 
 _CLOSE = object()
 _LOST = object()
+_WAKE = object()  # re-arm the heartbeat timer (the interval arrives with Welcome)
 
 
 class Processor:
@@ -136,6 +137,8 @@ class Processor:
                 msg = pb.RankMessage(heartbeat=self._status())
             if msg is _CLOSE:
                 return
+            if msg is _WAKE:
+                continue
             yield msg
 
     def _receive(self) -> None:
@@ -144,6 +147,7 @@ class Processor:
                 if msg.HasField("welcome"):
                     self.job_id = msg.welcome.job_id
                     self._heartbeat_s = msg.welcome.heartbeat_interval_s or self._heartbeat_s
+                    self._outbox.put(_WAKE)
                     self._welcome.set()
                     continue
                 cmd = msg.command

@@ -18,7 +18,7 @@ import sys
 import uuid
 from typing import Sequence
 
-from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, TrainguardError, check_env
+from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, TrainguardError, check_env, logs
 
 __all__ = ["main", "parser"]
 
@@ -114,8 +114,7 @@ def _summarise(result, status: dict | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO"),
-                        format="[trainguard %(levelname)s %(asctime)s] %(message)s")
+    logs.setup("launcher")
     try:
         return launch(sys.argv[1:] if argv is None else argv)
     except TrainguardError as e:

@@ -51,6 +51,7 @@ from trainguard.core import (
     recover,
     report_left_step,
 )
+from trainguard.core import logs
 from trainguard.core.checkpoint import FileInfo, SavedShard
 
 from .device import for_module
@@ -115,6 +116,7 @@ class Guard:
             raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
         _refuse_unsupported(model)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        logs.setup(f"rank {self.rank}")
         self.device = for_module(model)
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.state = TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, data=data, extra=extra)
@@ -285,7 +287,7 @@ class Guard:
         self.store.finalize(
             step, [f for s in shards for f in s.files],
             layout={"world_size": self.world_size, "shards": [s.describe() for s in shards]},
-            meta={"history": history})
+            meta={"history": history, "finalised_by": self.rank})
 
     def save(self) -> None:
         """Save a checkpoint at the current step (every rank calls this).
@@ -325,7 +327,7 @@ class Guard:
         self.state.load_state_dict(state)
         self.history = found.manifest.get("meta", {}).get("history", self.history)
         if self.rank == 0:
-            log.warning("resumed from %s at step %d", found.path, found.step)
+            log.info("resumed from %s at step %d", found.path, found.step)
         return found.step
 
     def merged_history(self, controller: dict) -> dict:

@@ -1,0 +1,167 @@
+"""ResNet-50 data-parallel training, protected by trainguard.
+
+    trainguard run --nproc-per-node 4 examples/resnet50/train.py \
+        steps=20 seed=0 report=report.json checkpoint_dir=ckpt
+
+A hydra app (settings and their meaning: ``conf/config.yaml``). The loop is
+the plain Guard pattern: a fault inside ``guard.protect()`` (a device memory
+error, a lost peer) is recovered by trainguard's controller (retried in
+place, or dumped to ``checkpoint_dir`` and resumed by relaunching the same
+command), and the final state is the one a fault-free run reaches: compare
+``final_state_sha256`` in the reports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainguard.core.faults import read_fault_log
+from trainguard.torch import Guard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # model.py, data.py next to this file
+from data import ImageFolder, ResumableLoader, SyntheticImages  # noqa: E402
+from model import resnet50  # noqa: E402
+
+log = logging.getLogger("resnet50")
+
+
+def launch_path(path: str | None) -> Path | None:
+    """``path`` relative to the directory the job was launched from."""
+    return None if path in (None, "") else Path(hydra.utils.to_absolute_path(str(path)))
+
+
+def make_optimizer(cfg: DictConfig, params) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=o.momentum, nesterov=o.nesterov,
+                               weight_decay=o.weight_decay)
+    if o.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    raise ValueError(f"optim.name must be sgd or adamw, got {o.name!r}")
+
+
+def make_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
+    s = cfg.sched
+    if s.name == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, cfg.steps))
+    if s.name == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=s.step_size, gamma=s.gamma)
+    if s.name == "constant":
+        return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
+    raise ValueError(f"sched.name must be cosine, step or constant, got {s.name!r}")
+
+
+@hydra.main(config_path="conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    started = time.perf_counter()
+    report_path, checkpoint_dir = launch_path(cfg.report), launch_path(cfg.checkpoint_dir)
+
+    # The fault must be in the environment before the Guard reads it.
+    env_fault = os.environ.get("TRAINGUARD_FAULT")
+    if cfg.fault and env_fault is None:
+        os.environ["TRAINGUARD_FAULT"] = str(cfg.fault)
+
+    if cfg.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    elif cfg.device == "cpu":
+        device = torch.device("cpu")
+    else:
+        raise ValueError(f"device must be cpu or cuda, got {cfg.device!r}")
+    dist.init_process_group(cfg.backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and cfg.fault and env_fault is not None and env_fault != cfg.fault:
+        log.warning("TRAINGUARD_FAULT=%r is set in the environment and wins over fault=%r", env_fault, cfg.fault)
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    # Data: synthetic batches are a function of (seed, step, rank); the image
+    # folder loader carries its position, which the Guard saves and restores.
+    loader = synthetic = None
+    if cfg.data.kind == "synthetic":
+        num_classes = cfg.model.num_classes or 10
+        synthetic = SyntheticImages(cfg.seed, num_classes, cfg.batch_size, cfg.image_size)
+    elif cfg.data.kind == "imagefolder":
+        if not cfg.data.path:
+            raise ValueError("data.kind=imagefolder needs data.path=DIR (DIR/<class>/<image>)")
+        dataset = ImageFolder(launch_path(cfg.data.path), cfg.image_size, cfg.data.mean, cfg.data.std)
+        num_classes = cfg.model.num_classes or len(dataset.classes)
+        loader = ResumableLoader(dataset, cfg.batch_size, rank, world_size, cfg.seed)
+        if rank == 0:
+            log.info("%d images in %d classes under %s; %d batches per epoch per rank", len(dataset),
+                     len(dataset.classes), dataset.root, loader.batches_per_epoch)
+    else:
+        raise ValueError(f"data.kind must be synthetic or imagefolder, got {cfg.data.kind!r}")
+
+    torch.manual_seed(cfg.seed)  # every rank builds the same initial model (DDP broadcasts rank 0's anyway)
+    net = resnet50(num_classes, stem=cfg.model.stem, zero_init_residual=cfg.model.zero_init_residual).to(device)
+    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = make_optimizer(cfg, model.parameters())
+    scheduler = make_scheduler(cfg, optimizer)
+    guard = Guard(model, optimizer, scheduler=scheduler, data=loader, checkpoint_dir=checkpoint_dir,
+                  save_every=cfg.save_every, keep=cfg.keep)
+    start_step = guard.step
+    if rank == 0:
+        log.info("ResNet-50 (%.1fM parameters, %s stem, %d classes) on %d ranks (%s/%s), %dx%d images, "
+                 "batch %d per rank, steps %d -> %d", sum(p.numel() for p in net.parameters()) / 1e6,
+                 cfg.model.stem, num_classes, world_size, device.type, cfg.backend, cfg.image_size,
+                 cfg.image_size, cfg.batch_size, start_step, cfg.steps)
+
+    step_times: list[float] = []
+    for step in guard.steps(cfg.steps):
+        began = time.perf_counter()
+        with guard.protect():
+            x, y = synthetic.batch(step, rank) if synthetic is not None else loader.next()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            guard.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.clip_grad_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+            guard.optimizer.step()
+            scheduler.step()
+        if guard.step != step + 1:
+            continue  # the step failed and was recovered: it runs again (or training resumes elsewhere)
+        step_times.append(time.perf_counter() - began)
+        if rank == 0 and cfg.log_every and (guard.step % cfg.log_every == 0 or guard.step == cfg.steps):
+            log.info("step %d/%d  loss %.4f  lr %.4g  %.3f s/step", guard.step, cfg.steps, loss.item(),
+                     scheduler.get_last_lr()[0], step_times[-1])
+
+    report = guard.report()
+    report.update({
+        "world_size": world_size,
+        "start_step": start_step,
+        "wall_s": round(time.perf_counter() - started, 3),
+        "step_time_s": round(statistics.median(step_times), 4) if step_times else None,
+        "faults": read_fault_log(checkpoint_dir / ".trainguard" / "faults.jsonl") if checkpoint_dir else [],
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    })
+    guard.close()
+    if rank == 0:
+        log.info("done: %d steps (this launch from %d), %d lost, median %.3f s/step, final state %s",
+                 report["steps_completed"], start_step, report["lost_steps"], report["step_time_s"] or 0.0,
+                 report["final_state_sha256"])
+        if report_path is not None:
+            report_path.parent.mkdir(parents=True, exist_ok=True)
+            report_path.write_text(json.dumps(report, indent=1) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Shared fixtures: running real jobs under ``trainguard run``, leak checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+@dataclass
+class Job:
+    rc: int
+    log: str
+    report: dict | None
+    ckpt: Path
+
+    def __str__(self) -> str:  # shown when an assertion about the job fails
+        return f"rc={self.rc}\n{self.log[-6000:]}"
+
+
+def run_job(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault: str | None = None,
+            strategies: str | None = None, save_every: int = 0, ckpt: Path | None = None,
+            env: dict | None = None, timeout: float = 150, script: Path | None = None,
+            extra_args: list[str] | None = None) -> Job:
+    """Launch ``tests/workers/tiny_train.py`` (or ``script``) with ``trainguard run``."""
+    ckpt = ckpt or tmp / f"{name}-ckpt"
+    report = tmp / f"{name}.json"
+    report.unlink(missing_ok=True)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    full_env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "TRAINGUARD_PRELOCK_TIMEOUT_S": "20",
+                     "PYTHONUNBUFFERED": "1"})
+    if fault:
+        full_env["TRAINGUARD_FAULT"] = fault
+    if strategies:
+        full_env["TRAINGUARD_STRATEGIES"] = strategies
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1",
+           *(extra_args or []), str(script or WORKERS / "tiny_train.py"), str(steps), str(report), str(ckpt),
+           str(save_every)]
+    proc = subprocess.run(cmd, env=full_env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+    data = json.loads(report.read_text()) if report.exists() else None
+    return Job(proc.returncode, proc.stdout + proc.stderr, data, ckpt)
+
+
+@pytest.fixture
+def job_runner(tmp_path):
+    def run(name: str, **kwargs) -> Job:
+        return run_job(tmp_path, name, **kwargs)
+
+    yield run
+    _assert_no_stray_processes(tmp_path)
+
+
+def _assert_no_stray_processes(tmp: Path) -> None:
+    """Every worker of a finished job must be gone."""
+    deadline = time.time() + 10
+    while True:
+        stray = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(tmp) in cmdline and int(pid) != os.getpid():
+                stray.append((pid, cmdline))
+        if not stray or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert not stray, f"processes left behind: {stray}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_trainguard_threads():
+    """Controllers and processors started by a test must be stopped by it."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    deadline = time.time() + 10
+    while True:
+        leaked = [t for t in threading.enumerate()
+                  if t.ident not in before and t.name.startswith("trainguard") and t.is_alive()
+                  and t.name != "trainguard-pg-retire"]
+        if not leaked or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert not leaked, f"threads left running: {[t.name for t in leaked]}"

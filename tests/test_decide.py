@@ -1,0 +1,165 @@
+"""The decision table: which plan each situation gets, and why."""
+
+import pytest
+
+from trainguard.core import (
+    EXIT_AFTER_DUMP,
+    ControllerConfig,
+    DataStatus,
+    Fault,
+    FaultKind,
+    RankState,
+    ReplicaGroup,
+    RunStatus,
+    Severity,
+    Strategy,
+    Transfer,
+    decide,
+)
+
+WORLD = 4
+FULL = {r: (ReplicaGroup.full(range(WORLD)),) for r in range(WORLD)}
+ALONE = {r: (ReplicaGroup.full([r]),) for r in range(WORLD)}
+CONFIG = ControllerConfig()
+
+
+def ranks(step=5, *, overrides=None):
+    out = {r: RankState(rank=r, step=step, data=DataStatus.UPDATED, run=RunStatus.STOPPED, stopped=True)
+           for r in range(WORLD)}
+    for r, fields in (overrides or {}).items():
+        out[r] = RankState(**{**out[r].__dict__, **fields})
+    return out
+
+
+def uce(rank=1, severity=Severity.HIGH):
+    return Fault(kind=FaultKind.UCE, rank=rank, severity=severity, message="UCE ERROR")
+
+
+def lost(rank=1):
+    return Fault(kind=FaultKind.PROCESS_LOST, rank=rank, message="killed")
+
+
+def test_uce_is_retried_from_a_replica():
+    plan, reason = decide(ranks(), [uce(1)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.RETRY
+    assert plan.step == 5
+    assert plan.transfers == (Transfer(src=2, dst=1),)  # MindIO's walk: rank + 1, + 2, ...
+    assert plan.participants == (0, 1, 2, 3)
+    assert "retry at step 5" in reason and "rank 1 from rank 2" in reason
+
+
+def test_comm_fault_is_retried_without_copying_state():
+    plan, _ = decide(ranks(), [Fault(kind=FaultKind.COMM, rank=2)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.RETRY
+    assert plan.transfers == ()
+
+
+def test_low_severity_uce_keeps_the_ranks_state():
+    plan, _ = decide(ranks(), [uce(1, Severity.LOW)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.RETRY and plan.transfers == ()
+
+
+def test_lock_is_the_highest_consistent_step_and_stale_ranks_are_repaired():
+    state = ranks(5, overrides={0: {"step": 6}, 3: {"step": 6}, 2: {"data": DataStatus.UPDATING}})
+    plan, _ = decide(state, [uce(1)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.RETRY and plan.step == 6
+    assert {t.dst for t in plan.transfers} == {1, 2}
+    assert {t.src for t in plan.transfers} <= {0, 3}
+
+
+def test_lost_process_falls_back_from_retry_to_dump():
+    plan, reason = decide(ranks(), [lost(2)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.DUMP
+    assert plan.savers == {0: 0} and plan.finaliser == 0
+    assert plan.exit_code == EXIT_AFTER_DUMP
+    assert reason.startswith("retry: rank 2: process lost")
+    assert "dump at step 5" in reason
+
+
+def test_uce_without_a_replica_exits():
+    # Each rank is its own replica group: nobody can repair rank 1, and its
+    # shard has no other copy to save either.
+    plan, reason = decide(ranks(), [uce(1)], CONFIG, 0.0, layout=ALONE)
+    assert plan.strategy is Strategy.EXIT
+    assert "no consistent replica at step 5 to repair rank 1" in reason
+    assert "dump: no consistent copy of shard [1]" in reason
+
+
+def test_sharded_state_dumps_one_saver_per_shard():
+    layout = {r: (ReplicaGroup(tuple(range(WORLD)), 2),) for r in range(WORLD)}  # shards {0,2} and {1,3}
+    plan, _ = decide(ranks(), [lost(0)], CONFIG, 0.0, layout=layout)
+    assert plan.strategy is Strategy.DUMP
+    assert sorted(plan.savers.values()) == [1, 2]
+
+
+def test_sharded_state_with_both_copies_lost_exits():
+    layout = {r: (ReplicaGroup(tuple(range(WORLD)), 2),) for r in range(WORLD)}
+    state = ranks(overrides={0: {"alive": False}, 2: {"alive": False}})
+    plan, reason = decide(state, [lost(0), lost(2)], CONFIG, 0.0, layout=layout)
+    assert plan.strategy is Strategy.EXIT
+    assert "dump: no consistent copy of shard [0, 2]" in reason
+
+
+def test_fault_at_step_zero_exits():
+    plan, reason = decide(ranks(step=0), [uce(1)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.EXIT
+    assert "retry: the fault came at step 0" in reason
+    assert "dump: the fault came at step 0" in reason
+
+
+def test_corrupted_state_forbids_retry_and_dump():
+    plan, reason = decide(ranks(), [uce(1, Severity.CORRUPTED)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.EXIT
+    assert reason.count("corrupted data may have reached the replicas") == 2
+
+
+def test_second_fault_excludes_the_strategy_that_failed():
+    plan, reason = decide(ranks(), [uce(1), lost(3)], CONFIG, 0.0, layout=FULL, tried={Strategy.RETRY})
+    assert plan.strategy is Strategy.DUMP
+    assert "retry: already failed in this episode" in reason
+
+
+def test_failed_dump_falls_back_to_exit():
+    plan, reason = decide(ranks(), [lost(1)], CONFIG, 0.0, layout=FULL, tried={Strategy.DUMP})
+    assert plan.strategy is Strategy.EXIT
+    assert "dump: already failed" in reason
+
+
+def test_device_that_cannot_repair_a_uce_escalates_to_dump():
+    state = ranks(overrides={1: {"device_repairable": False}})
+    plan, reason = decide(state, [uce(1)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.DUMP
+    assert "cannot be repaired in-process" in reason
+
+
+def test_rank_that_did_not_stop_blocks_retry_and_is_not_a_saver():
+    state = ranks(overrides={0: {"stopped": False}})
+    plan, reason = decide(state, [Fault(kind=FaultKind.HANG, rank=0)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.DUMP
+    assert plan.savers == {0: 1}
+    assert "retry only repairs in-process faults" in reason
+
+
+def test_unknown_error_is_not_retried_and_its_rank_does_not_save():
+    fault = Fault(kind=FaultKind.UNKNOWN, rank=0, message="ValueError: bad batch")
+    plan, _ = decide(ranks(), [fault], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.DUMP and plan.savers == {0: 1}
+
+
+@pytest.mark.parametrize("strategies", ["dump,exit", "dump"])
+def test_the_job_list_is_respected(strategies):
+    plan, _ = decide(ranks(), [uce(1)], ControllerConfig(strategies=strategies), 0.0, layout=FULL)
+    assert plan.strategy is Strategy.DUMP
+
+
+def test_exit_is_the_last_resort_even_when_not_listed():
+    plan, reason = decide(ranks(step=0), [uce(1)], ControllerConfig(strategies="retry"), 0.0, layout=FULL)
+    assert plan.strategy is Strategy.EXIT
+    assert reason.endswith("exit (no strategy left)")
+
+
+def test_strategies_of_later_versions_fall_through_with_a_reason():
+    config = ControllerConfig(strategies="recover-in-place,dump")
+    plan, reason = decide(ranks(), [lost(1)], config, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.DUMP
+    assert "recover-in-place: recover-in-place is not available" in reason

@@ -1,0 +1,77 @@
+"""Replica groups: shard identity, savers, repair sources, validation."""
+
+import pytest
+
+from trainguard.core import ConfigError, ReplicaGroup, Transfer, choose_savers, choose_sources
+from trainguard.core.replicas import shard_ids, validate_layout
+
+
+def layout_of(group, world):
+    return {r: (group,) for r in range(world)}
+
+
+def test_full_group_is_one_shard_everyone_holds():
+    g = ReplicaGroup.full(range(4))
+    assert g.num_shards == 1
+    assert g.copies(2) == [2, 3, 0, 1]
+    assert len(shard_ids(layout_of(g, 4))) == 1
+
+
+def test_mindio_offset_layout():
+    # 8 ranks, 2 copies: offset 4, shard i on positions i and i + 4.
+    g = ReplicaGroup(tuple(range(8)), 2)
+    assert [g.shard_of(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert g.copies(1) == [1, 5]
+    assert g.copies(5) == [5, 1]
+
+
+def test_shift_one_puts_copies_next_to_each_other():
+    g = ReplicaGroup(tuple(range(8)), 2, replica_shift=1)
+    assert [g.shard_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert g.copies(4) == [4, 5]
+
+
+def test_groups_over_non_contiguous_ranks():
+    g = ReplicaGroup((1, 3, 5, 7), 2)
+    assert g.copies(3) == [3, 7]
+
+
+def test_one_saver_per_shard_lowest_usable_rank():
+    layout = layout_of(ReplicaGroup(tuple(range(4)), 2), 4)
+    savers, missing = choose_savers(layout, usable={1, 2, 3})
+    assert sorted(savers.values()) == [1, 2] and missing == []
+    savers, missing = choose_savers(layout, usable={1, 3})
+    assert len(missing) == 1 and missing[0].copies == (0, 2)
+
+
+def test_sources_follow_the_walk_and_report_missing():
+    layout = layout_of(ReplicaGroup(tuple(range(6)), 3), 6)  # shards {0,2,4}, {1,3,5}
+    transfers, missing = choose_sources(layout, targets=[0], usable={4, 2})
+    assert transfers == [Transfer(2, 0)] and missing == []
+    transfers, missing = choose_sources(layout, targets=[1], usable={0, 2, 4})
+    assert transfers == [] and missing == [(1, 0)]
+
+
+def test_unregistered_target_has_no_source():
+    transfers, missing = choose_sources({0: (ReplicaGroup.full([0, 1]),)}, targets=[1], usable={0})
+    assert missing == [(1, 0)]
+
+
+@pytest.mark.parametrize("group, message", [
+    (ReplicaGroup((), 1), "empty rank_list"),
+    (ReplicaGroup((0, 0), 2), "repeats a rank"),
+    (ReplicaGroup((0, 1, 2), 2), "must be >= 1 and divide"),
+    (ReplicaGroup((0, 1, 2, 3), 2, replica_shift=3), "does not tile"),
+])
+def test_malformed_groups_are_refused(group, message):
+    with pytest.raises(ConfigError, match=message):
+        group.check()
+
+
+def test_layout_validation_names_the_problem():
+    with pytest.raises(ConfigError, match="not in its own replica group"):
+        validate_layout({0: (ReplicaGroup.full([1, 2]),)}, 4)
+    with pytest.raises(ConfigError, match="outside the world"):
+        validate_layout({0: (ReplicaGroup.full([0, 9]),)}, 4)
+    with pytest.raises(ConfigError, match="disagree"):
+        validate_layout({0: (ReplicaGroup.full([0, 1]),), 1: (ReplicaGroup((0, 1), 1),)}, 2)

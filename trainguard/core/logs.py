@@ -1,0 +1,38 @@
+"""Make trainguard's own messages visible without touching the user's logging.
+
+Recoveries, checkpoints and fallbacks are operational facts a user must see.
+When neither the ``trainguard`` logger nor the root logger has a handler (a
+training script that never configured logging), :func:`setup` gives the
+``trainguard`` logger one, writing to stderr at ``TRAINGUARD_LOG_LEVEL``
+(default INFO). A script that configured logging keeps full control.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["setup"]
+
+_MARK = "_trainguard_handler"
+
+
+def setup(who: str = "") -> None:
+    """Attach trainguard's stderr handler once, if nothing else would print.
+
+    Args:
+        who: a tag for every line, such as ``rank 3`` or ``launcher``.
+    """
+    logger = logging.getLogger("trainguard")
+    if any(getattr(h, _MARK, False) for h in logger.handlers):
+        return
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    setattr(handler, _MARK, True)
+    tag = f" {who}" if who else ""
+    handler.setFormatter(logging.Formatter(f"[trainguard{tag} %(levelname)s %(asctime)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO").upper())
+    logger.propagate = False
