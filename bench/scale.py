@@ -130,7 +130,7 @@ class Ranks:
         # Fields of an embedded message that appear twice are merged: the big
         # replica group is serialized once and appended to each rank's Hello.
         self.group = pb.RankMessage(hello=pb.Hello(replicas=[pb.ReplicaGroup(
-            rank_list=range(world), replica_cnt=world)])).SerializeToString() if not os.environ.get("NOGROUP") else b""
+            rank_list=range(world), replica_cnt=world)])).SerializeToString()
         n = len(ranks)
         self.welcome = [0.0] * n
         self.first = {k: [0.0] * n for k in KINDS}
@@ -138,6 +138,7 @@ class Ranks:
         self.calls: list = [None] * n
         self.locks = [asyncio.Lock() for _ in range(n)]
         self.sent = 0
+        self.refused = 0  # sessions the controller cancelled before Welcome
         self.errors: list[str] = []
 
     def hello(self, rank: int) -> bytes:
@@ -149,14 +150,26 @@ class Ranks:
         async with self.locks[i]:
             await self.calls[i].write(data)
 
+    async def session(self, i: int):
+        """Open rank ``i``'s session and wait for Welcome, again after a
+        random pause while the controller refuses it (see ``refused``)."""
+        while True:
+            session = self.channels[i % len(self.channels)].stream_stream(f"/{SERVICE}/Session")
+            call = self.calls[i] = session(metadata=self.md)
+            try:
+                await call.write(self.hello(self.ranks[i]))
+                await call.read()  # Welcome
+                self.welcome[i] = time.time()
+                return call
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                if await call.code() is not grpc.StatusCode.CANCELLED:
+                    raise
+                self.refused += 1
+                await asyncio.sleep(random.uniform(0.5, 2.0))
+
     async def rank(self, i: int) -> None:
-        rank = self.ranks[i]
-        session = self.channels[i % len(self.channels)].stream_stream(f"/{SERVICE}/Session")
-        call = self.calls[i] = session(metadata=self.md)
         try:
-            await call.write(self.hello(rank))
-            await call.read()  # Welcome
-            self.welcome[i] = time.time()
+            call = await self.session(i)
             reader = asyncio.ensure_future(self.read(i, call))
             loop = asyncio.get_running_loop()
             due = loop.time() + random.uniform(0, self.interval)
@@ -167,7 +180,7 @@ class Ranks:
                 self.sent += 1
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
             if len(self.errors) < 5:
-                self.errors.append(f"rank {rank}: {e!r}"[:300])
+                self.errors.append(f"rank {self.ranks[i]}: {e!r}"[:300])
 
     async def read(self, i: int, call) -> None:
         try:
@@ -203,7 +216,7 @@ class Ranks:
     def report(self) -> dict:
         got = {k: [t for t in v if t] for k, v in self.first.items()}
         welcomed = [t for t in self.welcome if t]
-        return {"welcomed": len(welcomed), "last_welcome": max(welcomed, default=0.0), "sent": self.sent,
+        return {"welcomed": len(welcomed), "last_welcome": max(welcomed, default=0.0), "sent": self.sent, "refused": self.refused,
                 "errors": self.errors, "cpu_s": cpu_s(os.getpid()),
                 **{f"n_{k}": len(v) for k, v in got.items()}, **{f"last_{k}": max(v, default=0.0) for k, v in got.items()}}
 
@@ -284,6 +297,7 @@ def run_size(n: int, a) -> dict:
         reports = wait_for(conns, lambda rs: sum(r["welcomed"] for r in rs) == n, a.register_timeout, 1.0)
         registered = sum(r["welcomed"] for r in reports)
         row["registered"] = registered
+        row["refused"] = sum(r["refused"] for r in reports)
         row["errors"] = [e for r in reports for e in r["errors"]][:3]
         if registered < n:
             row["register_s"] = None

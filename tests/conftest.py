@@ -81,6 +81,20 @@ def _assert_no_stray_processes(tmp: Path) -> None:
     assert not stray, f"processes left behind: {stray}"
 
 
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where a CUDA device is present."""
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_trainguard_threads():
     """Controllers and processors started by a test must be stopped by it."""

@@ -18,7 +18,7 @@ import sys
 import uuid
 from typing import Sequence
 
-from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, TrainguardError, check_env, logs
+from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, FaultSpec, TrainguardError, check_env, logs
 
 __all__ = ["main", "parser"]
 
@@ -65,6 +65,7 @@ def launch(argv: Sequence[str]) -> int:
     from .agent import TrainguardAgent
 
     check_env()
+    FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", ""))  # refuse a malformed fault before spawning anything
     args = parser().parse_args(argv)
     _standalone_defaults(args)
     config, cmd, cmd_args = config_from_args(args)

@@ -1,0 +1,111 @@
+"""The torch Guard's contract, in one process (world size 1, no controller)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainguard.core import ConfigError, FaultInjector, FaultSpec
+from trainguard.torch import Guard, GuardedOptimizer, state_sha256
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    for name in [n for n in __import__("os").environ if n.startswith("TRAINGUARD_")]:
+        monkeypatch.delenv(name)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield tmp_path
+    dist.destroy_process_group()
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt
+
+
+def train(guard, model, steps, scaler=None, sched=None):
+    for step in guard.steps(steps):
+        with guard.protect():
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(4, 8, generator=g)
+            loss = model(x).square().mean()
+            guard.optimizer.zero_grad()
+            if scaler is None:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                guard.optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(guard.optimizer)
+                scaler.step(guard.optimizer)
+                scaler.update()
+            if sched is not None:
+                sched.step()
+
+
+def test_wrapper_behaves_like_the_optimizer_for_schedulers_and_scalers(world):
+    model, opt = make()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    guard = Guard(model, opt, scheduler=sched, scaler=scaler)
+    assert isinstance(guard.optimizer, GuardedOptimizer)
+    assert guard.optimizer.param_groups is opt.param_groups
+    train(guard, model, 5, scaler=scaler, sched=sched)
+    assert guard.step == 5 and guard.processor.step == 5
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+    guard.close()
+
+
+def test_the_loop_body_must_be_protected(world):
+    model, opt = make()
+    guard = Guard(model, opt)
+    with pytest.raises(ConfigError, match="with guard.protect"):
+        for _ in guard.steps(3):
+            pass
+    guard.close()
+
+
+def test_wrong_usage_is_refused(world):
+    model, opt = make()
+    with pytest.raises(ConfigError, match="pass the plain optimizer"):
+        Guard(model, GuardedOptimizer(opt, lambda: None, lambda: None))
+    with pytest.raises(ConfigError, match="save_every needs a checkpoint_dir"):
+        Guard(model, opt, save_every=5)
+    model.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+    with pytest.raises(ConfigError, match="its own DDP comm hook"):
+        Guard(model, opt)
+
+
+def test_without_a_controller_a_fault_is_raised_not_swallowed(world):
+    model, opt = make()
+    injector = FaultInjector(FaultSpec.parse("uce:rank=0,step=2,phase=backward"), rank=0)
+    guard = Guard(model, opt, injector=injector)
+    with pytest.raises(RuntimeError, match="UCE ERROR"):
+        train(guard, model, 5)
+    assert guard.step == 2
+    guard.close()
+
+
+def test_periodic_checkpoints_resume_to_the_same_state(world):
+    ckpt = world / "ckpt"
+    model, opt = make()
+    guard = Guard(model, opt, checkpoint_dir=ckpt, save_every=3)
+    train(guard, model, 8)
+    straight = state_sha256({"model": model.module.state_dict(), "optimizer": opt.state_dict()})
+    guard.close()
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step")) == ["step_00000003",
+                                                                                  "step_00000006"]
+
+    model, opt = make(seed=1)  # different init: everything must come from the checkpoint
+    guard = Guard(model, opt, checkpoint_dir=ckpt)
+    assert guard.step == 6
+    train(guard, model, 8)
+    resumed = state_sha256({"model": model.module.state_dict(), "optimizer": opt.state_dict()})
+    guard.close()
+    assert resumed == straight
