@@ -13,13 +13,17 @@ command), and the final state is the one a fault-free run reaches: compare
 
 from __future__ import annotations
 
+import time
+
+SCRIPT_STARTED = time.perf_counter()  # before the heavy imports: wall_s in the report is the script's wall time
+
 import json
 import logging
 import os
 import random
+import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import hydra
@@ -33,8 +37,8 @@ from trainguard.core.faults import read_fault_log
 from trainguard.torch import Guard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # model.py, data.py next to this file
-from data import ImageFolder, ResumableLoader, SyntheticImages  # noqa: E402
-from model import resnet50  # noqa: E402
+from data import ImageFolder, ResumableLoader, SyntheticImages
+from model import resnet50
 
 log = logging.getLogger("resnet50")
 
@@ -42,6 +46,12 @@ log = logging.getLogger("resnet50")
 def launch_path(path: str | None) -> Path | None:
     """``path`` relative to the directory the job was launched from."""
     return None if path in (None, "") else Path(hydra.utils.to_absolute_path(str(path)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_optimizer(cfg: DictConfig, params) -> torch.optim.Optimizer:
@@ -67,7 +77,6 @@ def make_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    started = time.perf_counter()
     report_path, checkpoint_dir = launch_path(cfg.report), launch_path(cfg.checkpoint_dir)
 
     # The fault must be in the environment before the Guard reads it.
@@ -75,6 +84,9 @@ def main(cfg: DictConfig) -> None:
     if cfg.fault and env_fault is None:
         os.environ["TRAINGUARD_FAULT"] = str(cfg.fault)
 
+    if "WORLD_SIZE" not in os.environ:  # plain `python train.py ...`: a one-process job (checkpoints, no recovery)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     if cfg.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -147,7 +159,7 @@ def main(cfg: DictConfig) -> None:
     report.update({
         "world_size": world_size,
         "start_step": start_step,
-        "wall_s": round(time.perf_counter() - started, 3),
+        "wall_s": round(time.perf_counter() - SCRIPT_STARTED, 3),
         "step_time_s": round(statistics.median(step_times), 4) if step_times else None,
         "faults": read_fault_log(checkpoint_dir / ".trainguard" / "faults.jsonl") if checkpoint_dir else [],
         "config": OmegaConf.to_container(cfg, resolve=True),
