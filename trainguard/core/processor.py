@@ -200,6 +200,8 @@ class Processor:
         if self._reader is not None:
             self._reader.join(timeout=5)
         if self._reader is not None and self._reader.is_alive():
+            log.warning("rank %d: the controller did not end the session after %s; cancelling it",
+                        self.rank, "Goodbye" if finished else "close")
             self._call.cancel()
             self._reader.join(timeout=5)
         if self._exit_timer is not None:

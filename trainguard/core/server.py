@@ -98,6 +98,8 @@ class _Service:
                     self.core.on_disconnect(rank)
 
     async def _read(self, rank: int, stream, queue: asyncio.Queue, state: dict) -> None:
+        """Feed the rank's messages to the core; end the session (``_END``)
+        after Goodbye, when the stream breaks, or on a controller bug."""
         try:
             async for msg in stream:
                 if isinstance(msg, Refused):
@@ -107,14 +109,14 @@ class _Service:
                 self._dispatch(rank, body, msg)
                 if body == "goodbye":
                     state["goodbye"] = True
-                    return
+                    break
         except ProtocolError as e:
             queue.put_nowait(_Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
             return
         except asyncio.CancelledError:
             raise
         except grpc.RpcError:
-            pass  # the stream broke: the finally clause reports the loss
+            pass  # the stream broke: the session's finally clause reports the loss
         except Exception:  # a bug in the controller must not take the server down
             log.exception("controller error while handling rank %d", rank)
         queue.put_nowait(_END)

@@ -1,0 +1,154 @@
+"""The ResNet-50 training loop the benchmarks time, in two modes.
+
+* ``plain``: what users run today -- DDP, a ``torch.save`` checkpoint every
+  ``--save-every`` steps by rank 0, resume from the newest one at start. A
+  fault (``--fault-step``) raises a device memory error on rank 1 in its
+  backward pass in the first launch only; the process dies and
+  ``torchrun --max-restarts`` relaunches everyone.
+* ``guard``: the same loop protected by trainguard's Guard (faults come from
+  ``TRAINGUARD_FAULT``, set by the benchmark).
+
+Rank 0 appends one JSON line per event to ``--timeline``: ``start`` (process
+start), ``ready`` (model built, checkpoint loaded), ``step`` (a step
+completed, with its duration) and, in plain mode, ``fault``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+T_START = time.time()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "resnet50" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def note(path: Path, **event) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"t": time.time(), "pid": os.getpid(), **event}) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["plain", "guard"], required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--timeline", type=Path, required=True)
+    p.add_argument("--ckpt", type=Path, required=True)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--fault-step", type=int, default=-1)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--image-size", type=int, default=32)
+    args = p.parse_args()
+
+    model_mod, data_mod = _load("model"), _load("data")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    timeline = args.timeline if rank == 0 else None
+    if timeline:
+        note(timeline, event="start", at=T_START, mode=args.mode)
+    torch.manual_seed(0)
+    model = DDP(model_mod.resnet50(num_classes=10, stem="small"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.steps, 1))
+    data = data_mod.SyntheticImages(0, 10, args.batch_size, args.image_size)
+
+    if args.mode == "guard":
+        from trainguard.torch import Guard
+
+        guard = Guard(model, opt, scheduler=sched, checkpoint_dir=args.ckpt, save_every=args.save_every)
+        steps, optimizer, start = guard.steps(args.steps), guard.optimizer, guard.step
+        protect = guard.protect
+    else:
+        start = _plain_resume(args.ckpt, model, opt, sched)
+        steps, optimizer, protect = iter(range(start, args.steps)), opt, _NoProtect
+        if args.fault_step >= 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and rank == 1:
+            _arm_plain_fault(model, args.fault_step)
+    if timeline:
+        note(timeline, event="ready", step=start)
+
+    for step in steps:
+        with protect():
+            t0 = time.perf_counter()
+            _CURRENT[0] = step
+            x, y = data.batch(step, rank)
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            optimizer.step()
+            sched.step()
+        done = step + 1
+        if args.mode == "guard" and guard.step != done:
+            continue  # the step failed and was recovered: it runs again
+        if args.mode == "plain" and args.save_every and done % args.save_every == 0:
+            _plain_save(args.ckpt, done, model, opt, sched)
+        if timeline:
+            note(timeline, event="step", step=done, seconds=time.perf_counter() - t0)
+    if args.mode == "guard":
+        guard.close()
+    dist.destroy_process_group()
+
+
+_CURRENT = [0]
+
+
+class _NoProtect:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _arm_plain_fault(model: DDP, fault_step: int) -> None:
+    params = [p for p in model.module.parameters() if p.requires_grad]
+
+    def hook(grad):
+        if _CURRENT[0] == fault_step:
+            note(Path(os.environ["BENCH_FAULT_LOG"]), event="fault", step=fault_step)
+            raise RuntimeError("UCE ERROR: injected device memory error (baseline)")
+        return grad
+
+    params[len(params) // 2].register_hook(hook)
+
+
+def _plain_save(ckpt: Path, step: int, model: DDP, opt, sched) -> None:
+    if dist.get_rank() == 0:
+        ckpt.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt / f"ckpt_{step:08d}.pt.tmp"
+        torch.save({"step": step, "model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict()}, tmp)
+        tmp.rename(ckpt / f"ckpt_{step:08d}.pt")
+    dist.barrier()
+
+
+def _plain_resume(ckpt: Path, model: DDP, opt, sched) -> int:
+    files = sorted(ckpt.glob("ckpt_*.pt")) if ckpt.is_dir() else []
+    if not files:
+        return 0
+    state = torch.load(files[-1], weights_only=True)
+    model.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    return state["step"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
