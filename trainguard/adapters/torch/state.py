@@ -5,14 +5,16 @@ scalars (what ``state_dict()`` methods return). :func:`flatten` splits it
 into a JSON *skeleton* and a list of tensors, so it can cross a process group
 without pickling and be hashed canonically (:func:`state_sha256`).
 :func:`send_state` / :func:`recv_state` move it between two ranks as one
-header plus one buffer per dtype, and the receiver verifies the checksum the
-sender computed.
+header plus one buffer per dtype, and the receiver verifies the CRC32 the
+sender computed (a transfer between live ranks needs to catch accidental
+corruption, not forgery; checkpoints on disk use SHA-256).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from typing import Any
 
 import torch
@@ -68,9 +70,10 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return skeleton
 
 
-def _bytes(t: torch.Tensor) -> bytes:
+def _raw(t: torch.Tensor):
+    """The tensor's bytes as a buffer hashlib can read without a copy (CPU)."""
     t = t.detach().contiguous().cpu().reshape(-1)
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return t.view(torch.uint8).numpy() if t.numel() else b""
 
 
 def state_sha256(obj: Any) -> str:
@@ -79,7 +82,7 @@ def state_sha256(obj: Any) -> str:
     h = hashlib.sha256(json.dumps(skeleton, sort_keys=True).encode())
     for t in tensors:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(_bytes(t))
+        h.update(_raw(t))
     return h.hexdigest()
 
 
@@ -102,21 +105,36 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _crc32(t: torch.Tensor) -> int:
+    return zlib.crc32(_raw(t))
+
+
+def _send_bytes(group: Any, data: bytes, dst: int, tag: int, device: torch.device) -> None:
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    group.send([torch.tensor([raw.numel()], dtype=torch.int64, device=device)], dst, tag).wait()
+    group.send([raw], dst, tag + 1).wait()
+
+
+def _recv_bytes(group: Any, src: int, tag: int, device: torch.device) -> bytes:
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    group.recv([length], src, tag).wait()
+    raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    group.recv([raw], src, tag + 1).wait()
+    return raw.cpu().numpy().tobytes()
+
+
 def send_state(group: Any, obj: Any, dst: int, *, device: torch.device) -> None:
-    """Send ``obj`` to ``dst`` over ``group`` (point to point)."""
+    """Send ``obj`` to ``dst`` over ``group`` (point to point): a header
+    (structure, shapes), one buffer per dtype, then a CRC32 of each buffer
+    (computed while the receiver checks its copy)."""
     skeleton, tensors = flatten(obj)
     metas, buffers = _pack(tensors)
-    header = json.dumps({
-        "skeleton": skeleton,
-        "tensors": metas,
-        "buffers": {k: {"numel": b.numel(), "sha256": hashlib.sha256(_bytes(b)).hexdigest()}
-                    for k, b in buffers.items()},
-    }).encode()
-    raw = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
-    group.send([torch.tensor([raw.numel()], dtype=torch.int64, device=device)], dst, 0).wait()
-    group.send([raw], dst, 1).wait()
-    for i, key in enumerate(sorted(buffers)):
+    keys = sorted(buffers)
+    header = {"skeleton": skeleton, "tensors": metas, "buffers": {k: buffers[k].numel() for k in keys}}
+    _send_bytes(group, json.dumps(header).encode(), dst, 0, device)
+    for i, key in enumerate(keys):
         group.send([buffers[key].to(device)], dst, 2 + i).wait()
+    _send_bytes(group, json.dumps({k: _crc32(buffers[k]) for k in keys}).encode(), dst, 2 + len(keys), device)
 
 
 def recv_state(group: Any, src: int, *, device: torch.device) -> Any:
@@ -126,28 +144,31 @@ def recv_state(group: Any, src: int, *, device: torch.device) -> Any:
     Raises:
         RecoveryError: the header is malformed or a buffer fails its checksum.
     """
-    length = torch.zeros(1, dtype=torch.int64, device=device)
-    group.recv([length], src, 0).wait()
-    raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    group.recv([raw], src, 1).wait()
     try:
-        header = json.loads(raw.cpu().numpy().tobytes())
-        skeleton, metas, specs = header["skeleton"], header["tensors"], header["buffers"]
+        header = json.loads(_recv_bytes(group, src, 0, device))
+        skeleton, metas, sizes = header["skeleton"], header["tensors"], header["buffers"]
     except (ValueError, KeyError) as e:
         raise RecoveryError(f"malformed state header from rank {src}: {e}") from None
+    keys = sorted(sizes)
     buffers = {}
-    for i, key in enumerate(sorted(specs)):
-        buf = torch.empty(specs[key]["numel"], dtype=_dtype(key), device=device)
-        group.recv([buf], src, 2 + i).wait()
-        if hashlib.sha256(_bytes(buf)).hexdigest() != specs[key]["sha256"]:
-            raise RecoveryError(f"state received from rank {src} fails its checksum ({key} buffer)")
-        buffers[key] = buf
+    for i, key in enumerate(keys):
+        buffers[key] = torch.empty(sizes[key], dtype=_dtype(key), device=device)
+        group.recv([buffers[key]], src, 2 + i).wait()
+    mine = {k: _crc32(buffers[k]) for k in keys}
+    try:
+        theirs = json.loads(_recv_bytes(group, src, 2 + len(keys), device))
+    except ValueError as e:
+        raise RecoveryError(f"malformed checksums from rank {src}: {e}") from None
+    bad = [k for k in keys if theirs.get(k) != mine[k]]
+    if bad:
+        raise RecoveryError(f"state received from rank {src} fails its checksum ({', '.join(bad)} buffer)")
     tensors = []
     for m in metas:
         n = 1
         for d in m["shape"]:
             n *= d
-        t = buffers[m["dtype"]][m["offset"]:m["offset"] + n].view(m["shape"]).clone()
+        # A view into the received buffer: load_state_dict copies what it keeps.
+        t = buffers[m["dtype"]][m["offset"]:m["offset"] + n].view(m["shape"])
         if torch.device(m["device"]).type == "cpu":
             t = t.cpu()
         tensors.append(t)

@@ -1,0 +1,126 @@
+"""State flattening, hashing and rank-to-rank transfer (two ranks on threads)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainguard.core import ForceStop, RecoveryError
+from trainguard.torch import AbortableProcessGroup, state_sha256
+from trainguard.adapters.torch.state import flatten, recv_state, send_state, unflatten
+
+CPU = torch.device("cpu")
+
+
+def sample_state():
+    return {
+        "model": {"w": torch.randn(3, 4), "n": torch.tensor(7), "h": torch.randn(5).half()},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 4)}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0], "nesterov": False,
+                                        "name": None}]},
+    }
+
+
+def assert_same(a, b):
+    assert state_sha256(a) == state_sha256(b)
+
+
+def test_flatten_roundtrip_keeps_int_keys_and_tuples():
+    state = sample_state()
+    skeleton, tensors = flatten(state)
+    back = unflatten(skeleton, tensors)
+    assert set(back["optimizer"]["state"]) == {0}
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert_same(state, back)
+
+
+def test_unsupported_values_are_named():
+    with pytest.raises(TypeError, match=r"cannot carry a set at .model.bad"):
+        flatten({"model": {"bad": {1, 2}}})
+
+
+def test_hash_sees_values_dtypes_and_shapes():
+    a = {"t": torch.zeros(4)}
+    assert state_sha256(a) != state_sha256({"t": torch.zeros(2, 2)})
+    assert state_sha256(a) != state_sha256({"t": torch.zeros(4, dtype=torch.float64)})
+    b = {"t": torch.zeros(4)}
+    b["t"][2] = 1e-30
+    assert state_sha256(a) != state_sha256(b)
+
+
+def two_ranks(fn, group_cls=AbortableProcessGroup):
+    store = dist.HashStore()
+    results, errors = {}, {}
+
+    def run(rank):
+        try:
+            results[rank] = fn(group_cls(store, rank, 2), rank)
+        except BaseException as e:  # reported to the test below
+            errors[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results, errors
+
+
+def test_state_moves_between_ranks_intact():
+    state = sample_state()
+
+    def body(group, rank):
+        if rank == 0:
+            send_state(group, state, 1, device=CPU)
+            return None
+        return recv_state(group, 0, device=CPU)
+
+    results, errors = two_ranks(body)
+    assert not errors, errors
+    assert_same(results[1], state)
+
+
+class FlippingGroup(AbortableProcessGroup):
+    """Flips one byte of the data buffer this rank receives (tag 2)."""
+
+    def recv(self, tensors, src, tag=0):
+        work = super().recv(tensors, src, tag)
+        if self.rank() == 1 and tag == 2:
+            work.wait()
+            tensors[0].view(torch.uint8)[5] ^= 0xFF
+        return work
+
+
+def test_a_corrupted_transfer_is_detected():
+    def body(group, rank):
+        if rank == 0:
+            send_state(group, {"w": torch.randn(1000)}, 1, device=CPU)
+        else:
+            recv_state(group, 0, device=CPU)
+
+    _, errors = two_ranks(body, FlippingGroup)
+    assert isinstance(errors.get(1), RecoveryError) and "fails its checksum" in str(errors[1])
+
+
+def test_stop_releases_a_blocked_collective_and_refuses_new_ones():
+    done = threading.Event()
+
+    def body(group, rank):
+        if rank == 1:
+            done.wait(30)  # alive but never joins the all-reduce: rank 0 would wait for gloo's timeout
+            return "idle"
+        work = group.allreduce([torch.ones(3)])
+        threading.Timer(0.2, group.stop).start()
+        with pytest.raises(ForceStop):
+            work.wait()
+        with pytest.raises(ForceStop, match="refused"):
+            group.allreduce([torch.ones(3)]).wait()
+        done.set()
+        return "released"
+
+    results, errors = two_ranks(body)
+    assert not errors, errors
+    assert results == {0: "released", 1: "idle"}
