@@ -62,6 +62,16 @@ def test_wrapper_behaves_like_the_optimizer_for_schedulers_and_scalers(world):
     guard.close()
 
 
+def test_ddp_keeps_its_initial_bucket_layout(world):
+    # A rebuild after the first step would make a relaunched process (which
+    # starts with the initial layout) sum gradients in another order.
+    model, opt = make()
+    guard = Guard(model, opt)
+    train(guard, model, 4)
+    assert model._get_ddp_logging_data().get("has_rebuilt_buckets", 0) == 0
+    guard.close()
+
+
 def test_the_loop_body_must_be_protected(world):
     model, opt = make()
     guard = Guard(model, opt)

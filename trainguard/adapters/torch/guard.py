@@ -172,21 +172,24 @@ class Guard:
         return processor
 
     def attach_ddp(self) -> None:
-        """Point DDP at the (possibly rebuilt) process group and pin its
-        gradient buckets.
+        """Point DDP at the (possibly rebuilt) process group, with the
+        reducer's per-step state reset after an abandoned step."""
+        self.ddp._update_process_group(self.process_group)
+        self.keep_bucket_layout()
 
-        DDP normally runs its first iteration with buckets in reverse
-        registration order and then rebuilds them in autograd order. Where an
-        element sits in a bucket decides the order in which ranks' values are
-        summed, so a process that starts at step n (after a relaunch, or with
-        a reset reducer after a repair) would round differently from one that
-        never stopped. Rebuilding once, before any step, from the same order
-        in every process fixes the layout for the whole job.
+    def keep_bucket_layout(self) -> None:
+        """Keep DDP's initial gradient-bucket layout for the whole job.
+
+        DDP runs its first iteration with buckets in reverse registration
+        order, then rebuilds them in the order gradients became ready. Where
+        an element sits in a bucket decides the order in which the ranks'
+        values are summed, so a process that starts at step n (a relaunch)
+        would round its first step differently from one that never stopped.
+        Dropping the parameters the reducer collected for a rebuild (before
+        the next forward, which would rebuild) keeps one layout -- DDP's own
+        initial guess, launched in the same order -- in every process.
         """
-        self.ddp._update_process_group(self.process_group)  # also resets the reducer's per-step state
-        self.ddp.reducer._push_all_rebuilt_params()
-        self.ddp.reducer._rebuild_buckets()
-        self.ddp._has_rebuilt_buckets = True
+        self.ddp.reducer._reset_state()
 
     def _install_fault_hooks(self) -> None:
         module = self.state.module
@@ -247,6 +250,8 @@ class Guard:
         self._step += 1
         self._updated = False
         self.state.commit(self._step)
+        if self.ddp is not None:
+            self.keep_bucket_layout()
         self.injector.after_step(self._step, time.perf_counter() - self._step_started)
         if self.save_every and self._step % self.save_every == 0:
             self.save()
