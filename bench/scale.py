@@ -1,45 +1,50 @@
 """Controller scale: one controller, thousands of simulated ranks.
 
-What it measures, for 1024, 4096 and 16384 ranks (``--quick``: 256):
+For 1024, 4096 and 16384 ranks (``--quick``: 256) it measures
 
-* ``register_s`` -- from the moment every simulated rank opens its session
-  (all at once, as when a job starts) until the last one got its Welcome;
-* ``controller_cpu_pct`` -- CPU of the controller process (all its threads,
-  from ``/proc/<pid>/stat``) over a steady window of pure heartbeating at
-  the default interval (``ControllerConfig().heartbeat_interval_s``, 1 s),
-  in % of one core; ``state_after_steady`` says whether it stayed NORMAL
-  (a controller that falls behind declares ranks hung);
-* one fault: a rank reports a UCE (severity HIGH); the controller stops every
-  other rank, collects their ``stopped`` answers, decides (a retry: every
-  rank is in one full replica group) and sends the plan. Reported from the
-  moment the fault was written: ``fault_to_all_stop_s`` (every other rank
-  received ``stop``), ``fault_to_all_plan_s`` (every rank received its first
-  plan command, ``clean``) and ``fault_to_resume_s`` (every rank received
-  ``resume``: the recovery is over).
+* ``register_s``: every rank opens its session at once, as when a job
+  starts; seconds until the last one got its Welcome. ``refused_first``
+  counts ranks whose first try the controller cancelled (gRPC's server
+  cancels calls past its pending-request limit); they try again after a
+  random pause, at most ``RETRYING`` at a time per client process. A real
+  processor does not retry: for it each of these is a failed start;
+* ``controller_cpu_pct``: CPU of the controller process (all threads,
+  ``/proc/<pid>/stat``) while every rank heartbeats at the default interval
+  (``ControllerConfig().heartbeat_interval_s``, 1 s), in % of one core, and
+  ``state_after_steady``: NORMAL unless the controller fell behind and
+  declared ranks hung;
+* one fault: rank N/2 reports a UCE (severity HIGH). The controller stops
+  every other rank, collects their ``stopped``, decides (a retry: all ranks
+  share one full replica group) and sends the plan. From the moment the
+  fault was written: ``fault_to_all_stop_s`` (the N-1 others received
+  ``stop``), ``fault_to_all_plan_s`` (every rank received its first plan
+  command, ``clean``), ``fault_to_resume_s`` (every rank received
+  ``resume``: recovery over).
 
 How: the controller (``trainguard.core.server.Controller``, unchanged) runs
-in its own process. The ranks are not processors but asyncio coroutines in
-``--clients`` client processes; each rank owns one gRPC bidi stream, and the
-streams of a process share channels (``--streams-per-channel``; each channel
-is its own TCP connection). A rank sends Hello (world size, pid, the full
-replica group, step 100 TRAINING UPDATED), then a heartbeat every interval
-from a random offset, answers ``stop`` with ``stopped`` and every other
-command but ``resume`` and ``exit`` with an ok ``result``, as the real
-processor does. Messages are serialized once where they never change.
-Every process raises its open-file soft limit to the hard limit.
-All processes share one machine, so times are ``time.time()`` stamps taken
-where a message was written or read; the client processes compete with the
-controller for the cores, and their CPU is reported beside it.
+in its own process. Ranks are asyncio coroutines in ``--clients`` client
+processes, each rank one gRPC bidi stream; the streams of a process share
+channels (``--streams-per-channel``, one TCP connection each). A rank sends
+Hello (its rank, the world size, the full replica group, step 100 TRAINING
+UPDATED, device repairable), heartbeats every interval from a random offset,
+answers ``stop`` with ``stopped`` and other commands but ``resume`` and
+``exit`` with an ok ``result``, like the real processor. Constant messages
+are serialized once. Every process raises its open-file soft limit to the
+hard limit. Times are ``time.time()`` stamps where a message was written or
+read, on one machine; the clients compete with the controller for the cores
+(their CPU is reported) and so does whatever else runs (``loadavg_1m``).
 
 ``--emulate-registration-fix`` is a what-if, never the default: inside the
-controller process it replaces ``validate_layout`` by a no-op and interns
-equal replica groups, to show the numbers once registration stops costing
-O(N^2) and more (see the results' ``note``).
+controller process each Hello is validated against nothing and equal replica
+groups are shared (see :func:`_emulate_registration_fix`), to show what
+follows once registration stops costing O(N^2) and more. Its results go to
+``scale[-quick]-registration-fix.json``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -62,13 +67,13 @@ from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.rpc import SERVICE, auth_metadata, new_token
 
 STEP = 100
-KINDS = ("stop", "clean", "resume")  # commands whose arrival times are kept
+KINDS = ("stop", "clean", "resume")  # commands whose first arrival per rank is kept
+RETRYING = 128  # refused sessions trying again at once, per client process
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def raise_nofile() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
 
 
 def cpu_s(pid: int) -> float:
@@ -80,17 +85,38 @@ def cpu_s(pid: int) -> float:
 
 # ------------------------------------------------------------- controller
 def _emulate_registration_fix() -> None:
+    """What-if. ``ControllerCore.on_hello`` re-validates the layout of every
+    registered rank at each Hello (O(N^2 g) and worse for groups of g ranks)
+    and keeps one copy of the group per rank (O(N g) memory). Here it sees a
+    layout of the new rank alone, ``validate_layout`` does nothing (a real fix
+    checks each distinct group once) and equal groups are shared. The rest of
+    ``on_hello``, and everything else, runs as committed."""
     from trainguard.core import controller
+    from trainguard.core.api import ControllerState, ProtocolError
 
-    real, interned = controller.ReplicaGroup, {}
+    real_group, interned, real_on_hello = controller.ReplicaGroup, {}, controller.ControllerCore.on_hello
 
     def group(rank_list, replica_cnt, replica_shift=0):
         key = (rank_list, replica_cnt, replica_shift)
-        return interned.setdefault(key, real(rank_list, replica_cnt, replica_shift))
+        return interned.setdefault(key, real_group(*key))
 
-    group.full = real.full
+    def on_hello(self, hello):
+        old = self.ranks.get(hello.rank)
+        if old is not None and old.alive:
+            raise ProtocolError(f"rank {hello.rank} is already registered by pid {old.pid} on {old.host}")
+        ranks, self.ranks = self.ranks, {}
+        try:
+            real_on_hello(self, hello)
+        finally:
+            ranks.update(self.ranks)
+            self.ranks = ranks
+        if self.state is ControllerState.INIT and len(ranks) == self.world_size:
+            self._to(ControllerState.NORMAL)
+
+    group.full = real_group.full
     controller.ReplicaGroup = group
     controller.validate_layout = lambda layout, world_size: None
+    controller.ControllerCore.on_hello = on_hello
 
 
 def controller_main(world: int, token: str, conn, emulate_fix: bool) -> None:
@@ -103,12 +129,19 @@ def controller_main(world: int, token: str, conn, emulate_fix: bool) -> None:
     conn.send(ctl.start())
     while (req := conn.recv()) != "stop":
         try:
+            if req == "state":
+                conn.send(ctl.state.name)
+                continue
             snap = ctl.snapshot()
             last = snap["recoveries"][-1] if snap["recoveries"] else {}
-            conn.send({"state": snap["state"], "strategy": last.get("strategy"), "recover_s": last.get("recover_s")})
+            conn.send({"state": snap["state"], "strategy": last.get("strategy"),
+                       "recover_s": last.get("recover_s"), "reason": last.get("reason", "")[:400]})
         except Exception as e:  # a controller stuck in a long call does not answer within 30 s
-            conn.send({"state": f"unresponsive ({type(e).__name__})"})
-    logging.getLogger("trainguard").setLevel(logging.CRITICAL)  # the stop reads as every rank lost
+            conn.send(f"unresponsive ({type(e).__name__})" if req == "state" else {"state": "unresponsive"})
+    # The shutdown reads as every rank lost, and gRPC prints a traceback for
+    # each session it cancels: not part of the measurement.
+    logging.getLogger("trainguard").setLevel(logging.CRITICAL)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     ctl.stop(grace_s=0.5)
     conn.send(None)
 
@@ -120,56 +153,52 @@ class Ranks:
     def __init__(self, ranks, world, address, token, interval, per_channel):
         self.ranks, self.world, self.interval = ranks, world, interval
         self.md = auth_metadata(token)
-        n_ch = max(1, -(-len(ranks) // per_channel))
         opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
-        self.channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(n_ch)]
-        status = {run: pb.Status(step=STEP, run=run, data=pb.UPDATED) for run in (pb.TRAINING, pb.STOPPED)}
-        self.status = status
-        self.heartbeat = {run: pb.RankMessage(heartbeat=s).SerializeToString() for run, s in status.items()}
-        self.stopped_msg = pb.RankMessage(stopped=status[pb.STOPPED]).SerializeToString()
-        # Fields of an embedded message that appear twice are merged: the big
+        self.channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(-(-len(ranks) // per_channel))]
+        self.status = {run: pb.Status(step=STEP, run=run, data=pb.UPDATED) for run in (pb.TRAINING, pb.STOPPED)}
+        self.heartbeat = {run: pb.RankMessage(heartbeat=s).SerializeToString() for run, s in self.status.items()}
+        self.stopped_msg = pb.RankMessage(stopped=self.status[pb.STOPPED]).SerializeToString()
+        # An embedded message's fields that appear twice are merged: the big
         # replica group is serialized once and appended to each rank's Hello.
         self.group = pb.RankMessage(hello=pb.Hello(replicas=[pb.ReplicaGroup(
             rank_list=range(world), replica_cnt=world)])).SerializeToString()
         n = len(ranks)
-        self.welcome = [0.0] * n
+        self.welcome, self.run, self.calls = [0.0] * n, [pb.TRAINING] * n, [None] * n
         self.first = {k: [0.0] * n for k in KINDS}
-        self.run = [pb.TRAINING] * n
-        self.calls: list = [None] * n
-        self.locks = [asyncio.Lock() for _ in range(n)]
-        self.sent = 0
-        self.refused = 0  # sessions the controller cancelled before Welcome
+        self.locks = [asyncio.Lock() for _ in range(n)]  # one write at a time per stream
+        self.retrying = asyncio.Semaphore(RETRYING)
+        self.sent = self.refused = self.refused_first = 0
         self.errors: list[str] = []
-
-    def hello(self, rank: int) -> bytes:
-        return pb.RankMessage(hello=pb.Hello(
-            rank=rank, world_size=self.world, pid=os.getpid(), host="sim", device="sim",
-            device_repairable=True, status=self.status[pb.TRAINING])).SerializeToString() + self.group
 
     async def write(self, i: int, data: bytes) -> None:
         async with self.locks[i]:
             await self.calls[i].write(data)
 
-    async def session(self, i: int):
-        """Open rank ``i``'s session and wait for Welcome, again after a
-        random pause while the controller refuses it (see ``refused``)."""
+    async def connect(self, i: int):
+        first = True
         while True:
-            session = self.channels[i % len(self.channels)].stream_stream(f"/{SERVICE}/Session")
-            call = self.calls[i] = session(metadata=self.md)
+            call = self.calls[i] = self.channels[i % len(self.channels)].stream_stream(
+                f"/{SERVICE}/Session")(metadata=self.md)
             try:
-                await call.write(self.hello(self.ranks[i]))
-                await call.read()  # Welcome
+                async with (contextlib.nullcontext() if first else self.retrying):
+                    await call.write(pb.RankMessage(hello=pb.Hello(
+                        rank=self.ranks[i], world_size=self.world, pid=os.getpid(), host="sim", device="sim",
+                        device_repairable=True, status=self.status[pb.TRAINING])).SerializeToString() + self.group)
+                    await call.read()  # Welcome
                 self.welcome[i] = time.time()
                 return call
             except (grpc.RpcError, asyncio.InvalidStateError):
-                if await call.code() is not grpc.StatusCode.CANCELLED:
+                # refused: CANCELLED, or INTERNAL when the write raced the cancel
+                if await call.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
                     raise
                 self.refused += 1
+                self.refused_first += first
+                first = False
                 await asyncio.sleep(random.uniform(0.5, 2.0))
 
     async def rank(self, i: int) -> None:
         try:
-            call = await self.session(i)
+            call = await self.connect(i)
             reader = asyncio.ensure_future(self.read(i, call))
             loop = asyncio.get_running_loop()
             due = loop.time() + random.uniform(0, self.interval)
@@ -184,25 +213,22 @@ class Ranks:
 
     async def read(self, i: int, call) -> None:
         try:
-            await self._read(i, call)
+            while (data := await call.read()) is not grpc.aio.EOF:
+                now = time.time()
+                cmd = pb.ControllerMessage.FromString(data).command
+                action = cmd.WhichOneof("action")
+                if action in self.first and not self.first[action][i]:
+                    self.first[action][i] = now
+                if action == "stop":
+                    self.run[i] = pb.STOPPED
+                    await self.write(i, self.stopped_msg)
+                elif action == "resume":
+                    self.run[i] = pb.TRAINING
+                elif action != "exit":
+                    await self.write(i, pb.RankMessage(result=pb.CommandResult(
+                        command_id=cmd.id, ok=True, status=self.status[pb.STOPPED])).SerializeToString())
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the controller went away (end of the run)
-
-    async def _read(self, i: int, call) -> None:
-        while (data := await call.read()) is not grpc.aio.EOF:
-            now = time.time()
-            cmd = pb.ControllerMessage.FromString(data).command
-            action = cmd.WhichOneof("action")
-            if action in self.first and not self.first[action][i]:
-                self.first[action][i] = now
-            if action == "stop":
-                self.run[i] = pb.STOPPED
-                await self.write(i, self.stopped_msg)
-            elif action == "resume":
-                self.run[i] = pb.TRAINING
-            elif action != "exit":
-                await self.write(i, pb.RankMessage(result=pb.CommandResult(
-                    command_id=cmd.id, ok=True, status=self.status[pb.STOPPED])).SerializeToString())
 
     async def fault(self, rank: int) -> float:
         i = self.ranks.index(rank)
@@ -213,19 +239,20 @@ class Ranks:
             status=self.status[pb.STOPPED])).SerializeToString())
         return t
 
-    def report(self) -> dict:
-        got = {k: [t for t in v if t] for k, v in self.first.items()}
+    def report(self, times: bool = False) -> dict:
         welcomed = [t for t in self.welcome if t]
-        return {"welcomed": len(welcomed), "last_welcome": max(welcomed, default=0.0), "sent": self.sent, "refused": self.refused,
-                "errors": self.errors, "cpu_s": cpu_s(os.getpid()),
-                **{f"n_{k}": len(v) for k, v in got.items()}, **{f"last_{k}": max(v, default=0.0) for k, v in got.items()}}
+        out = {"welcomed": len(welcomed), "last_welcome": max(welcomed, default=0.0), "sent": self.sent,
+               "refused": self.refused, "refused_first": self.refused_first, "errors": self.errors,
+               **{k: sum(map(bool, v)) for k, v in self.first.items()}}
+        if times:
+            out["times"] = {k: [t for t in v if t] for k, v in self.first.items()}
+        return out
 
 
 async def _client(conn, args) -> None:
     sim = Ranks(*args)
-    loop = asyncio.get_running_loop()
     requests: asyncio.Queue = asyncio.Queue()
-    loop.add_reader(conn.fileno(), lambda: requests.put_nowait(conn.recv()))
+    asyncio.get_running_loop().add_reader(conn.fileno(), lambda: requests.put_nowait(conn.recv()))
     conn.send("ready")
     tasks = []
     while True:
@@ -233,9 +260,9 @@ async def _client(conn, args) -> None:
         if req == "go":
             tasks = [asyncio.ensure_future(sim.rank(i)) for i in range(len(sim.ranks))]
             conn.send(time.time())
-        elif req == "report":
-            conn.send(sim.report())
-        elif isinstance(req, tuple) and req[0] == "fault":
+        elif req in ("report", "times"):
+            conn.send(sim.report(times=req == "times"))
+        elif isinstance(req, tuple):  # ("fault", rank)
             conn.send(await sim.fault(req[1]))
         elif req == "stop":
             for t in tasks:
@@ -251,25 +278,12 @@ def client_main(conn, *args) -> None:
 
 
 # ----------------------------------------------------------------- driver
-def ask(conns, req, timeout=60.0):
+def ask(conns, req, timeout=60.0) -> list:
     for c in conns:
         c.send(req)
-    out = []
-    for c in conns:
-        if not c.poll(timeout):
-            raise TimeoutError(f"no answer to {req!r} within {timeout} s")
-        out.append(c.recv())
-    return out
-
-
-def wait_for(conns, pred, timeout: float, every: float = 0.25):
-    """Poll the clients until ``pred(reports)`` or ``timeout``; the last reports."""
-    deadline = time.time() + timeout
-    while True:
-        reports = ask(conns, "report")
-        if pred(reports) or time.time() > deadline:
-            return reports
-        time.sleep(every)
+    if not all(c.poll(timeout) for c in conns):
+        raise TimeoutError(f"no answer to {req!r} within {timeout} s")
+    return [c.recv() for c in conns]
 
 
 def run_size(n: int, a) -> dict:
@@ -279,26 +293,30 @@ def run_size(n: int, a) -> dict:
     ctl = ctx.Process(target=controller_main, args=(n, token, child, a.emulate_registration_fix), daemon=True)
     ctl.start()
     address = ctl_conn.recv()
-    k = min(a.clients, n)
-    chunks = [list(range(n))[j::k] for j in range(k)]
+    chunks = [list(range(n))[j::a.clients] for j in range(min(a.clients, n))]
     conns, procs = [], []
     for chunk in chunks:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=client_main, daemon=True,
-                        args=(child, chunk, n, address, token, interval, a.streams_per_channel))
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    row: dict = {"ranks": n, "controller": "registration fix emulated" if a.emulate_registration_fix else "as is"}
+        conn, child = ctx.Pipe()
+        procs.append(ctx.Process(target=client_main, daemon=True,
+                                 args=(child, chunk, n, address, token, interval, a.streams_per_channel)))
+        procs[-1].start()
+        conns.append(conn)
+    row: dict = {"ranks": n, "controller": "registration fix emulated" if a.emulate_registration_fix else "as is",
+                 "loadavg_1m": round(os.getloadavg()[0], 1)}
+    clients_cpu = lambda: sum(cpu_s(p.pid) for p in procs)  # noqa: E731
     try:
         for c in conns:
             c.recv()  # "ready": imported, channels made
         t_go = min(ask(conns, "go"))
-        reports = wait_for(conns, lambda rs: sum(r["welcomed"] for r in rs) == n, a.register_timeout, 1.0)
-        registered = sum(r["welcomed"] for r in reports)
-        row["registered"] = registered
-        row["refused"] = sum(r["refused"] for r in reports)
-        row["errors"] = [e for r in reports for e in r["errors"]][:3]
+        while True:
+            reports = ask(conns, "report")
+            registered = sum(r["welcomed"] for r in reports)
+            if registered == n or time.time() > t_go + a.register_timeout:
+                break
+            time.sleep(0.5)
+        row.update(registered=registered, refused=sum(r["refused"] for r in reports),
+                   refused_first=sum(r["refused_first"] for r in reports),
+                   errors=[e for r in reports for e in r["errors"]][:3])
         if registered < n:
             row["register_s"] = None
             print(f"  {n}: only {registered} ranks registered within {a.register_timeout:g} s", file=sys.stderr)
@@ -307,35 +325,37 @@ def run_size(n: int, a) -> dict:
         print(f"  {n}: registered in {row['register_s']} s", file=sys.stderr)
 
         time.sleep(2 * interval + 1)  # every rank is past its random first offset
-        c0, s0, t0 = cpu_s(ctl.pid), sum(r["sent"] for r in ask(conns, "report")), time.time()
-        k0 = sum(cpu_s(p.pid) for p in procs)
+        c0, k0, s0, t0 = cpu_s(ctl.pid), clients_cpu(), sum(r["sent"] for r in ask(conns, "report")), time.time()
         time.sleep(a.steady_s)
-        c1, rs, t1 = cpu_s(ctl.pid), ask(conns, "report"), time.time()
-        row["controller_cpu_pct"] = round(100 * (c1 - c0) / (t1 - t0), 1)
-        row["clients_cpu_pct"] = round(100 * (sum(cpu_s(p.pid) for p in procs) - k0) / (t1 - t0), 1)
-        row["heartbeats_per_s"] = round((sum(r["sent"] for r in rs) - s0) / (t1 - t0))
-        row["state_after_steady"] = ask([ctl_conn], "status")[0]["state"]
-        print(f"  {n}: steady window: controller {row['controller_cpu_pct']}% of a core, "
-              f"{row['heartbeats_per_s']} heartbeats/s, {row['state_after_steady']}", file=sys.stderr)
+        c1, k1, s1, t1 = cpu_s(ctl.pid), clients_cpu(), sum(r["sent"] for r in ask(conns, "report")), time.time()
+        row.update(controller_cpu_pct=round(100 * (c1 - c0) / (t1 - t0), 1),
+                   clients_cpu_pct=round(100 * (k1 - k0) / (t1 - t0), 1),
+                   heartbeats_per_s=round((s1 - s0) / (t1 - t0)), state_after_steady=ask([ctl_conn], "state")[0])
+        print(f"  {n}: steady: controller {row['controller_cpu_pct']}% of a core at {row['heartbeats_per_s']} "
+              f"heartbeats/s, {row['state_after_steady']}", file=sys.stderr)
 
         faulty = n // 2
-        owner = next(j for j, chunk in enumerate(chunks) if faulty in chunk)
-        c0, k0 = cpu_s(ctl.pid), sum(cpu_s(p.pid) for p in procs)
-        t_fault = ask([conns[owner]], ("fault", faulty))[0]
-        reports = wait_for(conns, lambda rs: sum(r["n_resume"] for r in rs) == n, a.episode_timeout, 0.1)
+        c0, k0 = cpu_s(ctl.pid), clients_cpu()
+        t_fault = ask([conns[faulty % a.clients]], ("fault", faulty))[0]
+        state = "ABNORMAL"
+        while time.time() < t_fault + a.episode_timeout and state != "EXITED" and not state.startswith("unresp"):
+            if sum(r["resume"] for r in ask(conns, "report")) == n:
+                break
+            time.sleep(0.2)
+            state = ask([ctl_conn], "state")[0]
         t_end = time.time()
-        row["controller_cpu_pct_episode"] = round(100 * (cpu_s(ctl.pid) - c0) / (t_end - t_fault), 1)
-        row["clients_cpu_pct_episode"] = round(100 * (sum(cpu_s(p.pid) for p in procs) - k0) / (t_end - t_fault), 1)
+        row.update(controller_cpu_pct_episode=round(100 * (cpu_s(ctl.pid) - c0) / (t_end - t_fault), 1),
+                   clients_cpu_pct_episode=round(100 * (clients_cpu() - k0) / (t_end - t_fault), 1))
+        times = {k: sorted(t for r in ask(conns, "times") for t in r["times"][k]) for k in KINDS}
+        # the faulty rank gets no stop; stops after a failed plan come after the first n - 1
         for kind, col, need in (("stop", "fault_to_all_stop_s", n - 1), ("clean", "fault_to_all_plan_s", n),
                                 ("resume", "fault_to_resume_s", n)):
-            got = sum(r[f"n_{kind}"] for r in reports)
-            row[col] = round(max(r[f"last_{kind}"] for r in reports) - t_fault, 3) if got >= need else None
-            row[f"got_{kind}"] = got
+            row[col] = round(times[kind][need - 1] - t_fault, 3) if len(times[kind]) >= need else None
         status = ask([ctl_conn], "status")[0]
         row.update(state_after_episode=status["state"], strategy=status.get("strategy"),
-                   controller_recover_s=status.get("recover_s"))
+                   controller_recover_s=status.get("recover_s"), reason=status.get("reason"))
         print(f"  {n}: fault -> all stop {row['fault_to_all_stop_s']} s, plan {row['fault_to_all_plan_s']} s, "
-              f"resume {row['fault_to_resume_s']} s ({row['strategy']})", file=sys.stderr)
+              f"resume {row['fault_to_resume_s']} s ({row['strategy']}, {row['state_after_episode']})", file=sys.stderr)
         return row
     finally:
         for c in [ctl_conn] + conns:  # the controller first: it would take the clients' exits for faults
@@ -350,18 +370,18 @@ def run_size(n: int, a) -> dict:
                 p.join(5)
 
 
-COLUMNS = ["ranks", "registered", "register_s", "controller_cpu_pct", "clients_cpu_pct", "state_after_steady",
-           "fault_to_all_stop_s", "fault_to_all_plan_s", "fault_to_resume_s", "controller_cpu_pct_episode",
-           "strategy"]
+COLUMNS = ["ranks", "registered", "refused_first", "register_s", "controller_cpu_pct", "clients_cpu_pct",
+           "state_after_steady", "fault_to_all_stop_s", "fault_to_all_plan_s", "fault_to_resume_s",
+           "controller_cpu_pct_episode", "strategy", "state_after_episode", "loadavg_1m"]
 
 
 def main() -> None:
     p = common.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=None, help="rank counts (default 1024 4096 16384)")
+    p.add_argument("--sizes", type=int, nargs="+", help="rank counts (default 1024 4096 16384; quick 256)")
     p.add_argument("--clients", type=int, default=2, help="client processes holding the simulated ranks")
     p.add_argument("--streams-per-channel", type=int, default=64)
-    p.add_argument("--register-timeout", type=float, default=None, help="seconds (default 30 quick, 180 full)")
-    p.add_argument("--steady-s", type=float, default=None, help="CPU window (default 3 quick, 10 full)")
+    p.add_argument("--register-timeout", type=float, help="seconds (default 30 quick, 180 full)")
+    p.add_argument("--steady-s", type=float, help="CPU window in seconds (default 3 quick, 10 full)")
     p.add_argument("--episode-timeout", type=float, default=120.0)
     p.add_argument("--emulate-registration-fix", action="store_true", help="what-if; see the module docstring")
     a = p.parse_args()
@@ -371,19 +391,19 @@ def main() -> None:
     raise_nofile()
     rows = [run_size(n, a) for n in sizes]
     top = rows[-1]
-    serves = top["registered"] if top.get("state_after_steady") == "NORMAL" else 0
+    # the ranks registered; none when the controller did not stay NORMAL while they heartbeat
+    serves = top["registered"] if top["registered"] < top["ranks"] or top.get("state_after_steady") == "NORMAL" else 0
     goals = [
         common.Goal(f"plan delivered to {top['ranks']} ranks after one fault", top.get("fault_to_all_plan_s"), 2.0, "s"),
         common.Goal(f"controller serves {top['ranks']} heartbeating ranks", serves, top["ranks"], "ranks",
                     higher_is_better=True),
     ]
-    out = a.out
-    if a.emulate_registration_fix and out is None:
-        out = common.RESULTS / f"scale{'-quick' if a.quick else ''}-registration-fix.json"
+    out = a.out or (common.RESULTS / f"scale{'-quick' if a.quick else ''}-registration-fix.json"
+                    if a.emulate_registration_fix else None)
+    settings = {k: getattr(a, k) for k in ("clients", "streams_per_channel", "register_timeout", "steady_s",
+                                           "episode_timeout", "emulate_registration_fix")}
     common.report("scale", rows, COLUMNS, goals, quick=a.quick, out=out, extra={"settings": {
-        "clients": a.clients, "streams_per_channel": a.streams_per_channel, "register_timeout_s": a.register_timeout,
-        "steady_s": a.steady_s, "heartbeat_interval_s": ControllerConfig().heartbeat_interval_s,
-        "emulate_registration_fix": a.emulate_registration_fix}})
+        **settings, "retrying_per_client": RETRYING, "heartbeat_interval_s": ControllerConfig().heartbeat_interval_s}})
 
 
 if __name__ == "__main__":
