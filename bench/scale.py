@@ -10,7 +10,8 @@ For 1024, 4096 and 16384 ranks (``--quick``: 256) it measures
   processor does not retry: for it each of these is a failed start;
 * ``controller_cpu_pct``: CPU of the controller process (all threads,
   ``/proc/<pid>/stat``) while every rank heartbeats at the default interval
-  (``ControllerConfig().heartbeat_interval_s``, 1 s), in % of one core, and
+  (``ControllerConfig().heartbeat_interval_for(N)``: 1 s, stretched to N/4096 s
+  above 4096 ranks), in % of one core, and
   ``state_after_steady``: NORMAL unless the controller fell behind and
   declared ranks hung;
 * one fault: rank N/2 reports a UCE (severity HIGH). The controller stops
@@ -25,8 +26,9 @@ How: the controller (``trainguard.core.server.Controller``, unchanged) runs
 in its own process. Ranks are asyncio coroutines in ``--clients`` client
 processes, each rank one gRPC bidi stream; the streams of a process share
 channels (``--streams-per-channel``, one TCP connection each). A rank sends
-Hello (its rank, the world size, the full replica group, step 100 TRAINING
-UPDATED, device repairable), heartbeats every interval from a random offset,
+Hello (its rank, the world size, the full replica group in the compact range
+form the real processor sends, step 100 TRAINING UPDATED, device
+repairable), heartbeats every interval from a random offset,
 answers ``stop`` with ``stopped`` and other commands but ``resume`` and
 ``exit`` with an ok ``result``, like the real processor. Constant messages
 are serialized once. Every process raises its open-file soft limit to the
@@ -34,11 +36,6 @@ hard limit. Times are ``time.time()`` stamps where a message was written or
 read, on one machine; the clients compete with the controller for the cores
 (their CPU is reported) and so does whatever else runs (``loadavg_1m``).
 
-``--emulate-registration-fix`` is a what-if, never the default: inside the
-controller process each Hello is validated against nothing and equal replica
-groups are shared (see :func:`_emulate_registration_fix`), to show what
-follows once registration stops costing O(N^2) and more. Its results go to
-``scale[-quick]-registration-fix.json``.
 """
 
 from __future__ import annotations
@@ -63,6 +60,8 @@ except ImportError:  # run as `python bench/scale.py`
 import grpc
 
 from trainguard.core.config import ControllerConfig
+from trainguard.core.processor import _pb_group
+from trainguard.core.replicas import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.rpc import SERVICE, auth_metadata, new_token
 
@@ -84,47 +83,10 @@ def cpu_s(pid: int) -> float:
 
 
 # ------------------------------------------------------------- controller
-def _emulate_registration_fix() -> None:
-    """What-if. ``ControllerCore.on_hello`` re-validates the layout of every
-    registered rank at each Hello (O(N^2 g) and worse for groups of g ranks)
-    and keeps one copy of the group per rank (O(N g) memory). Here it sees a
-    layout of the new rank alone, ``validate_layout`` does nothing (a real fix
-    checks each distinct group once) and equal groups are shared. The rest of
-    ``on_hello``, and everything else, runs as committed."""
-    from trainguard.core import controller
-    from trainguard.core.api import ControllerState, ProtocolError
-
-    real_group, interned, real_on_hello = controller.ReplicaGroup, {}, controller.ControllerCore.on_hello
-
-    def group(rank_list, replica_cnt, replica_shift=0):
-        key = (rank_list, replica_cnt, replica_shift)
-        return interned.setdefault(key, real_group(*key))
-
-    def on_hello(self, hello):
-        old = self.ranks.get(hello.rank)
-        if old is not None and old.alive:
-            raise ProtocolError(f"rank {hello.rank} is already registered by pid {old.pid} on {old.host}")
-        ranks, self.ranks = self.ranks, {}
-        try:
-            real_on_hello(self, hello)
-        finally:
-            ranks.update(self.ranks)
-            self.ranks = ranks
-        if self.state is ControllerState.INIT and len(ranks) == self.world_size:
-            self._to(ControllerState.NORMAL)
-
-    group.full = real_group.full
-    controller.ReplicaGroup = group
-    controller.validate_layout = lambda layout, world_size: None
-    controller.ControllerCore.on_hello = on_hello
-
-
-def controller_main(world: int, token: str, conn, emulate_fix: bool) -> None:
+def controller_main(world: int, token: str, conn) -> None:
     from trainguard.core.server import Controller
 
     raise_nofile()
-    if emulate_fix:
-        _emulate_registration_fix()
     ctl = Controller(ControllerConfig(), world, token=token)
     conn.send(ctl.start())
     while (req := conn.recv()) != "stop":
@@ -160,8 +122,8 @@ class Ranks:
         self.stopped_msg = pb.RankMessage(stopped=self.status[pb.STOPPED]).SerializeToString()
         # An embedded message's fields that appear twice are merged: the big
         # replica group is serialized once and appended to each rank's Hello.
-        self.group = pb.RankMessage(hello=pb.Hello(replicas=[pb.ReplicaGroup(
-            rank_list=range(world), replica_cnt=world)])).SerializeToString()
+        self.group = pb.RankMessage(hello=pb.Hello(replicas=[_pb_group(ReplicaGroup.full(range(world)))]
+                                                   )).SerializeToString()
         n = len(ranks)
         self.welcome, self.run, self.calls = [0.0] * n, [pb.TRAINING] * n, [None] * n
         self.first = {k: [0.0] * n for k in KINDS}
@@ -169,6 +131,9 @@ class Ranks:
         self.retrying = asyncio.Semaphore(RETRYING)
         self.sent = self.refused = self.refused_first = 0
         self.errors: list[str] = []
+
+    def tasks(self):
+        return [self.rank(i) for i in range(len(self.ranks))]
 
     async def write(self, i: int, data: bytes) -> None:
         async with self.locks[i]:
@@ -249,8 +214,105 @@ class Ranks:
         return out
 
 
+class Nodes:
+    """Simulated node relays: each carries ``per_node`` ranks over one
+    ``NodeSession``, batching their messages as ``trainguard.core.relay``
+    does (what the controller sees is exactly a relay's traffic)."""
+
+    def __init__(self, ranks, world, address, token, interval, per_channel, per_node):
+        self.ranks, self.world, self.interval = ranks, world, interval
+        self.md = auth_metadata(token)
+        self.nodes = [ranks[j:j + per_node] for j in range(0, len(ranks), per_node)]
+        self.index = {r: i for i, r in enumerate(ranks)}
+        opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
+        self.channels = [grpc.aio.insecure_channel(address, options=opts)
+                         for _ in range(-(-len(self.nodes) // per_channel))]
+        self.status = {run: pb.Status(step=STEP, run=run, data=pb.UPDATED) for run in (pb.TRAINING, pb.STOPPED)}
+        self.group = _pb_group(ReplicaGroup.full(range(world)))
+        n = len(ranks)
+        self.welcome, self.run = [0.0] * n, [pb.TRAINING] * n
+        self.first = {k: [0.0] * n for k in KINDS}
+        self.calls = [None] * len(self.nodes)
+        self.locks = [asyncio.Lock() for _ in self.nodes]
+        self.sent = self.refused = self.refused_first = 0
+        self.errors: list[str] = []
+
+    def tasks(self):
+        return [self.node(j) for j in range(len(self.nodes))]
+
+    async def write(self, j: int, items) -> None:
+        async with self.locks[j]:
+            await self.calls[j].write(pb.NodeMessage(node=f"sim{j}", items=items))
+
+    def envelope(self, rank: int, **body) -> pb.RankEnvelope:
+        return pb.RankEnvelope(rank=rank, message=pb.RankMessage(**body))
+
+    async def node(self, j: int) -> None:
+        ranks = self.nodes[j]
+        try:
+            self.calls[j] = self.channels[j % len(self.channels)].stream_stream(
+                f"/{SERVICE}/NodeSession", request_serializer=pb.NodeMessage.SerializeToString,
+                response_deserializer=pb.NodeCommands.FromString)(metadata=self.md)
+            await self.write(j, [self.envelope(r, hello=pb.Hello(
+                rank=r, world_size=self.world, pid=os.getpid(), host="sim", device="sim", device_repairable=True,
+                status=self.status[pb.TRAINING], replicas=[self.group])) for r in ranks])
+            reader = asyncio.ensure_future(self.read(j))
+            loop = asyncio.get_running_loop()
+            due = loop.time() + random.uniform(0, self.interval)
+            while not reader.done():
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                due += self.interval
+                await self.write(j, [self.envelope(r, heartbeat=self.status[self.run[self.index[r]]])
+                                     for r in ranks])
+                self.sent += len(ranks)
+        except (grpc.RpcError, asyncio.InvalidStateError) as e:
+            if len(self.errors) < 5:
+                self.errors.append(f"node {j}: {e!r}"[:300])
+
+    async def read(self, j: int) -> None:
+        try:
+            while (batch := await self.calls[j].read()) is not grpc.aio.EOF:
+                now, replies = time.time(), []
+                for d in batch.items:
+                    msg = d.message
+                    if msg.HasField("welcome"):
+                        for r in d.ranks:
+                            self.welcome[self.index[r]] = now
+                        continue
+                    cmd = msg.command
+                    action = cmd.WhichOneof("action")
+                    for r in d.ranks:
+                        i = self.index[r]
+                        if action in self.first and not self.first[action][i]:
+                            self.first[action][i] = now
+                        if action == "stop":
+                            self.run[i] = pb.STOPPED
+                            replies.append(self.envelope(r, stopped=self.status[pb.STOPPED]))
+                        elif action == "resume":
+                            self.run[i] = pb.TRAINING
+                        elif action != "exit":
+                            replies.append(self.envelope(r, result=pb.CommandResult(
+                                command_id=cmd.id, ok=True, status=self.status[pb.STOPPED])))
+                if replies:
+                    await self.write(j, replies)
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the controller went away (end of the run)
+
+    async def fault(self, rank: int) -> float:
+        i, j = self.index[rank], next(j for j, ranks in enumerate(self.nodes) if rank in ranks)
+        self.run[i] = pb.STOPPED
+        t = time.time()
+        await self.write(j, [self.envelope(rank, fault=pb.FaultReport(
+            kind=pb.UCE, severity=pb.HIGH, phase="optimizer", message="simulated UCE", occurred_at=t,
+            status=self.status[pb.STOPPED]))])
+        return t
+
+    report = Ranks.report
+
+
 async def _client(conn, args) -> None:
-    sim = Ranks(*args)
+    *common_args, per_node = args
+    sim = Nodes(*common_args, per_node) if per_node > 1 else Ranks(*common_args)
     requests: asyncio.Queue = asyncio.Queue()
     asyncio.get_running_loop().add_reader(conn.fileno(), lambda: requests.put_nowait(conn.recv()))
     conn.send("ready")
@@ -258,7 +320,7 @@ async def _client(conn, args) -> None:
     while True:
         req = await requests.get()
         if req == "go":
-            tasks = [asyncio.ensure_future(sim.rank(i)) for i in range(len(sim.ranks))]
+            tasks = [asyncio.ensure_future(t) for t in sim.tasks()]
             conn.send(time.time())
         elif req in ("report", "times"):
             conn.send(sim.report(times=req == "times"))
@@ -288,20 +350,24 @@ def ask(conns, req, timeout=60.0) -> list:
 
 def run_size(n: int, a) -> dict:
     ctx = mp.get_context("spawn")
-    token, interval = new_token(), ControllerConfig().heartbeat_interval_s
+    token, interval = new_token(), ControllerConfig().heartbeat_interval_for(n)
     ctl_conn, child = ctx.Pipe()
-    ctl = ctx.Process(target=controller_main, args=(n, token, child, a.emulate_registration_fix), daemon=True)
+    ctl = ctx.Process(target=controller_main, args=(n, token, child), daemon=True)
     ctl.start()
     address = ctl_conn.recv()
-    chunks = [list(range(n))[j::a.clients] for j in range(min(a.clients, n))]
+    # Whole nodes per client process: node k holds ranks k*per_node ... (k+1)*per_node - 1.
+    per_node = a.ranks_per_node
+    node_ranks = [list(range(k, min(k + per_node, n))) for k in range(0, n, per_node)]
+    chunks = [[r for node in node_ranks[j::a.clients] for r in node] for j in range(min(a.clients, len(node_ranks)))]
     conns, procs = [], []
     for chunk in chunks:
         conn, child = ctx.Pipe()
         procs.append(ctx.Process(target=client_main, daemon=True,
-                                 args=(child, chunk, n, address, token, interval, a.streams_per_channel)))
+                                 args=(child, chunk, n, address, token, interval, a.streams_per_channel,
+                                       per_node)))
         procs[-1].start()
         conns.append(conn)
-    row: dict = {"ranks": n, "controller": "registration fix emulated" if a.emulate_registration_fix else "as is",
+    row: dict = {"ranks": n, "ranks_per_node": per_node, "heartbeat_interval_s": interval,
                  "loadavg_1m": round(os.getloadavg()[0], 1)}
     clients_cpu = lambda: sum(cpu_s(p.pid) for p in procs)  # noqa: E731
     try:
@@ -336,7 +402,8 @@ def run_size(n: int, a) -> dict:
 
         faulty = n // 2
         c0, k0 = cpu_s(ctl.pid), clients_cpu()
-        t_fault = ask([conns[faulty % a.clients]], ("fault", faulty))[0]
+        owner = next(j for j, chunk in enumerate(chunks) if faulty in chunk)
+        t_fault = ask([conns[owner]], ("fault", faulty))[0]
         state = "ABNORMAL"
         while time.time() < t_fault + a.episode_timeout and state != "EXITED" and not state.startswith("unresp"):
             if sum(r["resume"] for r in ask(conns, "report")) == n:
@@ -370,7 +437,7 @@ def run_size(n: int, a) -> dict:
                 p.join(5)
 
 
-COLUMNS = ["ranks", "registered", "refused_first", "register_s", "controller_cpu_pct", "clients_cpu_pct",
+COLUMNS = ["ranks", "ranks_per_node", "heartbeat_interval_s", "registered", "refused_first", "register_s", "controller_cpu_pct", "clients_cpu_pct",
            "state_after_steady", "fault_to_all_stop_s", "fault_to_all_plan_s", "fault_to_resume_s",
            "controller_cpu_pct_episode", "strategy", "state_after_episode", "loadavg_1m"]
 
@@ -380,10 +447,11 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", help="rank counts (default 1024 4096 16384; quick 256)")
     p.add_argument("--clients", type=int, default=2, help="client processes holding the simulated ranks")
     p.add_argument("--streams-per-channel", type=int, default=64)
+    p.add_argument("--ranks-per-node", type=int, default=8,
+                   help="ranks behind each node relay (1: every rank holds its own session)")
     p.add_argument("--register-timeout", type=float, help="seconds (default 30 quick, 180 full)")
     p.add_argument("--steady-s", type=float, help="CPU window in seconds (default 3 quick, 10 full)")
     p.add_argument("--episode-timeout", type=float, default=120.0)
-    p.add_argument("--emulate-registration-fix", action="store_true", help="what-if; see the module docstring")
     a = p.parse_args()
     sizes = a.sizes or ([256] if a.quick else [1024, 4096, 16384])
     a.register_timeout = a.register_timeout or (30.0 if a.quick else 180.0)
@@ -398,12 +466,10 @@ def main() -> None:
         common.Goal(f"controller serves {top['ranks']} heartbeating ranks", serves, top["ranks"], "ranks",
                     higher_is_better=True),
     ]
-    out = a.out or (common.RESULTS / f"scale{'-quick' if a.quick else ''}-registration-fix.json"
-                    if a.emulate_registration_fix else None)
-    settings = {k: getattr(a, k) for k in ("clients", "streams_per_channel", "register_timeout", "steady_s",
-                                           "episode_timeout", "emulate_registration_fix")}
-    common.report("scale", rows, COLUMNS, goals, quick=a.quick, out=out, extra={"settings": {
-        **settings, "retrying_per_client": RETRYING, "heartbeat_interval_s": ControllerConfig().heartbeat_interval_s}})
+    settings = {k: getattr(a, k) for k in ("clients", "streams_per_channel", "ranks_per_node", "register_timeout",
+                                           "steady_s", "episode_timeout")}
+    common.report("scale", rows, COLUMNS, goals, quick=a.quick, out=a.out,
+                  extra={"settings": {**settings, "retrying_per_client": RETRYING}})
 
 
 if __name__ == "__main__":

@@ -258,3 +258,94 @@ def test_status_is_served_to_authenticated_clients(controller):
     finally:
         client.close()
         p.close()
+
+
+# --------------------------------------------------------------- node relays
+@pytest.fixture
+def relay(controller):
+    from trainguard.core.relay import Relay
+
+    r = Relay(controller.address, controller.token, batch_window_s=0.005, heartbeat_window_s=0.05)
+    r.start()
+    yield r
+    r.stop()
+
+
+def connect_via(relay, controller, rank, world=3, token=None):
+    p = Processor(ProcessorConfig(controller=relay.address, token=token or controller.token, rank=rank,
+                                  world_size=world, connect_timeout_s=5), force_exit=lambda code: None)
+    p.connect(replicas=[ReplicaGroup.full(range(world))])
+    return p
+
+
+def test_retry_through_a_node_relay(controller, relay):
+    procs = [connect_via(relay, controller, r) for r in range(3)]
+    wait_for(lambda: controller.state is ControllerState.NORMAL)
+    train_to(procs, 3)
+    handlers = [Recording(r) for r in range(3)]
+    outcomes = run_ranks(procs, handlers, {2: RuntimeError("UCE ERROR")})
+    assert all(o.resume and o.step == 3 for o in outcomes.values())
+    assert handlers[2].calls[2] == ("repair", 3, [(0, 2)])
+    for p in procs:
+        p.close()
+    wait_for(lambda: controller.state is ControllerState.FINISHED)
+
+
+def test_a_rank_lost_behind_a_relay_is_detected_and_dumped(controller, relay):
+    procs = [connect_via(relay, controller, r) for r in range(3)]
+    train_to(procs, 4)
+    procs[1].close(finished=False)  # its local session ends without Goodbye
+    handlers = [Recording(0), Recording(2)]
+    outcomes = run_ranks([procs[0], procs[2]], handlers, {})
+    assert {o.exit_code for o in outcomes.values()} == {EXIT_AFTER_DUMP}
+    assert "rank 1: process lost" in outcomes[0].reason
+    close_all([procs[0], procs[2]])
+
+
+def test_refusals_and_authentication_pass_through_the_relay(controller, relay):
+    with pytest.raises(ProtocolError, match="world size 5, the job has 3"):
+        connect_via(relay, controller, 0, world=5)
+    with pytest.raises(ProtocolError, match="UNAUTHENTICATED"):
+        connect_via(relay, controller, 0, token="0" * 64)
+
+
+def test_ranks_learn_when_their_relay_dies(controller, relay):
+    procs = [connect_via(relay, controller, r) for r in range(3)]
+    relay.stop()
+    from trainguard.core import ControllerLostError
+
+    with pytest.raises(ControllerLostError):
+        procs[0].next_command(timeout=10)
+    wait_for(lambda: controller.state is ControllerState.EXITED or controller.snapshot()["episode"])
+    close_all(procs)
+
+
+def test_a_node_gets_one_message_per_phase(controller):
+    """On the relay protocol itself: three ranks in one stream, one STOP delivery for two of them."""
+    import queue as q
+
+    channel = grpc.insecure_channel(controller.address)
+    call = channel.stream_stream(f"/{SERVICE}/NodeSession", request_serializer=pb.NodeMessage.SerializeToString,
+                                 response_deserializer=pb.NodeCommands.FromString)
+    outbox: q.Queue = q.Queue()
+
+    def requests():
+        while (m := outbox.get()) is not None:
+            yield m
+
+    status = pb.Status(step=2, run=pb.TRAINING, data=pb.UPDATED)
+    hellos = [pb.RankEnvelope(rank=r, message=pb.RankMessage(hello=pb.Hello(
+        rank=r, world_size=3, pid=10 + r, status=status, device_repairable=True,
+        replicas=[pb.ReplicaGroup(range_start=0, range_step=1, range_count=3, replica_cnt=3)]))) for r in range(3)]
+    outbox.put(pb.NodeMessage(node="n0", items=hellos))
+    replies = call(requests(), metadata=auth_metadata(controller.token), timeout=20)
+    welcome = next(replies)
+    assert sorted(welcome.items[0].ranks) == [0, 1, 2] and welcome.items[0].message.HasField("welcome")
+    outbox.put(pb.NodeMessage(node="n0", items=[pb.RankEnvelope(rank=1, message=pb.RankMessage(
+        fault=pb.FaultReport(kind=pb.UCE, severity=pb.HIGH, message="UCE ERROR",
+                             status=pb.Status(step=2, run=pb.STOPPED, data=pb.UPDATED))))]))
+    stops = next(replies)
+    assert len(stops.items) == 1 and sorted(stops.items[0].ranks) == [0, 2]
+    assert stops.items[0].message.command.HasField("stop")
+    outbox.put(None)
+    channel.close()

@@ -3,7 +3,7 @@
 import pytest
 
 from trainguard.core import ConfigError, ReplicaGroup, Transfer, choose_savers, choose_sources
-from trainguard.core.replicas import shard_ids, validate_layout
+from trainguard.core.replicas import Registry, shard_ids, validate_layout
 
 
 def layout_of(group, world):
@@ -71,7 +71,29 @@ def test_malformed_groups_are_refused(group, message):
 def test_layout_validation_names_the_problem():
     with pytest.raises(ConfigError, match="not in its own replica group"):
         validate_layout({0: (ReplicaGroup.full([1, 2]),)}, 4)
-    with pytest.raises(ConfigError, match="outside the world"):
+    with pytest.raises(ConfigError, match="outside a world of 4"):
         validate_layout({0: (ReplicaGroup.full([0, 9]),)}, 4)
     with pytest.raises(ConfigError, match="disagree"):
         validate_layout({0: (ReplicaGroup.full([0, 1]),), 1: (ReplicaGroup((0, 1), 1),)}, 2)
+
+
+def test_registry_interns_groups():
+    registry = Registry(8)
+    registered = [registry.register(r, [ReplicaGroup.full(range(8))]) for r in range(8)]
+    assert all(groups[0] is registered[0][0] for groups in registered)
+
+
+def test_overlapping_groups_are_refused():
+    registry = Registry(4)
+    registry.register(0, [ReplicaGroup((0, 1), 2)])
+    with pytest.raises(ConfigError, match="overlaps"):
+        registry.register(2, [ReplicaGroup((1, 2), 2)])
+
+
+def test_groups_travel_as_ranges_when_they_are_progressions():
+    from trainguard.core.processor import _pb_group
+
+    wire = _pb_group(ReplicaGroup(tuple(range(3, 4099, 4)), 1024))
+    assert (wire.range_start, wire.range_step, wire.range_count, len(wire.rank_list)) == (3, 4, 1024, 0)
+    odd = _pb_group(ReplicaGroup((0, 1, 5), 3))
+    assert list(odd.rank_list) == [0, 1, 5] and odd.range_count == 0

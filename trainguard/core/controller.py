@@ -16,6 +16,10 @@ An *episode* begins with the first fault while training runs normally:
    ends when every target answered. A failed answer, a timeout or a new fault
    abandons the plan: the strategy is marked tried, every rank is stopped
    again and the next strategy is decided.
+
+Costs stay linear in the number of ranks: groups are interned at
+registration, a phase's command is built when the phase starts and shared by
+every rank it goes to, and the prelock counts the ranks still to stop.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .api import (
+    ConfigError,
     ControllerState,
     DataStatus,
     Fault,
@@ -41,7 +46,7 @@ from .api import (
 from .config import ControllerConfig
 from .decide import decide
 from .protocol import trainguard_pb2 as pb
-from .replicas import ReplicaGroup, shard_ids, validate_layout
+from .replicas import Registry, ReplicaGroup, shard_ids
 from .rpc import fault_fields, from_pb_status
 from .transitions import advance
 
@@ -55,28 +60,27 @@ class _Rank:
     rank: int
     pid: int
     host: str
-    device: str
     repairable: bool
     groups: tuple[ReplicaGroup, ...]
     step: int
     run: RunStatus
     data: DataStatus
     last_seen: float
-    pids: list[int] = field(default_factory=list)
     alive: bool = True
     stopped: bool = False
     reached: int = 0  # highest step this rank ever reported
 
-    def update(self, step: int, run: RunStatus, data: DataStatus) -> None:
-        self.step, self.run, self.data = step, run, data
-        self.reached = max(self.reached, step)
+    def update(self, status: pb.Status) -> None:
+        self.step, self.run, self.data = from_pb_status(status)
+        self.reached = max(self.reached, self.step)
 
 
 @dataclass
 class _Phase:
     name: str
-    commands: dict[int, pb.Command]
-    timeout_s: float
+    timeout_s: float  # 0: nobody answers
+    build: Callable[[], dict[int, pb.Command]]
+    commands: dict[int, pb.Command] = field(default_factory=dict)
     deadline: float = 0.0
     waiting: set[int] = field(default_factory=set)
 
@@ -86,8 +90,9 @@ class _Episode:
     epoch: int
     faults: list[Fault]
     detected_at: float  # wall clock
-    stop_deadline: float  # monotonic
     reached: int
+    stop_deadline: float = 0.0  # monotonic
+    unstopped: set[int] = field(default_factory=set)
     tried: set[Strategy] = field(default_factory=set)
     plan: Plan | None = None
     reason: str = ""
@@ -119,10 +124,12 @@ class ControllerCore:
     ) -> None:
         self.config = config
         self.world_size = world_size
+        self.heartbeat_interval_s = config.heartbeat_interval_for(world_size)
         self._send = send
         self._clock, self._wall = clock, wall
         self.state = ControllerState.INIT
         self.ranks: dict[int, _Rank] = {}
+        self.registry = Registry(world_size)
         self.records: list[RecoveryRecord] = []
         self.episode: _Episode | None = None
         self.generation = 0
@@ -131,6 +138,9 @@ class ControllerCore:
         self._exiting: set[int] = set()
         self._finished: set[int] = set()
         self._pids: dict[int, list[int]] = {}
+        self._parsed: dict[tuple, ReplicaGroup] = {}
+        self._last_tick = clock()
+        self._next_heartbeat_scan = 0.0
 
     # ----------------------------------------------------------------- events
     def on_hello(self, hello: pb.Hello) -> None:
@@ -138,62 +148,67 @@ class ControllerCore:
 
         Raises:
             ProtocolError: the rank is already connected, or its replica
-                groups disagree with its peers'.
+                groups are malformed or disagree with its peers'.
         """
         rank = hello.rank
         old = self.ranks.get(rank)
         if old is not None and old.alive:
             raise ProtocolError(f"rank {rank} is already registered by pid {old.pid} on {old.host}")
-        groups = tuple(ReplicaGroup(tuple(g.rank_list), g.replica_cnt, g.replica_shift) for g in hello.replicas)
-        if not groups:
-            groups = (ReplicaGroup.full([rank]),)
-        layout = {r: s.groups for r, s in self.ranks.items()}
-        layout[rank] = groups
         try:
-            validate_layout(layout, self.world_size)
-        except Exception as e:
+            groups = self.registry.register(rank, [self._group(g) for g in hello.replicas]
+                                            or [ReplicaGroup.full([rank])])
+        except ConfigError as e:
             raise ProtocolError(f"rank {rank}: {e}") from None
-        step, run, data = from_pb_status(hello.status)
         self._pids.setdefault(rank, []).append(hello.pid)
-        self.ranks[rank] = _Rank(
-            rank=rank, pid=hello.pid, host=hello.host, device=hello.device or "cpu",
-            repairable=hello.device_repairable, groups=groups, step=step, run=run, data=data,
-            last_seen=self._clock(), reached=step,
-        )
-        log.info("rank %d registered (pid %d on %s, step %d)", rank, hello.pid, hello.host, step)
+        r = _Rank(rank=rank, pid=hello.pid, host=hello.host, repairable=hello.device_repairable, groups=groups,
+                  step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock())
+        r.update(hello.status)
+        self.ranks[rank] = r
+        log.debug("rank %d registered (pid %d on %s, step %d)", rank, hello.pid, hello.host, r.step)
         if self.state is ControllerState.INIT and len(self.ranks) == self.world_size:
             self._to(ControllerState.NORMAL)
             log.info("all %d ranks registered", self.world_size)
 
+    def _group(self, g: pb.ReplicaGroup) -> ReplicaGroup:
+        """Parse a group, reusing the object when many ranks send the same one."""
+        if g.range_count:
+            key = ("range", g.range_start, g.range_step, g.range_count, g.replica_cnt, g.replica_shift)
+        else:
+            key = ("list", tuple(g.rank_list), g.replica_cnt, g.replica_shift)
+        group = self._parsed.get(key)
+        if group is None:
+            ranks = (tuple(range(g.range_start, g.range_start + g.range_step * g.range_count, g.range_step))
+                     if g.range_count else key[1])
+            group = self._parsed[key] = ReplicaGroup(ranks, g.replica_cnt, g.replica_shift)
+        return group
+
     def on_heartbeat(self, rank: int, status: pb.Status) -> None:
         r = self._known(rank)
         r.last_seen = self._clock()
-        r.update(*from_pb_status(status))
+        r.update(status)
 
     def on_stopped(self, rank: int, status: pb.Status) -> None:
         r = self._known(rank)
         r.last_seen = self._clock()
-        r.update(*from_pb_status(status))
+        r.update(status)
         if self.episode is not None:
-            r.stopped = True
-            self._check_prelock()
+            self._mark_stopped(r)
 
     def on_fault(self, rank: int, report: pb.FaultReport) -> None:
         r = self._known(rank)
         r.last_seen = self._clock()
-        r.update(*from_pb_status(report.status))
+        r.update(report.status)
         kind, severity = fault_fields(report)
-        r.stopped = True
-        self._fault(Fault(kind=kind, rank=rank, severity=severity, message=report.message,
-                          phase=report.phase, occurred_at=report.occurred_at or None,
-                          detected_at=self._wall()))
+        fault = Fault(kind=kind, rank=rank, severity=severity, message=report.message, phase=report.phase,
+                      occurred_at=report.occurred_at or None, detected_at=self._wall())
+        self._fault(fault, stopped=r)
 
     def on_result(self, rank: int, result: pb.CommandResult) -> None:
         r = self._known(rank)
         r.last_seen = self._clock()
-        r.update(*from_pb_status(result.status))
+        r.update(result.status)
         phase = self._current_phase()
-        if phase is None or phase.commands.get(rank) is None or phase.commands[rank].id != result.command_id:
+        if phase is None or rank not in phase.waiting or phase.commands[rank].id != result.command_id:
             log.debug("ignoring stale result %d from rank %d", result.command_id, rank)
             return
         if not result.ok:
@@ -210,19 +225,20 @@ class ControllerCore:
 
     def on_goodbye(self, rank: int, status: pb.Status) -> None:
         r = self._known(rank)
-        r.update(*from_pb_status(status))
+        r.update(status)
         r.alive = False
         self._finished.add(rank)
-        log.info("rank %d finished at step %d", rank, r.step)
-        if self._finished >= set(range(self.world_size)) and self.state is ControllerState.NORMAL:
+        log.debug("rank %d finished at step %d", rank, r.step)
+        if len(self._finished) == self.world_size and self.state is ControllerState.NORMAL:
             self._to(ControllerState.FINISHED)
+            log.info("all %d ranks finished", self.world_size)
 
     def on_disconnect(self, rank: int) -> None:
         """The rank's session ended without Goodbye."""
         r = self.ranks.get(rank)
         if r is None or not r.alive:
             return
-        r.alive = False
+        self._lose(r)
         if rank in self._exiting or rank in self._finished:
             return
         self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank,
@@ -231,11 +247,9 @@ class ControllerCore:
     def on_process_exit(self, rank: int, pid: int, code: int) -> None:
         """A node agent saw the rank's process exit with ``code``."""
         r = self.ranks.get(rank)
-        if r is None or r.pid != pid or rank in self._exiting or rank in self._finished:
+        if r is None or r.pid != pid or not r.alive or rank in self._exiting or rank in self._finished:
             return
-        if not r.alive:
-            return
-        r.alive = False
+        self._lose(r)
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank, message=f"pid {pid} {how}",
                           detected_at=self._wall()))
@@ -243,26 +257,35 @@ class ControllerCore:
     def tick(self) -> None:
         """Check heartbeats and deadlines; call a few times a second."""
         now = self._clock()
-        for r in self.ranks.values():
-            if (r.alive and r.rank not in self._exiting
-                    and now - r.last_seen > self.config.heartbeat_timeout_s):
-                r.alive = False
+        stalled = now - self._last_tick - 0.5
+        self._last_tick = now
+        if stalled > 0:
+            # The event loop itself was held up: that is no rank's fault, so
+            # nobody's silence during it counts.
+            for r in self.ranks.values():
+                r.last_seen += stalled
+        if self.state is not ControllerState.INIT and now >= self._next_heartbeat_scan:
+            self._next_heartbeat_scan = now + self.heartbeat_interval_s / 2
+            timeout = self.heartbeat_interval_s * self.config.heartbeat_misses
+            for r in [r for r in self.ranks.values() if r.alive and now - r.last_seen > timeout]:
+                if r.rank in self._exiting:
+                    continue
+                self._lose(r)
                 self._fault(Fault(kind=FaultKind.HANG, rank=r.rank, detected_at=self._wall(),
                                   message=f"no heartbeat for {now - r.last_seen:.1f} s"))
         ep = self.episode
         if ep is None:
             return
-        if self.state is ControllerState.ABNORMAL and now > ep.stop_deadline:
-            for r in self.ranks.values():
-                if r.alive and not r.stopped:
-                    r.alive = False
-                    ep.faults.append(Fault(kind=FaultKind.HANG, rank=r.rank, detected_at=self._wall(),
-                                           message=f"did not stop within {self.config.prelock_timeout_s:g} s"))
+        if self.state is ControllerState.ABNORMAL and ep.unstopped and now > ep.stop_deadline:
+            for rank in sorted(ep.unstopped):
+                self._lose(self.ranks[rank])
+                ep.faults.append(Fault(kind=FaultKind.HANG, rank=rank, detected_at=self._wall(),
+                                       message=f"did not stop within {self.config.prelock_timeout_s:g} s"))
             self._check_prelock()
         phase = self._current_phase()
         if phase is not None and phase.waiting and now > phase.deadline:
             late = sorted(phase.waiting)
-            self._plan_failed(f"{phase.name} did not finish within {phase.timeout_s:g} s on ranks {late}")
+            self._plan_failed(f"{phase.name} did not finish within {phase.timeout_s:g} s on ranks {late[:16]}")
 
     # ------------------------------------------------------------- snapshots
     def snapshot(self) -> dict:
@@ -271,6 +294,7 @@ class ControllerCore:
             "state": self.state.name,
             "job_id": self.config.job_id,
             "world_size": self.world_size,
+            "heartbeat_interval_s": self.heartbeat_interval_s,
             "ranks": {
                 r.rank: {"pid": r.pid, "host": r.host, "step": r.step, "run": r.run.name,
                          "data": r.data.name, "alive": r.alive}
@@ -286,7 +310,17 @@ class ControllerCore:
         }
 
     # --------------------------------------------------------------- faults
-    def _fault(self, fault: Fault) -> None:
+    def _lose(self, r: _Rank) -> None:
+        r.alive = False
+        if self.episode is not None:
+            self.episode.unstopped.discard(r.rank)
+
+    def _mark_stopped(self, r: _Rank) -> None:
+        r.stopped = True
+        self.episode.unstopped.discard(r.rank)
+        self._check_prelock()
+
+    def _fault(self, fault: Fault, stopped: _Rank | None = None) -> None:
         log.warning("fault: %s", fault.describe())
         if self.state in (ControllerState.EXITED, ControllerState.FINISHED):
             return
@@ -294,12 +328,16 @@ class ControllerCore:
         if ep is None:
             self._epoch += 1
             reached = max((r.reached for r in self.ranks.values()), default=0)
-            self.episode = _Episode(self._epoch, [fault], fault.detected_at,
-                                    self._clock() + self.config.prelock_timeout_s, reached)
+            self.episode = _Episode(self._epoch, [fault], fault.detected_at, reached)
             self._to(ControllerState.ABNORMAL)
-            self._stop_all(f"{fault.describe()}")
+            if stopped is not None:
+                stopped.stopped = True
+            self._stop_all(fault.describe())
             return
         ep.faults.append(fault)
+        if stopped is not None:
+            stopped.stopped = True
+            ep.unstopped.discard(stopped.rank)
         if self.state in (ControllerState.RECOVERING, ControllerState.DUMPING):
             self._plan_failed(f"second fault during {ep.plan.strategy.value}: {fault.describe()}")
         else:
@@ -308,17 +346,15 @@ class ControllerCore:
     def _stop_all(self, reason: str) -> None:
         ep = self.episode
         ep.stop_deadline = self._clock() + self.config.prelock_timeout_s
-        for r in self.ranks.values():
-            if r.alive and not r.stopped:
-                self._command(r.rank, stop=pb.Stop(reason=reason))
+        ep.unstopped = {r.rank for r in self.ranks.values() if r.alive and not r.stopped}
+        stop = self._command(stop=pb.Stop(reason=reason))
+        for rank in sorted(ep.unstopped):
+            self._send(rank, stop)
         self._check_prelock()
 
     def _check_prelock(self) -> None:
-        if self.state is not ControllerState.ABNORMAL:
-            return
-        if any(r.alive and not r.stopped for r in self.ranks.values()):
-            return
-        self._decide()
+        if self.state is ControllerState.ABNORMAL and not self.episode.unstopped:
+            self._decide()
 
     def _decide(self) -> None:
         ep = self.episode
@@ -338,53 +374,67 @@ class ControllerCore:
         self._start_phase()
 
     # --------------------------------------------------------------- phases
+    def _command(self, **action) -> pb.Command:
+        """A command with a fresh id; one object may go to many ranks."""
+        cmd = pb.Command(id=self._next_id, epoch=self.episode.epoch if self.episode else 0, **action)
+        self._next_id += 1
+        return cmd
+
+    def _to_all(self, ranks, **action) -> dict[int, pb.Command]:
+        cmd = self._command(**action)
+        return dict.fromkeys(ranks, cmd)
+
     def _phases(self, plan: Plan, layout) -> list[_Phase]:
-        cfg = self.config
-        everyone = list(plan.participants)
+        cfg, everyone = self.config, list(plan.participants)
+        exit_phase = _Phase("exit", 0, lambda: self._to_all(
+            everyone, exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason)))
         if plan.strategy is Strategy.RETRY:
             uce = {f.rank for f in self.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
             self.generation += 1
+            generation = self.generation
+            excluded = sorted(set(range(self.world_size)) - set(everyone))
             involved = sorted({t.src for t in plan.transfers} | {t.dst for t in plan.transfers})
-            transfers = [pb.Transfer(src=t.src, dst=t.dst, kind=t.kind) for t in plan.transfers]
+
+            def clean() -> dict[int, pb.Command]:
+                faulty, healthy = self._command(clean=pb.Clean(uce=True)), self._command(clean=pb.Clean(uce=False))
+                return {r: faulty if r in uce else healthy for r in everyone}
+
             phases = [
-                self._phase("clean", {r: dict(clean=pb.Clean(uce=r in uce)) for r in everyone}, cfg.handler_timeout_s),
-                self._phase("rebuild", {r: dict(rebuild=pb.Rebuild(generation=self.generation, ranks=everyone))
-                                        for r in everyone}, cfg.handler_timeout_s),
+                _Phase("clean", cfg.handler_timeout_s, clean),
+                _Phase("rebuild", cfg.handler_timeout_s, lambda: self._to_all(
+                    everyone, rebuild=pb.Rebuild(generation=generation, excluded=excluded))),
             ]
-            if transfers:
-                phases.append(self._phase("repair", {r: dict(repair=pb.Repair(step=plan.step, transfers=transfers))
-                                                     for r in involved}, cfg.handler_timeout_s))
-            phases.append(self._phase("rollback", {r: dict(rollback=pb.Rollback(step=plan.step)) for r in everyone},
-                                      cfg.handler_timeout_s))
-            phases.append(self._phase("resume", {r: dict(resume=pb.Resume(step=plan.step)) for r in everyone}, 0))
+            if plan.transfers:
+                transfers = [pb.Transfer(src=t.src, dst=t.dst, kind=t.kind) for t in plan.transfers]
+                phases.append(_Phase("repair", cfg.handler_timeout_s, lambda: self._to_all(
+                    involved, repair=pb.Repair(step=plan.step, transfers=transfers))))
+            phases.append(_Phase("rollback", cfg.handler_timeout_s, lambda: self._to_all(
+                everyone, rollback=pb.Rollback(step=plan.step))))
+            phases.append(_Phase("resume", 0, lambda: self._to_all(everyone, resume=pb.Resume(
+                step=plan.step, record_json=json.dumps(self._record().to_dict())))))
             return phases
         if plan.strategy is Strategy.DUMP:
             keys = {sid: key for key, sid in shard_ids(layout).items()}
             kinds: dict[int, list[int]] = {}
             for sid, rank in sorted(plan.savers.items()):
                 key = keys[sid]
-                group = layout[rank][key.kind]
                 kinds.setdefault(rank, []).append(key.kind)
-                self.episode.shards.append(pb.ShardFiles(
-                    kind=key.kind, copies=key.copies, rank=rank,
-                    full=group.replica_cnt == len(group.rank_list)))
-            return [
-                self._phase("save", {r: dict(save=pb.Save(step=plan.step, kinds=k)) for r, k in kinds.items()},
-                            cfg.save_timeout_s),
-                self._phase("finalize", {plan.finaliser: dict(finalize=pb.Finalize(step=plan.step))},
-                            cfg.handler_timeout_s),
-                self._phase("exit", {r: dict(exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason))
-                                     for r in everyone}, 0),
-            ]
-        return [self._phase("exit", {r: dict(exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason))
-                                     for r in everyone}, 0)]
+                self.episode.shards.append(pb.ShardFiles(kind=key.kind, copies=key.copies, rank=rank,
+                                                         full=layout[rank][key.kind].is_full))
 
-    def _phase(self, name: str, actions: dict[int, dict], timeout_s: float) -> _Phase:
-        commands = {}
-        for rank, action in actions.items():
-            commands[rank] = pb.Command(id=self._next_id, epoch=self.episode.epoch, **action)
-            self._next_id += 1
-        return _Phase(name, commands, timeout_s)
+            def finalize() -> dict[int, pb.Command]:
+                history = {"records": [self._record().to_dict()], "pids": {str(k): v for k, v in self._pids.items()}}
+                return {plan.finaliser: self._command(finalize=pb.Finalize(
+                    step=plan.step, shards=self.episode.shards, history_json=json.dumps(history)))}
+
+            return [
+                _Phase("save", cfg.save_timeout_s, lambda: {
+                    r: self._command(save=pb.Save(step=plan.step, kinds=k)) for r, k in kinds.items()}),
+                _Phase("finalize", cfg.handler_timeout_s, finalize),
+                exit_phase,
+            ]
+        self._record()
+        return [exit_phase]
 
     def _current_phase(self) -> _Phase | None:
         ep = self.episode
@@ -393,18 +443,10 @@ class ControllerCore:
         return ep.phases[0]
 
     def _start_phase(self) -> None:
-        ep = self.episode
-        phase = ep.phases[0]
-        if phase.name == "finalize":
-            self._fill_finalize(phase)
-        if phase.name == "resume":
-            record = self._record()
-            for cmd in phase.commands.values():
-                cmd.resume.record_json = json.dumps(record.to_dict())
+        phase = self.episode.phases[0]
+        phase.commands = phase.build()
         if phase.name == "exit":
             self._exiting.update(phase.commands)
-            if ep.plan.strategy is Strategy.EXIT:
-                self._record()
         phase.deadline = self._clock() + phase.timeout_s
         phase.waiting = set(phase.commands) if phase.timeout_s > 0 else set()
         for rank, cmd in phase.commands.items():
@@ -429,14 +471,6 @@ class ControllerCore:
                 self._to(ControllerState.EXITED)
             log.warning("job exiting: %s", ep.reason)
 
-    def _fill_finalize(self, phase: _Phase) -> None:
-        ep = self.episode
-        record = self._record()
-        history = {"records": [record.to_dict()], "pids": {str(k): v for k, v in self._pids.items()}}
-        (cmd,) = phase.commands.values()
-        cmd.finalize.shards.extend(ep.shards)
-        cmd.finalize.history_json = json.dumps(history)
-
     def _plan_failed(self, why: str) -> None:
         ep = self.episode
         log.warning("%s; falling back", why)
@@ -454,23 +488,17 @@ class ControllerCore:
         if ep.record is not None:
             return ep.record
         first = ep.faults[0]
-        lost = max(0, ep.reached - ep.plan.step) if ep.plan.step >= 0 else None
-        record = RecoveryRecord(
+        ep.record = RecoveryRecord(
             fault=first.kind.name.lower(), rank=first.rank, step=ep.plan.step,
             strategy=ep.plan.strategy.value, reason=ep.reason,
             detect_s=(round(first.detected_at - first.occurred_at, 3) if first.occurred_at else None),
-            recover_s=round(self._wall() - ep.detected_at, 3), lost_steps=lost if lost is not None else -1,
+            recover_s=round(self._wall() - ep.detected_at, 3),
+            lost_steps=max(0, ep.reached - ep.plan.step) if ep.plan.step >= 0 else -1,
         )
-        ep.record = record
-        self.records.append(record)
-        return record
+        self.records.append(ep.record)
+        return ep.record
 
     # --------------------------------------------------------------- helpers
-    def _command(self, rank: int, **action) -> None:
-        cmd = pb.Command(id=self._next_id, epoch=self.episode.epoch if self.episode else 0, **action)
-        self._next_id += 1
-        self._send(rank, cmd)
-
     def _known(self, rank: int) -> _Rank:
         r = self.ranks.get(rank)
         if r is None:

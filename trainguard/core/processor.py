@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -36,7 +37,22 @@ log = logging.getLogger("trainguard.processor")
 
 _CLOSE = object()
 _LOST = object()
+#: Session errors worth another try while connecting (the server was busy).
+_RETRYABLE = ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
 _WAKE = object()  # re-arm the heartbeat timer (the interval arrives with Welcome)
+
+
+def _pb_group(group: ReplicaGroup) -> pb.ReplicaGroup:
+    """A group on the wire; an arithmetic progression of ranks (every DP
+    group) goes as three numbers instead of the whole list."""
+    ranks = group.rank_list
+    out = pb.ReplicaGroup(replica_cnt=group.replica_cnt, replica_shift=group.replica_shift)
+    step = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+    if len(ranks) > 2 and step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        out.range_start, out.range_step, out.range_count = ranks[0], step, len(ranks)
+    else:
+        out.rank_list.extend(ranks)
+    return out
 
 
 class Processor:
@@ -62,6 +78,7 @@ class Processor:
     ) -> None:
         self.config = config
         self.rank = config.rank if config is not None else rank
+        self.world_size = config.world_size if config is not None else 1
         self.stops = 0  # STOP commands received; a handler compares it to notice a new one
         self.step = 0
         self.data = DataStatus.UPDATED
@@ -94,6 +111,10 @@ class Processor:
     ) -> None:
         """Register with the controller and start the background thread.
 
+        A session the controller's server cancels or cannot accept yet
+        (thousands of ranks registering at once) is retried with jitter until
+        ``connect_timeout_s``.
+
         Raises:
             ControllerLostError: the controller did not answer in time.
             ProtocolError: it refused the registration (wrong token, ...).
@@ -105,8 +126,7 @@ class Processor:
             rank=self.rank, world_size=self.config.world_size, pid=os.getpid(), host=socket.gethostname(),
             status=to_pb_status(step, self.run, self.data), device=device,
             device_repairable=device_repairable, restart_count=restart_count,
-            replicas=[pb.ReplicaGroup(rank_list=g.rank_list, replica_cnt=g.replica_cnt,
-                                      replica_shift=g.replica_shift) for g in replicas],
+            replicas=[_pb_group(g) for g in replicas],
         )
         self._channel = client_channel(self.config.controller, self.config.max_message_bytes)
         session = self._channel.stream_stream(
@@ -114,18 +134,27 @@ class Processor:
             request_serializer=pb.RankMessage.SerializeToString,
             response_deserializer=pb.ControllerMessage.FromString,
         )
-        self._call = session(self._requests(hello), metadata=auth_metadata(self.config.token))
-        self._reader = threading.Thread(target=self._receive, name=f"trainguard-processor-{self.rank}", daemon=True)
-        self._reader.start()
         deadline = time.monotonic() + self.config.connect_timeout_s
-        while not self._welcome.wait(0.05):
-            if self._lost.is_set():
+        while True:
+            self._lost.clear()
+            self._outbox = queue.Queue()
+            self._call = session(self._requests(hello), metadata=auth_metadata(self.config.token))
+            self._reader = threading.Thread(target=self._receive, name=f"trainguard-processor-{self.rank}",
+                                            daemon=True)
+            self._reader.start()
+            while not self._welcome.wait(0.05) and not self._lost.is_set() and time.monotonic() < deadline:
+                pass
+            if self._welcome.is_set():
+                break
+            if self._lost.is_set() and not self._error.startswith(_RETRYABLE):
                 raise ProtocolError(f"controller at {self.config.controller} refused rank {self.rank}: {self._error}")
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
                 self.close(finished=False)
                 raise ControllerLostError(
                     f"no answer from the controller at {self.config.controller} "
-                    f"within {self.config.connect_timeout_s:g} s")
+                    f"within {self.config.connect_timeout_s:g} s ({self._error or 'no reply'})")
+            self._reader.join(timeout=5)
+            time.sleep(random.uniform(0.1, 1.0))
         self.run = advance(self.run, RunStatus.TRAINING, what=f"rank {self.rank}")
 
     def _requests(self, hello: pb.Hello) -> Iterable[pb.RankMessage]:

@@ -125,7 +125,7 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
         try:
             if injector is not None:
                 injector.strike("recovery", processor.step)
-            code, shards = _execute(handlers, action, cmd)
+            code, shards = _execute(handlers, action, cmd, processor.world_size)
             processor.send_result(cmd, ok=code != CLEAN_FAILED, code=code,
                                   message="clean failed" if code == CLEAN_FAILED else "", shards=shards)
         except ForceStop as e:
@@ -136,11 +136,13 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
         processor.run = RunStatus.STOPPED
 
 
-def _execute(handlers: Handlers, action: str, cmd: pb.Command) -> tuple[int, list[pb.ShardFiles]]:
+def _execute(handlers: Handlers, action: str, cmd: pb.Command,
+             world_size: int) -> tuple[int, list[pb.ShardFiles]]:
     if action == "clean":
         return handlers.clean(cmd.clean.uce), []
     if action == "rebuild":
-        handlers.rebuild(cmd.rebuild.generation, list(cmd.rebuild.ranks))
+        excluded = set(cmd.rebuild.excluded)
+        handlers.rebuild(cmd.rebuild.generation, [r for r in range(world_size) if r not in excluded])
     elif action == "repair":
         handlers.repair(cmd.repair.step, [Transfer(t.src, t.dst, t.kind) for t in cmd.repair.transfers])
     elif action == "rollback":

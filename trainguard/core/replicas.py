@@ -14,7 +14,10 @@ data-parallel group for plain DDP), how many copies of each shard exist
   positions ``i, i + offset, ...``). ``replica_shift = 1`` puts the copies of
   a shard next to each other.
 
-The functions here are pure: they answer "one consistent saver per shard"
+:class:`Registry` collects the groups as ranks register, checking each
+against what its peers said, in time proportional to the distinct groups
+(every rank of a 16k-rank DP group sends the same group; it is checked once).
+The functions below are pure: they answer "one consistent saver per shard"
 and "a source replica for each bad rank", and "no complete copy" is an
 answer (the ``missing`` part of the result), not an exception.
 """
@@ -22,11 +25,14 @@ answer (the ``missing`` part of the result), not an exception.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from functools import cached_property
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from .api import ConfigError, Transfer
 
 __all__ = [
+    "Layout",
+    "Registry",
     "ReplicaGroup",
     "ShardKey",
     "choose_savers",
@@ -36,8 +42,11 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ReplicaGroup:
+    """One replica group. Equality is by value; identical groups registered
+    by many ranks are interned by :class:`Registry` and compared by identity."""
+
     rank_list: tuple[int, ...]
     replica_cnt: int
     replica_shift: int = 0  # 0: len(rank_list) // replica_cnt
@@ -49,6 +58,16 @@ class ReplicaGroup:
         return cls(ranks, len(ranks), 0)
 
     @property
+    def key(self) -> tuple:
+        return (self.rank_list, self.replica_cnt, self.replica_shift)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or (isinstance(other, ReplicaGroup) and other.key == self.key)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    @property
     def shift(self) -> int:
         return self.replica_shift or len(self.rank_list) // self.replica_cnt
 
@@ -56,21 +75,30 @@ class ReplicaGroup:
     def num_shards(self) -> int:
         return len(self.rank_list) // self.replica_cnt
 
+    @property
+    def is_full(self) -> bool:
+        return self.replica_cnt == len(self.rank_list)
+
+    @cached_property
+    def _position(self) -> dict[int, int]:
+        return {r: i for i, r in enumerate(self.rank_list)}
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self._position
+
     def check(self) -> None:
         """Raise ConfigError when the group cannot describe a layout."""
         size = len(self.rank_list)
         if size == 0:
             raise ConfigError("replica group has an empty rank_list")
-        if len(set(self.rank_list)) != size:
-            raise ConfigError(f"replica group rank_list repeats a rank: {list(self.rank_list)}")
+        if len(self._position) != size:
+            raise ConfigError(f"replica group rank_list repeats a rank: {list(self.rank_list)[:16]}")
         if self.replica_cnt < 1 or size % self.replica_cnt:
             raise ConfigError(
                 f"replica_cnt={self.replica_cnt} must be >= 1 and divide the group size {size} "
-                f"(rank_list={list(self.rank_list)})"
+                f"(rank_list={list(self.rank_list)[:16]})"
             )
-        if self.replica_shift < 0 or (self.shift * self.replica_cnt) == 0 or size % (
-            self.shift * self.replica_cnt
-        ):
+        if self.replica_shift < 0 or size % (self.shift * self.replica_cnt):
             raise ConfigError(
                 f"replica_shift={self.replica_shift} does not tile a group of {size} "
                 f"ranks with {self.replica_cnt} copies"
@@ -78,19 +106,26 @@ class ReplicaGroup:
 
     def shard_of(self, rank: int) -> int:
         """The shard index (within this group) that ``rank`` holds."""
-        pos = self.rank_list.index(rank)
-        block, within = divmod(pos, self.shift * self.replica_cnt)
+        block, within = divmod(self._position[rank], self.shift * self.replica_cnt)
         return block * self.shift + within % self.shift
 
     def copies(self, rank: int) -> list[int]:
         """Every rank holding the same shard as ``rank``, in MindIO's walk
         order: ``rank`` itself, then ``rank + shift``, ``rank + 2 shift``...
         wrapping around inside its block."""
-        pos = self.rank_list.index(rank)
+        pos = self._position[rank]
         span = self.shift * self.replica_cnt
         base = (pos // span) * span
         off = pos - base
         return [self.rank_list[base + (off + k * self.shift) % span] for k in range(self.replica_cnt)]
+
+    @cached_property
+    def shard_sets(self) -> tuple[tuple[int, ...], ...]:
+        """The sorted copy set of each shard of this group."""
+        sets: dict[int, list[int]] = {}
+        for rank in self.rank_list:
+            sets.setdefault(self.shard_of(rank), []).append(rank)
+        return tuple(tuple(sorted(v)) for _, v in sorted(sets.items()))
 
 
 @dataclass(frozen=True, order=True)
@@ -104,46 +139,95 @@ class ShardKey:
 Layout = Mapping[int, Sequence[ReplicaGroup]]  # rank -> its groups, by kind
 
 
-def _shard_key(layout: Layout, rank: int, kind: int) -> ShardKey:
-    return ShardKey(kind, tuple(sorted(layout[rank][kind].copies(rank))))
+class Registry:
+    """The job's replica groups, filled as ranks register.
+
+    Args:
+        world_size: ranks in the job; every group must stay inside it.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._interned: dict[tuple, ReplicaGroup] = {}
+        self._owner: list[dict[int, ReplicaGroup]] = []  # per kind: rank -> the group that claimed it
+        self.layout: dict[int, tuple[ReplicaGroup, ...]] = {}
+
+    def intern(self, group: ReplicaGroup) -> ReplicaGroup:
+        """The registry's copy of ``group`` (checked the first time it is seen).
+
+        Raises:
+            ConfigError: the group is malformed or reaches outside the world.
+        """
+        known = self._interned.get(group.key)
+        if known is not None:
+            return known
+        group.check()
+        if min(group.rank_list) < 0 or max(group.rank_list) >= self.world_size:
+            raise ConfigError(f"replica group names ranks outside a world of {self.world_size}")
+        self._interned[group.key] = group
+        return group
+
+    def register(self, rank: int, groups: Sequence[ReplicaGroup]) -> tuple[ReplicaGroup, ...]:
+        """Record ``rank``'s groups; return the interned ones.
+
+        Raises:
+            ConfigError: a malformed group, a rank outside its own group, or
+                a group that disagrees with one a peer registered.
+        """
+        interned = tuple(self.intern(g) for g in groups)
+        while len(self._owner) < len(interned):
+            self._owner.append({})
+        for kind, group in enumerate(interned):
+            if rank not in group:
+                raise ConfigError(f"rank {rank} is not in its own replica group {list(group.rank_list)[:16]}")
+            owners = self._owner[kind]
+            owner = owners.get(rank)
+            if owner is group:
+                continue  # the group was claimed already: checked then
+            if owner is not None:
+                raise ConfigError(f"ranks disagree on replica group {kind} of rank {rank}: "
+                                  f"{list(group.rank_list)[:16]} vs {list(owner.rank_list)[:16]}")
+            clash = next((owners[p] for p in group.rank_list if owners.get(p, group) is not group), None)
+            if clash is not None:
+                raise ConfigError(f"ranks disagree on replica group {kind}: {list(group.rank_list)[:16]} "
+                                  f"overlaps {list(clash.rank_list)[:16]}")
+            for p in group.rank_list:
+                owners[p] = group
+        self.layout[rank] = interned
+        return interned
+
+
+def validate_layout(layout: Layout, world_size: int) -> None:
+    """Check a whole layout at once (every rank's groups, against each other).
+
+    Raises:
+        ConfigError: naming the first inconsistency.
+    """
+    registry = Registry(world_size)
+    for rank, groups in layout.items():
+        registry.register(rank, groups)
+
+
+def _distinct(layout: Layout) -> Iterator[tuple[int, ReplicaGroup]]:
+    seen: set[tuple[int, int]] = set()
+    for groups in layout.values():
+        for kind, group in enumerate(groups):
+            if (kind, id(group)) not in seen:
+                seen.add((kind, id(group)))
+                yield kind, group
 
 
 def shard_ids(layout: Layout) -> dict[ShardKey, int]:
     """Number every shard of the job, stably: same layout, same numbers."""
-    keys = {_shard_key(layout, r, k) for r, groups in layout.items() for k in range(len(groups))}
+    keys = {ShardKey(kind, copies) for kind, group in _distinct(layout) for copies in group.shard_sets}
     return {key: i for i, key in enumerate(sorted(keys))}
-
-
-def validate_layout(layout: Layout, world_size: int) -> None:
-    """Check that every rank's groups are well formed and agree with each other.
-
-    Raises:
-        ConfigError: naming the first inconsistent rank or group.
-    """
-    for rank, groups in layout.items():
-        for kind, group in enumerate(groups):
-            group.check()
-            if rank not in group.rank_list:
-                raise ConfigError(f"rank {rank} is not in its own replica group {list(group.rank_list)}")
-            bad = [r for r in group.rank_list if not 0 <= r < world_size]
-            if bad:
-                raise ConfigError(f"replica group of rank {rank} names ranks outside the world: {bad}")
-            for peer in group.rank_list:
-                peer_groups = layout.get(peer)
-                if peer_groups is None or len(peer_groups) <= kind:
-                    continue
-                if peer_groups[kind] != group:
-                    raise ConfigError(
-                        f"ranks {rank} and {peer} disagree on replica group {kind}: "
-                        f"{group} vs {peer_groups[kind]}"
-                    )
 
 
 def choose_savers(layout: Layout, usable: Iterable[int]) -> tuple[dict[int, int], list[ShardKey]]:
     """Pick one saver per shard among ``usable`` ranks.
 
     The lowest usable rank of each copy set is chosen, so the choice is
-    deterministic and prefers rank 0 (DDP's authoritative rank for buffers).
+    deterministic and prefers rank 0.
 
     Returns:
         ``(savers, missing)``: shard id -> saving rank, and the shards with
@@ -153,11 +237,11 @@ def choose_savers(layout: Layout, usable: Iterable[int]) -> tuple[dict[int, int]
     savers: dict[int, int] = {}
     missing: list[ShardKey] = []
     for key, sid in shard_ids(layout).items():
-        candidates = [r for r in key.copies if r in usable]
-        if candidates:
-            savers[sid] = min(candidates)
-        else:
+        candidate = next((r for r in key.copies if r in usable), None)  # copies are sorted
+        if candidate is None:
             missing.append(key)
+        else:
+            savers[sid] = candidate
     return savers, missing
 
 

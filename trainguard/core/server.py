@@ -1,8 +1,8 @@
 """The controller's gRPC server, run on its own event-loop thread.
 
-One asyncio loop serves every rank's session (so 16k ranks cost 16k
-coroutines, not 16k threads) and is the only thread that touches
-:class:`~trainguard.core.controller.ControllerCore`. Launchers use
+One asyncio loop serves every session (a rank's own, or a node relay's
+carrying all of that node's ranks; see :mod:`trainguard.core.relay`) and is
+the only thread that touches :class:`~trainguard.core.controller.ControllerCore`. Launchers use
 :class:`Controller`, whose methods are safe to call from any thread.
 """
 
@@ -13,7 +13,8 @@ import json
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Any, AsyncIterator
+from functools import partial
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
@@ -36,20 +37,64 @@ class _Abort:
         self.code, self.reason = code, reason
 
 
+class _NodeLink:
+    """The way back to one node's relay. Commands sent to several of its ranks
+    in one burst (a phase's shared command) leave as one delivery."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._pending: dict[int, tuple[object, list[int]]] = {}
+
+    def send(self, rank: int, message: pb.Command | pb.ControllerMessage) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        entry = self._pending.get(id(message))
+        if entry is None:
+            self._pending[id(message)] = (message, [rank])
+        else:
+            entry[1].append(rank)
+
+    def refuse(self, rank: int, reason: str) -> None:
+        self.queue.put_nowait(pb.NodeCommands(items=[pb.NodeDelivery(ranks=[rank], refused=reason)]))
+
+    def _flush(self) -> None:
+        items = []
+        for message, ranks in self._pending.values():
+            if isinstance(message, pb.Command):
+                message = pb.ControllerMessage(command=message)
+            items.append(pb.NodeDelivery(ranks=ranks, message=message))
+        self._pending = {}
+        self.queue.put_nowait(pb.NodeCommands(items=items))
+
+
 class _Service:
-    """The ``Control`` service; every method runs on the controller's loop."""
+    """The ``Control`` service; every method runs on the controller's loop.
+
+    A rank is reached through its own session or through its node's relay;
+    ``routes`` maps each connected rank to the way that reaches it.
+    """
 
     def __init__(self, core: ControllerCore, token: str) -> None:
         self.core = core
         self.token = token
-        self.sessions: dict[int, asyncio.Queue] = {}
+        self.routes: dict[int, Callable[[pb.Command], None]] = {}
+        self.stopping = False  # set while the server shuts down: ended sessions are not lost ranks
+        self.welcome = pb.ControllerMessage(welcome=pb.Welcome(
+            job_id=core.config.job_id, heartbeat_interval_s=core.heartbeat_interval_s))
 
     def deliver(self, rank: int, command: pb.Command) -> None:
-        queue = self.sessions.get(rank)
-        if queue is None:
+        route = self.routes.get(rank)
+        if route is None:
             log.debug("no session for rank %d; dropping command %d", rank, command.id)
             return
-        queue.put_nowait(command)
+        route(command)
+
+    def _ended(self, rank: int, route, *, goodbye: bool) -> None:
+        """A rank's session is over; without Goodbye its process is lost."""
+        if self.routes.get(rank) is route:
+            del self.routes[rank]
+            if not goodbye and not self.stopping:
+                self.core.on_disconnect(rank)
 
     async def _refuse(self, context, code: grpc.StatusCode, reason: str) -> None:
         log.warning("refused %s from %s: %s", code.name, context.peer(), reason)
@@ -60,6 +105,7 @@ class _Service:
             await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED,
                                "missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)")
 
+    # ------------------------------------------------------- one rank, one stream
     async def session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.ControllerMessage]:
         await self._authorize(context)
         stream = requests.__aiter__()
@@ -76,13 +122,12 @@ class _Service:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rank = first.hello.rank
         queue: asyncio.Queue = asyncio.Queue()
-        self.sessions[rank] = queue
+        route = queue.put_nowait
+        self.routes[rank] = route
         state = {"goodbye": False}
         reader = asyncio.ensure_future(self._read(rank, stream, queue, state))
         try:
-            yield pb.ControllerMessage(welcome=pb.Welcome(
-                job_id=self.core.config.job_id,
-                heartbeat_interval_s=self.core.config.heartbeat_interval_s))
+            yield self.welcome
             while True:
                 item = await queue.get()
                 if item is _END:
@@ -92,10 +137,7 @@ class _Service:
                 yield pb.ControllerMessage(command=item)
         finally:
             reader.cancel()
-            if self.sessions.get(rank) is queue:
-                del self.sessions[rank]
-                if not state["goodbye"]:
-                    self.core.on_disconnect(rank)
+            self._ended(rank, route, goodbye=state["goodbye"])
 
     async def _read(self, rank: int, stream, queue: asyncio.Queue, state: dict) -> None:
         """Feed the rank's messages to the core; end the session (``_END``)
@@ -120,6 +162,65 @@ class _Service:
         except Exception:  # a bug in the controller must not take the server down
             log.exception("controller error while handling rank %d", rank)
         queue.put_nowait(_END)
+
+    # ------------------------------------------------------- a node's ranks, one stream
+    async def node_session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.NodeCommands]:
+        await self._authorize(context)
+        link, local = _NodeLink(), {}
+        reader = asyncio.ensure_future(self._read_node(requests, link, local, context.peer()))
+        try:
+            while True:
+                item = await link.queue.get()
+                if item is _END:
+                    break
+                if isinstance(item, _Abort):
+                    await self._refuse(context, item.code, item.reason)
+                yield item
+        finally:
+            reader.cancel()
+            for rank, route in list(local.items()):
+                self._ended(rank, route, goodbye=False)
+
+    async def _read_node(self, requests, link: _NodeLink, local: dict, peer: str) -> None:
+        try:
+            async for msg in requests:
+                if isinstance(msg, Refused):
+                    link.queue.put_nowait(_Abort(msg.code, msg.reason))
+                    return
+                for item in msg.items:
+                    self._node_item(item, link, local, msg.node or peer)
+        except asyncio.CancelledError:
+            raise
+        except grpc.RpcError:
+            pass  # the relay went away: every rank it carried is lost
+        except Exception:  # a bug in the controller must not take the server down
+            log.exception("controller error while handling node %s", peer)
+        link.queue.put_nowait(_END)
+
+    def _node_item(self, item: pb.RankEnvelope, link: _NodeLink, local: dict, node: str) -> None:
+        rank = item.rank
+        if item.disconnected:
+            if rank in local:
+                self._ended(rank, local.pop(rank), goodbye=False)
+            return
+        try:
+            first = rank not in local
+            body = validate_rank_message(item.message, world_size=self.core.world_size, first=first)
+            if first:
+                if item.message.hello.rank != rank:
+                    raise ProtocolError(f"envelope for rank {rank} carries a Hello for rank {item.message.hello.rank}")
+                self.core.on_hello(item.message.hello)
+                local[rank] = self.routes[rank] = partial(link.send, rank)
+                link.send(rank, self.welcome)
+                return
+            self._dispatch(rank, body, item.message)
+            if body == "goodbye":
+                self._ended(rank, local.pop(rank), goodbye=True)
+        except ProtocolError as e:
+            log.warning("refused rank %d from node %s: %s", rank, node, e)
+            link.refuse(rank, str(e))
+            if rank in local:  # a rank that breaks the protocol mid-session is dropped
+                self._ended(rank, local.pop(rank), goodbye=False)
 
     def _dispatch(self, rank: int, body: str, msg: pb.RankMessage) -> None:
         core = self.core
@@ -211,10 +312,18 @@ class Controller:
             "GetStatus": grpc.unary_unary_rpc_method_handler(
                 self._service.get_status, request_deserializer=decoder(pb.StatusRequest, limit),
                 response_serializer=pb.JobStatus.SerializeToString),
+            "NodeSession": grpc.stream_stream_rpc_method_handler(
+                self._service.node_session, request_deserializer=decoder(pb.NodeMessage, limit),
+                response_serializer=pb.NodeCommands.SerializeToString),
         }
+        # Every rank opens its session at about the same moment; gRPC's default
+        # cap on calls waiting to be accepted (1000) would cancel the rest.
+        pending = max(4096, 2 * self.world_size)
         self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", max(4 * limit, 4 << 20)),
             ("grpc.so_reuseport", 0),
+            ("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", pending),
         ])
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         host = self.config.host
@@ -258,6 +367,7 @@ class Controller:
             return
         if self._loop.is_running():
             async def shutdown():
+                self._service.stopping = True
                 await self._server.stop(grace_s)
                 for task in asyncio.all_tasks():
                     if task is not asyncio.current_task():

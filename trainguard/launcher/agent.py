@@ -5,8 +5,9 @@ two things:
 
 * after each rendezvous, the agent of node 0 starts the job's controller
   and publishes its address (and, unless the user set one, a fresh job
-  token) in the rendezvous store; every agent hands both to its workers
-  through the environment;
+  token) in the rendezvous store; every agent starts a relay for its node's
+  ranks (:mod:`trainguard.core.relay`) and hands the relay's address and the
+  token to its workers through the environment;
 * when a worker dies, the agent reports it to the controller at once and
   lets the survivors finish what the controller tells them (a dying-gasp
   save, then exit) instead of killing them on the spot. Once every worker
@@ -23,8 +24,9 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from trainguard.core import Controller, ControllerConfig, ConfigError
+from trainguard.core import Controller, ControllerConfig
 from trainguard.core.client import ControllerClient
+from trainguard.core.relay import Relay
 from trainguard.core.rpc import new_token
 
 __all__ = ["TrainguardAgent"]
@@ -42,6 +44,7 @@ class TrainguardAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self._config = controller_config
         self.controller: Controller | None = None
+        self.relay: Relay | None = None
         self._client: ControllerClient | None = None
         self._failed_at: float | None = None
         self._reported: set[int] = set()
@@ -56,15 +59,20 @@ class TrainguardAgent(LocalElasticAgent):
         if worker_group.group_rank == 0:
             self._stop_controller()
             if worker_group.group_world_size > 1 and self._config.host in ("127.0.0.1", "localhost", "::1"):
-                raise ConfigError("a multi-node job needs the controller on an address other nodes reach: "
-                                  "pass --controller-host (or TRAINGUARD_HOST)")
+                log.warning("the controller listens on %s: only agents on this host can reach it; for nodes "
+                            "on other hosts pass --controller-host (or TRAINGUARD_HOST)", self._config.host)
             token = os.environ.get("TRAINGUARD_TOKEN") or new_token()
             self.controller = Controller(self._config, world_size, token=token)
             store.set(_ADDRESS_KEY, self.controller.start())
             store.set(_TOKEN_KEY, token)
         address = store.get(_ADDRESS_KEY).decode()
         token = store.get(_TOKEN_KEY).decode()
-        os.environ.update(TRAINGUARD_CONTROLLER=address, TRAINGUARD_TOKEN=token,
+        if self.relay is not None:
+            self.relay.stop()
+        # The node's ranks reach the controller through this agent's relay:
+        # one stream per node instead of one per rank.
+        self.relay = Relay(address, token, max_message_bytes=self._config.max_message_bytes)
+        os.environ.update(TRAINGUARD_CONTROLLER=self.relay.start(), TRAINGUARD_TOKEN=token,
                           TRAINGUARD_JOB_ID=self._config.job_id)
         if self._client is not None:
             self._client.close()
@@ -80,7 +88,10 @@ class TrainguardAgent(LocalElasticAgent):
             self.controller = None
 
     def shutdown_controller(self) -> None:
-        """Stop the controller (after the run), keeping its last status."""
+        """Stop the relay and the controller (after the run), keeping its last status."""
+        if self.relay is not None:
+            self.relay.stop()
+            self.relay = None
         self._stop_controller()
         if self._client is not None:
             self._client.close()

@@ -62,14 +62,20 @@ HIGH: Severity
 CORRUPTED: Severity
 
 class ReplicaGroup(_message.Message):
-    __slots__ = ("rank_list", "replica_cnt", "replica_shift")
+    __slots__ = ("rank_list", "replica_cnt", "replica_shift", "range_start", "range_step", "range_count")
     RANK_LIST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_CNT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    RANGE_START_FIELD_NUMBER: _ClassVar[int]
+    RANGE_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANGE_COUNT_FIELD_NUMBER: _ClassVar[int]
     rank_list: _containers.RepeatedScalarFieldContainer[int]
     replica_cnt: int
     replica_shift: int
-    def __init__(self, rank_list: _Optional[_Iterable[int]] = ..., replica_cnt: _Optional[int] = ..., replica_shift: _Optional[int] = ...) -> None: ...
+    range_start: int
+    range_step: int
+    range_count: int
+    def __init__(self, rank_list: _Optional[_Iterable[int]] = ..., replica_cnt: _Optional[int] = ..., replica_shift: _Optional[int] = ..., range_start: _Optional[int] = ..., range_step: _Optional[int] = ..., range_count: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("step", "run", "data")
@@ -188,12 +194,12 @@ class Clean(_message.Message):
     def __init__(self, uce: _Optional[bool] = ...) -> None: ...
 
 class Rebuild(_message.Message):
-    __slots__ = ("generation", "ranks")
+    __slots__ = ("generation", "excluded")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
-    RANKS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     generation: int
-    ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generation: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    excluded: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., excluded: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Transfer(_message.Message):
     __slots__ = ("src", "dst", "kind")
@@ -328,3 +334,37 @@ class JobStatus(_message.Message):
     state: str
     json: str
     def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., json: _Optional[str] = ...) -> None: ...
+
+class RankEnvelope(_message.Message):
+    __slots__ = ("rank", "message", "disconnected")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DISCONNECTED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    message: RankMessage
+    disconnected: bool
+    def __init__(self, rank: _Optional[int] = ..., message: _Optional[_Union[RankMessage, _Mapping]] = ..., disconnected: _Optional[bool] = ...) -> None: ...
+
+class NodeMessage(_message.Message):
+    __slots__ = ("node", "items")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    items: _containers.RepeatedCompositeFieldContainer[RankEnvelope]
+    def __init__(self, node: _Optional[str] = ..., items: _Optional[_Iterable[_Union[RankEnvelope, _Mapping]]] = ...) -> None: ...
+
+class NodeDelivery(_message.Message):
+    __slots__ = ("ranks", "message", "refused")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    message: ControllerMessage
+    refused: str
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ..., message: _Optional[_Union[ControllerMessage, _Mapping]] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class NodeCommands(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[NodeDelivery]
+    def __init__(self, items: _Optional[_Iterable[_Union[NodeDelivery, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,267 @@
+"""A node's relay: the sessions of every rank on a node over one stream.
+
+A 16k-rank job has 16k processors; if each held its own session, one fault
+would cost the controller ~50k messages (a STOP, a stopped report and a plan
+command per rank). The node agent runs a :class:`Relay` instead: the node's
+ranks open their ordinary ``Session`` to it, and it carries them all over one
+``NodeSession`` to the controller, in batches. A phase's command reaches a
+node as one message listing its ranks.
+
+* Rank messages are forwarded within ``batch_window_s`` (a few ms), in order
+  per rank; heartbeats wait up to ``heartbeat_window_s`` so a node's
+  heartbeats travel together (a newer message of the same rank replaces a
+  waiting heartbeat: it carries the status too).
+* A rank whose session ends without Goodbye is reported ``disconnected``.
+* If the controller stream ends, every local session ends: the ranks learn
+  at once that no recovery can be coordinated.
+* Ranks authenticate to the relay with the job token; the relay
+  authenticates to the controller with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import Future
+from typing import AsyncIterator
+
+import grpc
+
+from .api import TrainguardError
+from .protocol import trainguard_pb2 as pb
+from .rpc import SERVICE, Refused, auth_metadata, check_token, decoder
+
+__all__ = ["Relay"]
+
+log = logging.getLogger("trainguard.relay")
+
+_END = object()
+
+
+class _Refusal:
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        self.code, self.reason = code, reason
+
+
+class Relay:
+    """Args:
+        controller: the controller's ``host:port``.
+        token: the job token.
+        host, port: where local ranks connect (loopback, any free port).
+        node: a name for this node in the controller's logs.
+        max_message_bytes: size limit of one message, each way.
+        batch_window_s, heartbeat_window_s: how long messages wait to travel
+            together.
+    """
+
+    def __init__(self, controller: str, token: str, *, host: str = "127.0.0.1", port: int = 0,
+                 node: str | None = None, max_message_bytes: int = 1 << 20, batch_window_s: float = 0.002,
+                 heartbeat_window_s: float = 0.25) -> None:
+        self.controller, self.token = controller, token
+        self.host, self.port = host, port
+        self.node = node or f"{socket.gethostname()}:{os.getpid()}"
+        self.limit = max_message_bytes
+        self.batch_window_s, self.heartbeat_window_s = batch_window_s, heartbeat_window_s
+        self.address = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._local: dict[int, asyncio.Queue] = {}
+        self._outgoing: list[pb.RankEnvelope] = []
+        self._heartbeats: dict[int, pb.RankEnvelope] = {}
+        self._flush_at: float | None = None
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._upstream_alive = False
+        self._stopping = False
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        """Connect upstream, start serving local ranks, return ``host:port``.
+
+        Raises:
+            TrainguardError: the controller is unreachable or refused the relay.
+        """
+        ready: Future = Future()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="trainguard-relay", daemon=True)
+        self._thread.start()
+        port = ready.result(timeout=60)
+        self.address = f"{self.host}:{port}"
+        log.info("relay %s for the ranks of this node listening on %s", self.node, self.address)
+        return self.address
+
+    def _run(self, ready: Future) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve(ready))
+        except BaseException as e:  # surfaced through `ready` when it happens at start-up
+            if not ready.done():
+                ready.set_exception(e)
+        finally:
+            self._loop.close()
+
+    async def _serve(self, ready: Future) -> None:
+        self._channel = grpc.aio.insecure_channel(self.controller, options=[
+            ("grpc.max_send_message_length", self.limit), ("grpc.max_receive_message_length", 4 * self.limit)])
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout=30)
+        except asyncio.TimeoutError:
+            raise TrainguardError(f"relay cannot reach the controller at {self.controller}") from None
+        self._upstream = self._channel.stream_stream(
+            f"/{SERVICE}/NodeSession", request_serializer=pb.NodeMessage.SerializeToString,
+            response_deserializer=pb.NodeCommands.FromString)(metadata=auth_metadata(self.token))
+        self._upstream_alive = True
+        self._sends: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._read_upstream()), asyncio.ensure_future(self._write_upstream())]
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * self.limit),
+                                                ("grpc.so_reuseport", 0)])
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Session": grpc.stream_stream_rpc_method_handler(
+                self._session, request_deserializer=decoder(pb.RankMessage, self.limit),
+                response_serializer=pb.ControllerMessage.SerializeToString)}),))
+        port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        await self._server.start()
+        ready.set_result(port)
+        self._done = asyncio.Event()
+        await self._done.wait()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving (idempotent). Local ranks' sessions end."""
+        if self._loop is None or self._thread is None:
+            return
+        if self._loop.is_running():
+            async def shutdown() -> None:
+                self._stopping = True
+                await self._server.stop(grace_s)
+                self._upstream.cancel()
+                await self._channel.close()
+                for task in self._tasks:
+                    task.cancel()
+                self._done.set()
+
+            try:
+                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=grace_s + 10)
+            except Exception:  # the loop ends either way below
+                pass
+        self._thread.join(timeout=grace_s + 10)
+        self._thread = None
+
+    # ------------------------------------------------------------ upstream
+    async def _read_upstream(self) -> None:
+        try:
+            async for batch in self._upstream:
+                for delivery in batch.items:
+                    item = (_Refusal(grpc.StatusCode.INVALID_ARGUMENT, delivery.refused) if delivery.refused
+                            else delivery.message)
+                    for rank in delivery.ranks:
+                        queue = self._local.get(rank)
+                        if queue is not None:
+                            queue.put_nowait(item)
+        except grpc.RpcError as e:
+            if not self._stopping:
+                log.error("relay %s lost the controller: %s %s", self.node, e.code().name, e.details())
+        finally:
+            self._upstream_alive = False
+            for queue in self._local.values():
+                queue.put_nowait(_END)
+
+    async def _write_upstream(self) -> None:
+        while True:
+            message = await self._sends.get()
+            try:
+                await self._upstream.write(message)
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                return  # the reader reports the loss
+
+    def _forward(self, rank: int, message: pb.RankMessage | None = None, *, disconnected: bool = False) -> None:
+        envelope = pb.RankEnvelope(rank=rank, message=message, disconnected=disconnected)
+        if message is not None and message.WhichOneof("body") == "heartbeat":
+            self._heartbeats[rank] = envelope
+            self._schedule(self.heartbeat_window_s)
+        else:
+            self._heartbeats.pop(rank, None)
+            self._outgoing.append(envelope)
+            self._schedule(self.batch_window_s)
+
+    def _schedule(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay
+        if self._flush_handle is not None and self._flush_at <= when:
+            return
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        self._flush_at, self._flush_handle = when, loop.call_at(when, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        items, self._outgoing = self._outgoing + list(self._heartbeats.values()), []
+        self._heartbeats = {}
+        batch, size = [], 0
+        for item in items:  # keep each message well under the size limit
+            if batch and size + item.ByteSize() > self.limit // 2:
+                self._sends.put_nowait(pb.NodeMessage(node=self.node, items=batch))
+                batch, size = [], 0
+            batch.append(item)
+            size += item.ByteSize() + 8
+        if batch:
+            self._sends.put_nowait(pb.NodeMessage(node=self.node, items=batch))
+
+    # ------------------------------------------------------------ local ranks
+    async def _session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.ControllerMessage]:
+        if not check_token(context.invocation_metadata(), self.token):
+            log.warning("relay refused UNAUTHENTICATED from %s", context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "trainguard: missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)")
+        stream = requests.__aiter__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        if isinstance(first, Refused):
+            await context.abort(first.code, f"trainguard: {first.reason}")
+        if first.WhichOneof("body") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "trainguard: the first message of a session must be Hello")
+        rank = first.hello.rank
+        if rank in self._local:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"trainguard: rank {rank} is already connected to this node's relay")
+        if not self._upstream_alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "trainguard: the relay lost the controller")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._local[rank] = queue
+        self._forward(rank, first)
+        state = {"goodbye": False}
+        reader = asyncio.ensure_future(self._pump(rank, stream, queue, state))
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    break
+                if isinstance(item, _Refusal):
+                    await context.abort(item.code, f"trainguard: {item.reason}")
+                yield item
+        finally:
+            reader.cancel()
+            if self._local.get(rank) is queue:
+                del self._local[rank]
+                if not state["goodbye"] and not self._stopping and self._upstream_alive:
+                    self._forward(rank, disconnected=True)
+
+    async def _pump(self, rank: int, stream, queue: asyncio.Queue, state: dict) -> None:
+        try:
+            async for message in stream:
+                if isinstance(message, Refused):
+                    queue.put_nowait(_Refusal(message.code, message.reason))
+                    return
+                self._forward(rank, message)
+                if message.WhichOneof("body") == "goodbye":
+                    state["goodbye"] = True
+                    break
+        except asyncio.CancelledError:
+            raise
+        except grpc.RpcError:
+            pass  # the rank's process went away: the session's finally clause reports it
+        queue.put_nowait(_END)
