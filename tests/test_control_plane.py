@@ -349,3 +349,25 @@ def test_a_node_gets_one_message_per_phase(controller):
     assert stops.items[0].message.command.HasField("stop")
     outbox.put(None)
     channel.close()
+
+
+def test_a_rank_that_starts_before_its_controller_connects_when_it_comes_up():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "ab" * 32
+    late = Controller(ControllerConfig(port=port, **FAST), 1, token=token)
+    timer = threading.Timer(1.0, late.start)
+    timer.start()
+    p = Processor(ProcessorConfig(controller=f"127.0.0.1:{port}", token=token, rank=0, world_size=1,
+                                  connect_timeout_s=20), force_exit=lambda code: None)
+    try:
+        p.connect()  # refused (UNAVAILABLE) at first, retried
+        assert p.connected
+        assert p.next_command(timeout=0.3) is None  # no stale "lost" left by the refused attempts
+    finally:
+        timer.join()
+        p.close()
+        late.stop()

@@ -138,6 +138,7 @@ class Processor:
         while True:
             self._lost.clear()
             self._outbox = queue.Queue()
+            self._commands = queue.Queue()  # a refused attempt leaves its end-of-session marker behind
             self._call = session(self._requests(hello), metadata=auth_metadata(self.config.token))
             self._reader = threading.Thread(target=self._receive, name=f"trainguard-processor-{self.rank}",
                                             daemon=True)
