@@ -24,13 +24,13 @@ import asyncio
 import logging
 import os
 import socket
-import threading
 from concurrent.futures import Future
 from typing import AsyncIterator
 
 import grpc
 
 from .api import TrainguardError
+from .loop import LoopThread
 from .protocol import trainguard_pb2 as pb
 from .rpc import SERVICE, Refused, auth_metadata, check_token, decoder
 
@@ -46,7 +46,7 @@ class _Refusal:
         self.code, self.reason = code, reason
 
 
-class Relay:
+class Relay(LoopThread):
     """Args:
         controller: the controller's ``host:port``.
         token: the job token.
@@ -66,8 +66,6 @@ class Relay:
         self.limit = max_message_bytes
         self.batch_window_s, self.heartbeat_window_s = batch_window_s, heartbeat_window_s
         self.address = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._local: dict[int, asyncio.Queue] = {}
         self._outgoing: list[pb.RankEnvelope] = []
         self._heartbeats: dict[int, pb.RankEnvelope] = {}
@@ -77,30 +75,17 @@ class Relay:
         self._stopping = False
 
     # ------------------------------------------------------------ lifecycle
+    thread_name = "trainguard-relay"
+
     def start(self) -> str:
         """Connect upstream, start serving local ranks, return ``host:port``.
 
         Raises:
             TrainguardError: the controller is unreachable or refused the relay.
         """
-        ready: Future = Future()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="trainguard-relay", daemon=True)
-        self._thread.start()
-        port = ready.result(timeout=60)
-        self.address = f"{self.host}:{port}"
+        self.address = f"{self.host}:{self._start_loop(timeout_s=60)}"
         log.info("relay %s for the ranks of this node listening on %s", self.node, self.address)
         return self.address
-
-    def _run(self, ready: Future) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._serve(ready))
-        except BaseException as e:  # surfaced through `ready` when it happens at start-up
-            if not ready.done():
-                ready.set_exception(e)
-        finally:
-            self._loop.close()
 
     async def _serve(self, ready: Future) -> None:
         self._channel = grpc.aio.insecure_channel(self.controller, options=[
@@ -127,26 +112,14 @@ class Relay:
         self._done = asyncio.Event()
         await self._done.wait()
 
-    def stop(self, grace_s: float = 1.0) -> None:
-        """Stop serving (idempotent). Local ranks' sessions end."""
-        if self._loop is None or self._thread is None:
-            return
-        if self._loop.is_running():
-            async def shutdown() -> None:
-                self._stopping = True
-                await self._server.stop(grace_s)
-                self._upstream.cancel()
-                await self._channel.close()
-                for task in self._tasks:
-                    task.cancel()
-                self._done.set()
-
-            try:
-                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=grace_s + 10)
-            except Exception:  # the loop ends either way below
-                pass
-        self._thread.join(timeout=grace_s + 10)
-        self._thread = None
+    async def _shutdown(self, grace_s: float) -> None:
+        self._stopping = True
+        await self._server.stop(grace_s)
+        self._upstream.cancel()
+        await self._channel.close()
+        for task in self._tasks:
+            task.cancel()
+        self._done.set()
 
     # ------------------------------------------------------------ upstream
     async def _read_upstream(self) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 from concurrent.futures import Future
 from functools import partial
 from typing import Any, AsyncIterator, Callable
@@ -19,6 +18,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 
 from .api import ControllerState, ProtocolError, TrainguardError
+from .loop import LoopThread
 from .config import ControllerConfig
 from .controller import ControllerCore
 from .protocol import trainguard_pb2 as pb
@@ -248,7 +248,7 @@ class _Service:
         return pb.JobStatus(job_id=snap["job_id"], state=snap["state"], json=json.dumps(snap))
 
 
-class Controller:
+class Controller(LoopThread):
     """The job's controller, served from a background thread.
 
     Args:
@@ -266,11 +266,11 @@ class Controller:
         self.world_size = world_size
         self.token = token or new_token()
         self.address = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._server: Any = None
         self._service: _Service | None = None
         self._core: ControllerCore | None = None
+
+    thread_name = "trainguard-controller"
 
     def start(self) -> str:
         """Bind, start serving and return ``host:port``.
@@ -278,25 +278,11 @@ class Controller:
         Raises:
             TrainguardError: the address could not be bound.
         """
-        ready: Future = Future()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="trainguard-controller", daemon=True)
-        self._thread.start()
-        port = ready.result(timeout=30)
+        port = self._start_loop(timeout_s=30)
         host = self.config.host
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         log.info("controller listening on %s for %d ranks", self.address, self.world_size)
         return self.address
-
-    def _run(self, ready: Future) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._serve(ready))
-        except BaseException as e:  # surfaced through `ready` when it happens at start-up
-            if not ready.done():
-                ready.set_exception(e)
-        finally:
-            self._loop.close()
 
     async def _serve(self, ready: Future) -> None:
         self._core = ControllerCore(self.config, self.world_size, send=lambda r, c: self._service.deliver(r, c))
@@ -341,15 +327,6 @@ class Controller:
             except Exception:
                 log.exception("controller tick failed")
 
-    def _call(self, fn, *args) -> Any:
-        if self._loop is None or not self._loop.is_running():
-            raise TrainguardError("controller is not running")
-
-        async def run():
-            return fn(*args)
-
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
-
     def report_process_exit(self, rank: int, pid: int, code: int) -> None:
         """Tell the controller a worker process exited (from a node agent)."""
         self._call(lambda: self._core.on_process_exit(rank, pid, code))
@@ -361,24 +338,12 @@ class Controller:
     def state(self) -> ControllerState:
         return self._call(lambda: self._core.state)
 
-    def stop(self, grace_s: float = 1.0) -> None:
-        """Stop serving and join the thread (idempotent)."""
-        if self._loop is None or self._thread is None:
-            return
-        if self._loop.is_running():
-            async def shutdown():
-                self._service.stopping = True
-                await self._server.stop(grace_s)
-                for task in asyncio.all_tasks():
-                    if task is not asyncio.current_task():
-                        task.cancel()
-
-            try:
-                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=grace_s + 10)
-            except Exception:  # the loop ends either way below
-                pass
-        self._thread.join(timeout=grace_s + 10)
-        self._thread = None
+    async def _shutdown(self, grace_s: float) -> None:
+        self._service.stopping = True
+        await self._server.stop(grace_s)
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()
 
     def __enter__(self) -> "Controller":
         self.start()
