@@ -10,7 +10,8 @@
 
 Rank 0 appends one JSON line per event to ``--timeline``: ``start`` (process
 start), ``ready`` (model built, checkpoint loaded), ``step`` (a step
-completed, with its duration) and, in plain mode, ``fault``.
+completed, with its wall and CPU duration; CPU counts every thread of the
+process) and, in plain mode, ``fault``.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def main() -> None:
 
     for step in steps:
         with protect():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _CURRENT[0] = step
             x, y = data.batch(step, rank)
             loss = F.cross_entropy(model(x), y)
@@ -100,7 +101,8 @@ def main() -> None:
         if args.mode == "plain" and args.save_every and done % args.save_every == 0:
             _plain_save(args.ckpt, done, model, opt, sched)
         if timeline:
-            note(timeline, event="step", step=done, seconds=time.perf_counter() - t0)
+            note(timeline, event="step", step=done, seconds=time.perf_counter() - t0,
+                 cpu_seconds=time.process_time() - c0)
     if args.mode == "guard":
         guard.close()
     dist.destroy_process_group()

@@ -5,7 +5,9 @@ positions of the fault inside a checkpoint interval of K steps:
 
 * **baseline**: ``torchrun --max-restarts 1`` with a ``torch.save``
   checkpoint every K steps; the error kills rank 1, torchrun restarts every
-  process and they reload the newest checkpoint;
+  process and they reload the newest checkpoint (with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which torch 2.13's
+  restarted workers hang on the previous attempt's store keys);
 * **trainguard**: ``trainguard run`` with the default strategies
   (``retry,dump,exit``); the error is repaired in place.
 
@@ -34,6 +36,10 @@ WORKER = Path(__file__).resolve().parent / "_resnet_worker.py"
 NPROC = 2
 
 
+class LaunchFailed(RuntimeError):
+    pass
+
+
 def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -47,6 +53,10 @@ def run_one(mode: str, fault_step: int, steps: int, save_every: int, size: dict,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]
         args += ["--fault-step", str(fault_step)]
         env["BENCH_FAULT_LOG"] = str(fault_log)
+        # torch 2.13's c10d rendezvous shares one store across restart rounds and
+        # restarted workers hang on the previous attempt's keys; this documented
+        # opt-out is what a torchrun user has to set for --max-restarts to work.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     else:
         cmd = [sys.executable, "-m", "trainguard.cli", "run"]
         env["TRAINGUARD_FAULT"] = f"uce:rank=1,step={fault_step},phase=backward"
@@ -54,7 +64,7 @@ def run_one(mode: str, fault_step: int, steps: int, save_every: int, size: dict,
     cmd += ["--nproc-per-node", str(NPROC), "--monitor-interval", "0.1", *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
-        raise RuntimeError(f"{mode} run failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise LaunchFailed(f"{mode} run failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     (fault,) = [e for e in _events(fault_log) if e.get("event", "fault") == "fault" or "spec" in e]
     t_fault = fault["time"] if "time" in fault else fault["t"]
     after = [e for e in _events(timeline) if e["event"] == "step" and e["t"] > t_fault]
@@ -79,11 +89,20 @@ def main() -> None:
     size = {"batch": 4, "image": 16} if args.quick else {"batch": 8, "image": 32}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        failures = {"baseline": 0, "trainguard": 0}
         for fault_step in positions:
             for mode in ("plain", "guard"):
-                run_dir = Path(tmp) / f"{mode}-{fault_step}"
-                run_dir.mkdir()
-                rows.append(run_one(mode, fault_step, fault_step + 2, k, size, run_dir))
+                for attempt in range(3):  # a launch that fails outright is retried, and counted
+                    run_dir = Path(tmp) / f"{mode}-{fault_step}-{attempt}"
+                    run_dir.mkdir()
+                    try:
+                        rows.append(run_one(mode, fault_step, fault_step + 2, k, size, run_dir))
+                        break
+                    except LaunchFailed as e:
+                        failures["baseline" if mode == "plain" else "trainguard"] += 1
+                        print(f"launch failed, retrying: {str(e)[-1500:]}", file=sys.stderr)
+                else:
+                    raise RuntimeError(f"{mode} failed three times at fault step {fault_step}")
                 print(rows[-1], file=sys.stderr)
     base = [r for r in rows if r["mode"] == "baseline"]
     ours = [r for r in rows if r["mode"] == "trainguard"]
@@ -97,6 +116,7 @@ def main() -> None:
     common.report("recovery", rows, ["mode", "fault_step", "fault_to_next_step_s", "fault_to_regained_s",
                                      "lost_steps", "restarted", "step_s"], goals, quick=args.quick, out=args.out,
                   extra={"checkpoint_every_k": k, "nproc": NPROC, "image_size": size["image"],
+                         "launches_failed_and_retried": failures,
                          "batch_size": size["batch"],
                          "baseline_mean_lost_steps": mean(base, "lost_steps"),
                          "speedup_fault_to_regained": round(mean(base, "fault_to_regained_s")

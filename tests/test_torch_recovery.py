@@ -112,3 +112,12 @@ def test_periodic_checkpoints_resume_after_a_plain_failure(job_runner, reference
     second = job_runner("periodic", fault="crash:rank=2,step=7", strategies="exit", save_every=3, ckpt=first.ckpt)
     assert second.rc == 0, second
     assert second.report["final_state_sha256"] == reference["final_state_sha256"]
+
+
+def test_max_restarts_relaunches_from_the_dying_gasp_checkpoint(job_runner, reference):
+    # One command: the crash is dumped, torch's agent restarts the workers, they resume.
+    job = job_runner("restarts", fault="crash:rank=3,step=6", extra_args=["--max-restarts", "1"])
+    assert job.rc == 0, job
+    assert_same_training(job.report, reference)
+    assert all(len(pids) == 2 for pids in job.report["pids"].values())
+    assert [r["strategy"] for r in job.report["recoveries"]] == ["dump"]

@@ -2,6 +2,8 @@
 batches that are a function of (seed, step, rank). Writes a JSON report.
 
 usage: tiny_train.py STEPS REPORT CHECKPOINT_DIR [SAVE_EVERY]
+
+TINY_DEVICE=cuda runs it on one GPU per local rank with NCCL.
 """
 
 import json
@@ -17,27 +19,31 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainguard.torch import Guard
 
 
-def batch(step: int, rank: int):
+def batch(step: int, rank: int, device: torch.device):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 32, generator=g)
-    return x, (x.sum(dim=1, keepdim=True) > 0).float()
+    return x.to(device), (x.sum(dim=1, keepdim=True) > 0).float().to(device)
 
 
 def main() -> None:
     steps, report, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     save_every = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-    dist.init_process_group("gloo")
+    cuda = os.environ.get("TINY_DEVICE") == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                        nn.Linear(64, 1))
-    model = DDP(net, bucket_cap_mb=0.01)
+                        nn.Linear(64, 1)).to(device)
+    model = DDP(net, bucket_cap_mb=0.01, device_ids=[device.index] if cuda else None)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every)
     rank = dist.get_rank()
     for step in guard.steps(steps):
         with guard.protect():
-            x, y = batch(step, rank)
+            x, y = batch(step, rank, device)
             loss = F.binary_cross_entropy_with_logits(model(x), y)
             guard.optimizer.zero_grad()
             loss.backward()

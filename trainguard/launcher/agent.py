@@ -21,6 +21,7 @@ import os
 import time
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -34,6 +35,7 @@ __all__ = ["TrainguardAgent"]
 log = logging.getLogger("trainguard.launcher")
 
 _ADDRESS_KEY = "trainguard/controller"
+_WORKER_STORE_KEY = "trainguard/worker_store_port"
 _TOKEN_KEY = "trainguard/token"
 
 
@@ -46,6 +48,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.controller: Controller | None = None
         self.relay: Relay | None = None
         self._client: ControllerClient | None = None
+        self._worker_store: dist.TCPStore | None = None
         self._failed_at: float | None = None
         self._reported: set[int] = set()
         self.last_status: dict | None = None
@@ -55,6 +58,7 @@ class TrainguardAgent(LocalElasticAgent):
         super()._rendezvous(worker_group)
         self._failed_at, self._reported = None, set()
         store = worker_group.store
+        self._fresh_worker_store(worker_group)
         world_size = worker_group.workers[0].world_size
         if worker_group.group_rank == 0:
             self._stop_controller()
@@ -77,6 +81,22 @@ class TrainguardAgent(LocalElasticAgent):
         if self._client is not None:
             self._client.close()
         self._client = ControllerClient(address, token)
+
+    def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:
+        """Give each round's workers a store of their own.
+
+        torch 2.13's c10d rendezvous shares one TCP store across rounds and
+        workers no longer prefix their keys by attempt, so restarted workers
+        read the previous attempt's addresses and hang in
+        ``init_process_group``. The agent of node 0 serves a new store each
+        round (it outlives the workers) and every agent points its workers at
+        it.
+        """
+        if worker_group.group_rank == 0:
+            self._worker_store = dist.TCPStore(host_name=worker_group.master_addr, port=0, is_master=True,
+                                               multi_tenant=True, wait_for_workers=False)
+            worker_group.store.set(_WORKER_STORE_KEY, str(self._worker_store.port))
+        worker_group.master_port = int(worker_group.store.get(_WORKER_STORE_KEY).decode())
 
     def _stop_controller(self) -> None:
         if self.controller is not None:
