@@ -178,7 +178,8 @@ class Guard:
         self.keep_bucket_layout()
 
     def keep_bucket_layout(self) -> None:
-        """Keep DDP's initial gradient-bucket layout for the whole job.
+        """Keep DDP's initial gradient-bucket layout for the whole job (with
+        three or more ranks).
 
         DDP runs its first iteration with buckets in reverse registration
         order, then rebuilds them in the order gradients became ready. Where
@@ -187,9 +188,12 @@ class Guard:
         would round its first step differently from one that never stopped.
         Dropping the parameters the reducer collected for a rebuild (before
         the next forward, which would rebuild) keeps one layout -- DDP's own
-        initial guess, launched in the same order -- in every process.
+        initial guess -- in every process. It costs some overlap of
+        communication with the backward pass, so it is skipped with two ranks,
+        where every sum is a + b and exact in either order.
         """
-        self.ddp.reducer._reset_state()
+        if self.world_size > 2:
+            self.ddp.reducer._reset_state()
 
     def _install_fault_hooks(self) -> None:
         module = self.state.module
