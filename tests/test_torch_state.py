@@ -83,12 +83,31 @@ def test_state_moves_between_ranks_intact():
     assert_same(results[1], state)
 
 
+def test_state_lands_in_the_receivers_own_tensors_where_they_fit():
+    state = sample_state()
+    mine = sample_state()
+    mine["model"]["h"] = torch.zeros(7).half()  # a different shape: must be allocated, not overwritten
+    own_w, own_h = mine["model"]["w"], mine["model"]["h"]
+
+    def body(group, rank):
+        if rank == 0:
+            send_state(group, state, 1, device=CPU)
+            return None
+        return recv_state(group, 0, device=CPU, into=mine)
+
+    results, errors = two_ranks(body)
+    assert not errors, errors
+    assert_same(results[1], state)
+    assert results[1]["model"]["w"] is own_w and torch.equal(own_w, state["model"]["w"])
+    assert results[1]["model"]["h"] is not own_h and own_h.shape == (7,)
+
+
 class FlippingGroup(AbortableProcessGroup):
-    """Flips one byte of the data buffer this rank receives (tag 2)."""
+    """Flips one byte of the first tensor this rank receives (tag 4)."""
 
     def recv(self, tensors, src, tag=0):
         work = super().recv(tensors, src, tag)
-        if self.rank() == 1 and tag == 2:
+        if self.rank() == 1 and tag == 4:
             work.wait()
             tensors[0].view(torch.uint8)[5] ^= 0xFF
         return work

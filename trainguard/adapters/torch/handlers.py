@@ -60,7 +60,8 @@ class TorchHandlers(Handlers):
                 log.info("rank %d sent its state at step %d to rank %d", g.rank, step, t.dst)
             else:
                 g.processor.begin_copy()
-                state = recv_state(g.process_group, t.src, device=g.device.torch_device)
+                state = recv_state(g.process_group, t.src, device=g.device.torch_device,
+                                   into=g.state.state_dict())
                 g.state.load_state_dict(state)
                 g.processor.end_copy(step)
                 self._repaired = True

@@ -4,9 +4,11 @@ A state is a nested structure of dicts, lists, tuples, tensors and JSON
 scalars (what ``state_dict()`` methods return). :func:`flatten` splits it
 into a JSON *skeleton* and a list of tensors, so it can cross a process group
 without pickling and be hashed canonically (:func:`state_sha256`).
-:func:`send_state` / :func:`recv_state` move it between two ranks as one
-header plus one buffer per dtype, and the receiver verifies the CRC32 the
-sender computed (a transfer between live ranks needs to catch accidental
+:func:`send_state` / :func:`recv_state` move it between two ranks: a
+header, then each tensor straight from (and, on the receiver, straight into)
+the memory it lives in -- recoveries must not wait on hundreds of megabytes
+of fresh allocations -- and the receiver verifies the CRC32 the sender
+computed (a transfer between live ranks needs to catch accidental
 corruption, not forgery; checkpoints on disk use SHA-256).
 """
 
@@ -26,8 +28,9 @@ __all__ = ["flatten", "recv_state", "send_state", "state_sha256", "unflatten"]
 _SCALARS = (int, float, str, bool, type(None))
 
 
-def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Split ``obj`` into a JSON-able skeleton and its tensors.
+def flatten(obj: Any, paths: list[str] | None = None) -> tuple[Any, list[torch.Tensor]]:
+    """Split ``obj`` into a JSON-able skeleton and its tensors (and, when
+    ``paths`` is given, append where each tensor sits).
 
     Raises:
         TypeError: for a value that is neither a container, a tensor nor a
@@ -38,6 +41,8 @@ def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     def walk(x: Any, path: str) -> Any:
         if isinstance(x, torch.Tensor):
             tensors.append(x)
+            if paths is not None:
+                paths.append(path)
             return {"T": len(tensors) - 1}
         if isinstance(x, _SCALARS):
             return x
@@ -86,27 +91,11 @@ def state_sha256(obj: Any) -> str:
     return h.hexdigest()
 
 
-def _pack(tensors: list[torch.Tensor]) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """Group tensors by dtype into one flat buffer each."""
-    metas, by_dtype = [], {}
-    for t in tensors:
-        key = str(t.dtype)
-        chunks = by_dtype.setdefault(key, [])
-        offset = sum(c.numel() for c in chunks)
-        metas.append({"dtype": key, "shape": list(t.shape), "offset": offset, "device": str(t.device)})
-        chunks.append(t.detach().reshape(-1))
-    return metas, {k: torch.cat(v) if v else torch.empty(0) for k, v in by_dtype.items()}
-
-
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise RecoveryError(f"unknown dtype {name!r} in a state header")
     return dtype
-
-
-def _crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(_raw(t))
 
 
 def _send_bytes(group: Any, data: bytes, dst: int, tag: int, device: torch.device) -> None:
@@ -123,53 +112,69 @@ def _recv_bytes(group: Any, src: int, tag: int, device: torch.device) -> bytes:
     return raw.cpu().numpy().tobytes()
 
 
+# Tags: 0-1 header, 2-3 checksums, then one per tensor.
+_DATA_TAG = 4
+
+
 def send_state(group: Any, obj: Any, dst: int, *, device: torch.device) -> None:
     """Send ``obj`` to ``dst`` over ``group`` (point to point): a header
-    (structure, shapes), one buffer per dtype, then a CRC32 of each buffer
-    (computed while the receiver checks its copy)."""
-    skeleton, tensors = flatten(obj)
-    metas, buffers = _pack(tensors)
-    keys = sorted(buffers)
-    header = {"skeleton": skeleton, "tensors": metas, "buffers": {k: buffers[k].numel() for k in keys}}
-    _send_bytes(group, json.dumps(header).encode(), dst, 0, device)
-    for i, key in enumerate(keys):
-        group.send([buffers[key].to(device)], dst, 2 + i).wait()
-    _send_bytes(group, json.dumps({k: _crc32(buffers[k]) for k in keys}).encode(), dst, 2 + len(keys), device)
+    (structure, where each tensor sits, dtypes, shapes), each tensor as it
+    lies in memory (nothing is packed into a new buffer), then the running
+    CRC32 over all of them."""
+    paths: list[str] = []
+    skeleton, tensors = flatten(obj, paths)
+    metas = [{"path": p, "dtype": str(t.dtype), "shape": list(t.shape), "device": t.device.type}
+             for p, t in zip(paths, tensors)]
+    _send_bytes(group, json.dumps({"skeleton": skeleton, "tensors": metas}).encode(), dst, 0, device)
+    crc = 0
+    for i, t in enumerate(tensors):
+        t = t.detach().contiguous()
+        group.send([t.to(device)], dst, _DATA_TAG + i).wait()
+        crc = zlib.crc32(_raw(t), crc)
+    _send_bytes(group, json.dumps({"crc32": crc}).encode(), dst, 2, device)
 
 
-def recv_state(group: Any, src: int, *, device: torch.device) -> Any:
-    """Receive a state sent by :func:`send_state`; tensors land on the device
-    each one came from on the sender (mapped to ``device``'s type).
+def recv_state(group: Any, src: int, *, device: torch.device, into: Any = None) -> Any:
+    """Receive a state sent by :func:`send_state`.
+
+    Args:
+        into: this rank's own state of the same structure, when it has one:
+            each tensor at the same place with the same dtype and shape is
+            received in place (no new memory); the rest is allocated on the
+            device type the sender's sat on.
 
     Raises:
-        RecoveryError: the header is malformed or a buffer fails its checksum.
+        RecoveryError: the header is malformed or the data fails its checksum
+            (tensors received in place then hold garbage: the caller must not
+            use this rank's state).
     """
     try:
         header = json.loads(_recv_bytes(group, src, 0, device))
-        skeleton, metas, sizes = header["skeleton"], header["tensors"], header["buffers"]
+        skeleton, metas = header["skeleton"], header["tensors"]
     except (ValueError, KeyError) as e:
         raise RecoveryError(f"malformed state header from rank {src}: {e}") from None
-    keys = sorted(sizes)
-    buffers = {}
-    for i, key in enumerate(keys):
-        buffers[key] = torch.empty(sizes[key], dtype=_dtype(key), device=device)
-        group.recv([buffers[key]], src, 2 + i).wait()
-    mine = {k: _crc32(buffers[k]) for k in keys}
+    mine: dict[str, torch.Tensor] = {}
+    if into is not None:
+        my_paths: list[str] = []
+        _, my_tensors = flatten(into, my_paths)
+        mine = dict(zip(my_paths, my_tensors))
+    tensors, crc = [], 0
+    for i, m in enumerate(metas):
+        dtype, shape = _dtype(m["dtype"]), tuple(m["shape"])
+        target = mine.get(m["path"])
+        if (target is None or target.dtype != dtype or tuple(target.shape) != shape or not target.is_contiguous()
+                or target.device.type != (device.type if m["device"] != "cpu" else "cpu")):
+            target = torch.empty(shape, dtype=dtype, device=device if m["device"] != "cpu" else "cpu")
+        landing = target if target.device == device else torch.empty(shape, dtype=dtype, device=device)
+        group.recv([landing], src, _DATA_TAG + i).wait()
+        if landing is not target:
+            target.copy_(landing)
+        crc = zlib.crc32(_raw(target), crc)
+        tensors.append(target)
     try:
-        theirs = json.loads(_recv_bytes(group, src, 2 + len(keys), device))
-    except ValueError as e:
-        raise RecoveryError(f"malformed checksums from rank {src}: {e}") from None
-    bad = [k for k in keys if theirs.get(k) != mine[k]]
-    if bad:
-        raise RecoveryError(f"state received from rank {src} fails its checksum ({', '.join(bad)} buffer)")
-    tensors = []
-    for m in metas:
-        n = 1
-        for d in m["shape"]:
-            n *= d
-        # A view into the received buffer: load_state_dict copies what it keeps.
-        t = buffers[m["dtype"]][m["offset"]:m["offset"] + n].view(m["shape"])
-        if torch.device(m["device"]).type == "cpu":
-            t = t.cpu()
-        tensors.append(t)
+        theirs = json.loads(_recv_bytes(group, src, 2, device))["crc32"]
+    except (ValueError, KeyError) as e:
+        raise RecoveryError(f"malformed checksum from rank {src}: {e}") from None
+    if theirs != crc:
+        raise RecoveryError(f"state received from rank {src} fails its checksum")
     return unflatten(skeleton, tensors)
