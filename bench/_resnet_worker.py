@@ -7,6 +7,13 @@
   ``torchrun --max-restarts`` relaunches everyone.
 * ``guard``: the same loop protected by trainguard's Guard (faults come from
   ``TRAINGUARD_FAULT``, set by the benchmark).
+* ``ab``: both at once, interleaved step by step in the same processes: a
+  plain DDP copy of the model on the default group and a guarded copy (same
+  seed, same batches), alternating which goes first. Adjacent steps see the
+  same machine, so the pair ratio is far less noisy than comparing launches.
+  After the loop the process idles for ``--idle-s`` seconds with the guard
+  alive, then as long again after closing it: the difference is what
+  trainguard's background threads cost per second.
 
 Rank 0 appends one JSON line per event to ``--timeline``: ``start`` (process
 start), ``ready`` (model built, checkpoint loaded), ``step`` (a step
@@ -48,7 +55,7 @@ def note(path: Path, **event) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["plain", "guard"], required=True)
+    p.add_argument("--mode", choices=["plain", "guard", "ab"], required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--timeline", type=Path, required=True)
     p.add_argument("--ckpt", type=Path, required=True)
@@ -56,7 +63,10 @@ def main() -> None:
     p.add_argument("--fault-step", type=int, default=-1)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--idle-s", type=float, default=10.0)
     args = p.parse_args()
+    if args.mode == "ab":
+        return _ab(args)
 
     model_mod, data_mod = _load("model"), _load("data")
     dist.init_process_group("gloo")
@@ -109,6 +119,59 @@ def main() -> None:
 
 
 _CURRENT = [0]
+
+
+def _one_step(model, optimizer, sched, data, step: int, rank: int) -> None:
+    x, y = data.batch(step, rank)
+    loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+    optimizer.step()
+    sched.step()
+
+
+def _ab(args) -> None:
+    from trainguard.torch import Guard
+
+    model_mod, data_mod = _load("model"), _load("data")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    timeline = args.timeline if rank == 0 else None
+    data = data_mod.SyntheticImages(0, 10, args.batch_size, args.image_size)
+    sides = {}
+    for side in ("plain", "guard"):
+        torch.manual_seed(0)
+        model = DDP(model_mod.resnet50(num_classes=10, stem="small"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        sides[side] = [model, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.steps, 1))]
+    guard = Guard(sides["guard"][0], sides["guard"][1], scheduler=sides["guard"][2], checkpoint_dir=args.ckpt)
+    sides["guard"][1] = guard.optimizer
+    for step in guard.steps(args.steps):
+        got = {}
+        for side in (("plain", "guard") if step % 2 == 0 else ("guard", "plain")):
+            t0, c0 = time.perf_counter(), time.process_time()
+            if side == "guard":
+                with guard.protect():
+                    _one_step(*sides[side], data, step, rank)
+            else:
+                _one_step(*sides[side], data, step, rank)
+            got[side] = (time.perf_counter() - t0, time.process_time() - c0)
+        if timeline:
+            note(timeline, event="ab", step=step + 1, plain_s=got["plain"][0], guard_s=got["guard"][0],
+                 plain_cpu_s=got["plain"][1], guard_cpu_s=got["guard"][1])
+    dist.barrier()
+    idle = {}
+    for with_guard in (True, False):
+        if not with_guard:
+            guard.close()
+        time.sleep(1.0)  # let compute threads stop spinning
+        t0, c0 = time.perf_counter(), time.process_time()
+        time.sleep(args.idle_s)
+        idle[with_guard] = (time.process_time() - c0) / (time.perf_counter() - t0)
+    if timeline:
+        note(timeline, event="idle", guard_cpu_per_s=idle[True], plain_cpu_per_s=idle[False])
+    dist.destroy_process_group()
 
 
 class _NoProtect:
