@@ -76,12 +76,14 @@ def test_fault_specs_parse():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("boom:rank=1,step=2", "KIND in uce, crash, hang, comm, slow"),
+    ("boom:rank=1,step=2", "KIND in uce, crash, hang, stop, stall, comm, slow, pause"),
+    ("pause:rank=1,step=2,phase=forward,factor=5", "pause needs phase=gc or phase=save"),
+    ("hang:rank=1,step=2,phase=gc", "phase=gc is for pause only"),
     ("uce:rank=1", "missing step"),
     ("uce:rank=one,step=2", "must be integers"),
     ("uce:rank=1,step=2,phase=sideways", "phase must be one of"),
     ("uce:rank=1,step=2,when=now", "unknown or malformed item 'when=now'"),
-    ("crash:rank=1,step=2,factor=2", "factor only applies to slow"),
+    ("crash:rank=1,step=2,factor=2", "factor only applies to slow and pause"),
     ("slow:rank=1,step=2,factor=0.5", "slow needs factor >= 1"),
     ("uce 1 2", "expected KIND:rank=R,step=N"),
 ])

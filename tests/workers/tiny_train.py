@@ -3,12 +3,14 @@ batches that are a function of (seed, step, rank). Writes a JSON report.
 
 usage: tiny_train.py STEPS REPORT CHECKPOINT_DIR [SAVE_EVERY]
 
-TINY_DEVICE=cuda runs it on one GPU per local rank with NCCL.
+TINY_DEVICE=cuda runs it on one GPU per local rank with NCCL; TINY_STEP_SLEEP=S
+makes every step last at least S seconds more (for the watchdog tests).
 """
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -41,8 +43,10 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every)
     rank = dist.get_rank()
+    step_sleep = float(os.environ.get("TINY_STEP_SLEEP", "0"))
     for step in guard.steps(steps):
         with guard.protect():
+            time.sleep(step_sleep)
             x, y = batch(step, rank, device)
             loss = F.binary_cross_entropy_with_logits(model(x), y)
             guard.optimizer.zero_grad()

@@ -7,6 +7,7 @@ adapters build on the names exported here.
 from .api import (
     EXIT_AFTER_DUMP,
     EXIT_UNRECOVERABLE,
+    EXIT_HUNG,
     CheckpointError,
     ConfigError,
     ControllerLostError,
@@ -37,7 +38,7 @@ from .replicas import ReplicaGroup, choose_savers, choose_sources
 from .server import Controller
 
 __all__ = [
-    "EXIT_AFTER_DUMP", "EXIT_UNRECOVERABLE", "CheckpointError", "CheckpointStore", "Classifier", "ConfigError",
+    "EXIT_AFTER_DUMP", "EXIT_HUNG", "EXIT_UNRECOVERABLE", "CheckpointError", "CheckpointStore", "Classifier", "ConfigError",
     "Controller", "ControllerConfig", "ControllerLostError", "ControllerState", "DataStatus", "Fault",
     "FaultInjector", "FaultKind", "FaultSpec", "FileInfo", "ForceStop", "Handlers", "MEGATRON", "Outcome",
     "Plan", "Processor", "ProcessorConfig", "ProtocolError", "RankState", "RecoveryError", "ReplicaGroup",

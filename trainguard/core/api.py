@@ -20,6 +20,7 @@ __all__ = [
     "DataStatus",
     "EXIT_AFTER_DUMP",
     "EXIT_UNRECOVERABLE",
+    "EXIT_HUNG",
     "Fault",
     "FaultKind",
     "Plan",
@@ -44,6 +45,8 @@ __all__ = [
 EXIT_AFTER_DUMP = 75
 #: Exit code when the controller decided that nothing could be recovered.
 EXIT_UNRECOVERABLE = 76
+#: A rank whose training loop hung is ended with this code.
+EXIT_HUNG = 77
 
 
 class DataStatus(enum.Enum):
@@ -207,9 +210,11 @@ class RecoveryRecord:
     step: int
     strategy: str
     reason: str
-    detect_s: float | None
+    detect_s: float | None  # fault -> detected, when the fault's time is known
     recover_s: float | None
     lost_steps: int
+    detected_at: float | None = None  # unix time; compare with a fault log's strike time
+    message: str = ""  # the first fault, as detected
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

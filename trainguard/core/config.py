@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .api import ConfigError, Strategy
+from .watchdog import WatchdogConfig
 
 __all__ = [
     "ENV",
@@ -45,6 +46,12 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_SAVE_TIMEOUT_S": "seconds a dying-gasp save may take (default 1800)",
     "TRAINGUARD_MAX_MESSAGE_BYTES": "largest control message accepted (default 1 MiB)",
     "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
+    "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",
+    "TRAINGUARD_WATCHDOG": "'off' turns the in-process hang watchdog off (default on)",
+    "TRAINGUARD_HANG_STEPS": "a rank is hung after this many median step times without progress (default 3)",
+    "TRAINGUARD_HANG_MIN_S": "... but never sooner than this many seconds (default 2)",
+    "TRAINGUARD_FIRST_STEP_TIMEOUT_S": "limit for the first step after start or recovery, and for a section's "
+                                       "first run (default 600)",
 }
 
 
@@ -170,6 +177,7 @@ class ProcessorConfig:
     max_message_bytes: int = 1 << 20
     connect_timeout_s: float = 60.0
     exit_grace_s: float = 10.0  # after an exit command, before forcing the exit
+    watchdog: WatchdogConfig = WatchdogConfig()
 
     def __post_init__(self) -> None:
         host, sep, port = self.controller.rpartition(":")
@@ -200,5 +208,17 @@ class ProcessorConfig:
             token=environ.get("TRAINGUARD_TOKEN", ""),
             rank=rank,
             world_size=world_size,
+            watchdog=watchdog_from_env(environ),
             **({"max_message_bytes": _number("TRAINGUARD_MAX_MESSAGE_BYTES", size, int)} if size else {}),
         )
+
+
+def watchdog_from_env(environ: Mapping[str, str]) -> WatchdogConfig:
+    switch = environ.get("TRAINGUARD_WATCHDOG", "on").strip().lower()
+    if switch not in ("on", "off", "1", "0", "true", "false"):
+        raise ConfigError(f"TRAINGUARD_WATCHDOG must be on or off, got {switch!r}")
+    fields = {"TRAINGUARD_HANG_STEPS": ("steps_factor",), "TRAINGUARD_HANG_MIN_S": ("min_limit_s",),
+              "TRAINGUARD_FIRST_STEP_TIMEOUT_S": ("first_step_s", "first_section_s")}
+    values = {field: _number(name, environ[name], float)
+              for name, names in fields.items() if environ.get(name) for field in names}
+    return WatchdogConfig(enabled=switch in ("on", "1", "true"), **values)

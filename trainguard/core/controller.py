@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .api import (
+    EXIT_HUNG,
     ConfigError,
     ControllerState,
     DataStatus,
@@ -69,10 +70,13 @@ class _Rank:
     alive: bool = True
     stopped: bool = False
     reached: int = 0  # highest step this rank ever reported
+    step_time_s: float = 0.0  # median of its recent steps, as it reported
 
     def update(self, status: pb.Status) -> None:
         self.step, self.run, self.data = from_pb_status(status)
         self.reached = max(self.reached, self.step)
+        if status.step_time_s > 0:
+            self.step_time_s = status.step_time_s
 
 
 @dataclass
@@ -201,7 +205,17 @@ class ControllerCore:
         kind, severity = fault_fields(report)
         fault = Fault(kind=kind, rank=rank, severity=severity, message=report.message, phase=report.phase,
                       occurred_at=report.occurred_at or None, detected_at=self._wall())
-        self._fault(fault, stopped=r)
+        if kind is FaultKind.HANG:
+            # Its loop is stuck: it cannot take part in a recovery. End the
+            # process (its processor forces the exit) and treat it as lost.
+            self._lose(r)
+            self._exiting.add(rank)
+            self._send(rank, self._command(exit=pb.Exit(code=EXIT_HUNG, reason=report.message)))
+            self._fault(fault)
+            return
+        # A watchdog report comes from the processor's thread while the
+        # training thread is still blocked: that rank must be stopped too.
+        self._fault(fault, stopped=None if report.phase == "watchdog" else r)
 
     def on_result(self, rank: int, result: pb.CommandResult) -> None:
         r = self._known(rank)
@@ -244,14 +258,16 @@ class ControllerCore:
         self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank,
                           message=f"pid {r.pid} on {r.host} disconnected", detected_at=self._wall()))
 
-    def on_process_exit(self, rank: int, pid: int, code: int) -> None:
-        """A node agent saw the rank's process exit with ``code``."""
+    def on_process_exit(self, rank: int, pid: int, code: int, reason: str = "") -> None:
+        """A node agent saw the rank's process exit with ``code`` (or ended
+        it, for ``reason``: a process found stopped is a hang)."""
         r = self.ranks.get(rank)
         if r is None or r.pid != pid or not r.alive or rank in self._exiting or rank in self._finished:
             return
         self._lose(r)
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank, message=f"pid {pid} {how}",
+        kind = FaultKind.HANG if reason else FaultKind.PROCESS_LOST
+        self._fault(Fault(kind=kind, rank=rank, message=f"pid {pid} {reason + '; ' if reason else ''}{how}",
                           detected_at=self._wall()))
 
     def tick(self) -> None:
@@ -266,13 +282,15 @@ class ControllerCore:
                 r.last_seen += stalled
         if self.state is not ControllerState.INIT and now >= self._next_heartbeat_scan:
             self._next_heartbeat_scan = now + self.heartbeat_interval_s / 2
-            timeout = self.heartbeat_interval_s * self.config.heartbeat_misses
-            for r in [r for r in self.ranks.values() if r.alive and now - r.last_seen > timeout]:
+            for r in [r for r in self.ranks.values() if r.alive and now - r.last_seen > self._silence_limit(r)]:
                 if r.rank in self._exiting:
                     continue
                 self._lose(r)
-                self._fault(Fault(kind=FaultKind.HANG, rank=r.rank, detected_at=self._wall(),
-                                  message=f"no heartbeat for {now - r.last_seen:.1f} s"))
+                self._exiting.add(r.rank)
+                why = f"no heartbeat for {now - r.last_seen:.1f} s"
+                # Should it wake up, it must not rejoin a job that went on without it.
+                self._send(r.rank, self._command(exit=pb.Exit(code=EXIT_HUNG, reason=why)))
+                self._fault(Fault(kind=FaultKind.HANG, rank=r.rank, detected_at=self._wall(), message=why))
         ep = self.episode
         if ep is None:
             return
@@ -286,6 +304,15 @@ class ControllerCore:
         if phase is not None and phase.waiting and now > phase.deadline:
             late = sorted(phase.waiting)
             self._plan_failed(f"{phase.name} did not finish within {phase.timeout_s:g} s on ranks {late[:16]}")
+
+    def _silence_limit(self, r: _Rank) -> float:
+        """How long a rank may go without a message: the missed-heartbeat
+        limit, stretched so that a pause of the whole process up to five of
+        its steps (a long garbage collection holds every thread) is not
+        taken for a loss. A stopped or frozen process is found sooner by its
+        node agent."""
+        beats = self.heartbeat_interval_s * self.config.heartbeat_misses
+        return max(beats, 5 * r.step_time_s + 2 * self.heartbeat_interval_s)
 
     # ------------------------------------------------------------- snapshots
     def snapshot(self) -> dict:
@@ -494,6 +521,7 @@ class ControllerCore:
             detect_s=(round(first.detected_at - first.occurred_at, 3) if first.occurred_at else None),
             recover_s=round(self._wall() - ep.detected_at, 3),
             lost_steps=max(0, ep.reached - ep.plan.step) if ep.plan.step >= 0 else -1,
+            detected_at=first.detected_at, message=first.message[:300],
         )
         self.records.append(ep.record)
         return ep.record

@@ -12,11 +12,18 @@ Kinds:
 * ``comm``  raise a communication error (``SUSPECT REMOTE ERROR ...``)
 * ``crash`` SIGKILL the rank's own process
 * ``hang``  stop making progress (sleep forever in Python)
+* ``stop``  SIGSTOP the rank's own process (frozen, as a stuck host makes it)
+* ``stall`` from then on the rank's collectives are never sent (a
+  black-holed link) until the group is rebuilt: every rank waits, alive
 * ``slow``  from step N on, sleep ``(factor - 1) x`` each step's duration
+* ``pause`` a benign pause of ``factor x`` the median step time so far: with
+  ``phase=gc`` a garbage collection that holds every thread for that long,
+  with ``phase=save`` a checkpoint save that slow
 
 Phases: ``forward``, ``backward``, ``optimizer`` (inside the update, after the
-parameters changed) and ``recovery`` (while handling a recovery command;
-``step`` is then the locked step). ``step`` counts completed updates, so
+parameters changed), ``recovery`` (while handling a recovery command;
+``step`` is then the locked step), ``save`` (inside a checkpoint save) and
+``gc`` (at the start of a step; ``pause`` only). ``step`` counts completed updates, so
 ``step=5`` strikes the loop iteration that would complete update 6.
 
 Each fault strikes once per job. When a log path is given (the adapters use
@@ -27,9 +34,12 @@ strike time is known for reporting detection latency.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
+import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +49,8 @@ from .api import ConfigError, Severity
 
 __all__ = ["FaultInjector", "FaultSpec", "KINDS", "PHASES", "read_fault_log"]
 
-KINDS = ("uce", "crash", "hang", "comm", "slow")
-PHASES = ("forward", "backward", "optimizer", "recovery")
+KINDS = ("uce", "crash", "hang", "stop", "stall", "comm", "slow", "pause")
+PHASES = ("forward", "backward", "optimizer", "recovery", "save", "gc")
 _KEYS = {"rank", "step", "phase", "factor", "severity"}
 
 
@@ -55,7 +65,7 @@ class FaultSpec:
 
     @property
     def text(self) -> str:
-        extra = f",factor={self.factor:g}" if self.kind == "slow" else ""
+        extra = f",factor={self.factor:g}" if self.kind in ("slow", "pause") else ""
         if self.kind == "uce" and self.severity is not Severity.HIGH:
             extra += f",severity={self.severity.name.lower()}"
         return f"{self.kind}:rank={self.rank},step={self.step},phase={self.phase}{extra}"
@@ -102,10 +112,14 @@ class FaultSpec:
         phase = fields.get("phase", "forward").lower()
         if phase not in PHASES:
             raise ConfigError(f"bad fault {part!r}: phase must be one of {', '.join(PHASES)}")
-        if "factor" in fields and kind != "slow":
-            raise ConfigError(f"bad fault {part!r}: factor only applies to slow")
+        if "factor" in fields and kind not in ("slow", "pause"):
+            raise ConfigError(f"bad fault {part!r}: factor only applies to slow and pause")
         if kind == "slow" and not factor >= 1.0:
             raise ConfigError(f"bad fault {part!r}: slow needs factor >= 1, got {factor}")
+        if kind == "pause" and (phase not in ("gc", "save") or not factor > 0):
+            raise ConfigError(f"bad fault {part!r}: pause needs phase=gc or phase=save and factor > 0")
+        if phase == "gc" and kind != "pause":
+            raise ConfigError(f"bad fault {part!r}: phase=gc is for pause only")
         severity = Severity.HIGH
         if "severity" in fields:
             if kind != "uce":
@@ -159,6 +173,9 @@ class FaultInjector:
         self._kill, self._sleep, self._clock = kill, sleep, clock
         self._slow = [s for s in self._pending if s.kind == "slow"]
         self._pending = [s for s in self._pending if s.kind != "slow"]
+        self._step_times: list[float] = []
+        #: Called for ``stall``: the adapter drops the rank's next collective.
+        self.on_stall: Callable[[], None] = lambda: None
 
     @classmethod
     def from_env(cls, rank: int, **kwargs) -> "FaultInjector":
@@ -184,7 +201,8 @@ class FaultInjector:
         if spec is None:
             return
         self._pending.remove(spec)
-        self._record(spec, step)
+        seconds = spec.factor * (statistics.median(self._step_times) if self._step_times else 1.0)
+        self._record(spec, step, **({"seconds": seconds} if spec.kind == "pause" else {}))
         where = f"rank {self._rank}, step {step}, {phase}"
         if spec.kind == "uce":
             raise RuntimeError(f"UCE ERROR [severity={spec.severity.name.lower()}]: trainguard injected "
@@ -193,21 +211,31 @@ class FaultInjector:
             raise RuntimeError(f"SUSPECT REMOTE ERROR: trainguard injected communication failure ({where})")
         if spec.kind == "crash":
             self._kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "stop":
+            self._kill(os.getpid(), signal.SIGSTOP)
+        elif spec.kind == "stall":
+            self.on_stall()
         elif spec.kind == "hang":
             while True:
                 self._sleep(3600)
+        elif spec.kind == "pause":
+            if phase == "gc":
+                _gc_pause(seconds)
+            else:
+                self._sleep(seconds)
 
     def after_step(self, step: int, step_seconds: float) -> None:
         """Stretch the step that just completed ``step`` updates (``slow``)."""
+        self._step_times.append(step_seconds)
         for spec in self._slow:
             if step > spec.step:
                 self._sleep((spec.factor - 1.0) * step_seconds)
 
-    def _record(self, spec: FaultSpec, step: int) -> None:
+    def _record(self, spec: FaultSpec, step: int, **extra) -> None:
         if self._log is None:
             return
         entry = {"spec": spec.text, "rank": self._rank, "step": step, "phase": spec.phase,
-                 "kind": spec.kind, "time": self._clock(), "pid": os.getpid()}
+                 "kind": spec.kind, "time": self._clock(), "pid": os.getpid(), **extra}
         self._log.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self._log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -215,3 +243,24 @@ class FaultInjector:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _gc_pause(seconds: float) -> None:
+    """A garbage collection that holds the interpreter for ``seconds``: a
+    callback busy-waits inside the collection with the GIL kept (the switch
+    interval stretched), so no other thread -- heartbeats included -- runs."""
+    def hold(phase: str, info: dict) -> None:
+        if phase != "start":
+            return
+        gc.callbacks.remove(hold)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(seconds + 1.0)
+        try:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+        finally:
+            sys.setswitchinterval(interval)
+
+    gc.callbacks.append(hold)
+    gc.collect()

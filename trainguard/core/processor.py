@@ -9,6 +9,11 @@ training thread, which executes it in :mod:`trainguard.core.recovery`.
 
 The per-step calls :meth:`start_update` and :meth:`end_update` only change a
 field (after checking the transition); they never touch the network.
+
+The same thread polls the rank's :class:`~.watchdog.ProgressWatchdog` a few
+times a second and reports a hang the moment the training loop has gone too
+long without completing a step (the controller then ends this process and
+handles it as lost). The watchdog is paused while a recovery runs.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ from typing import Callable, Iterable, Sequence
 
 import grpc
 
-from .api import ControllerLostError, DataStatus, ProtocolError, RunStatus, Severity, FaultKind
+from .api import EXIT_HUNG, ControllerLostError, DataStatus, ProtocolError, RunStatus, Severity, FaultKind
 from .config import ProcessorConfig
 from .protocol import trainguard_pb2 as pb
 from .replicas import ReplicaGroup
 from .rpc import SERVICE, auth_metadata, client_channel, to_pb_status
 from .transitions import advance
+from .watchdog import Alarm, ProgressWatchdog, WatchdogConfig
 
 __all__ = ["Processor"]
 
@@ -98,6 +104,8 @@ class Processor:
         self._channel = None
         self._reader: threading.Thread | None = None
         self._exit_timer: threading.Timer | None = None
+        wd = config.watchdog if config is not None else WatchdogConfig(enabled=False)
+        self.watchdog = ProgressWatchdog(wd, track_gc=wd.enabled)
 
     # ---------------------------------------------------------- connection
     def connect(
@@ -157,19 +165,41 @@ class Processor:
             self._reader.join(timeout=5)
             time.sleep(random.uniform(0.1, 1.0))
         self.run = advance(self.run, RunStatus.TRAINING, what=f"rank {self.rank}")
+        self.watchdog.arm()
 
     def _requests(self, hello: pb.Hello) -> Iterable[pb.RankMessage]:
         yield pb.RankMessage(hello=hello)
+        poll = self.watchdog.config.poll_s if self.watchdog.config.enabled else float("inf")
+        sent = time.monotonic()
         while True:
+            wait = max(0.0, min(poll, sent + self._heartbeat_s - time.monotonic()))
             try:
-                msg = self._outbox.get(timeout=self._heartbeat_s)
+                msg = self._outbox.get(timeout=wait)
             except queue.Empty:
-                msg = pb.RankMessage(heartbeat=self._status())
+                alarm = self.watchdog.check() if self.watchdog.config.enabled else None
+                if alarm is not None:
+                    msg = self._hang_report(alarm)
+                elif time.monotonic() - sent >= self._heartbeat_s:
+                    msg = pb.RankMessage(heartbeat=self._status())
+                else:
+                    continue
             if msg is _CLOSE:
                 return
             if msg is _WAKE:
                 continue
+            sent = time.monotonic()
             yield msg
+
+    def _hang_report(self, alarm: Alarm) -> pb.RankMessage:
+        log.error("rank %d: %s", self.rank, alarm.describe())
+        if alarm.in_collective:
+            # Everyone waits on everyone: a collective that never completes.
+            kind, message = FaultKind.COMM, f"collective did not complete: {alarm.describe()}"
+        else:
+            kind, message = FaultKind.HANG, f"training loop hung: {alarm.describe()}"
+        return pb.RankMessage(fault=pb.FaultReport(
+            kind=kind.value, severity=Severity.HIGH.value, phase="watchdog", message=message,
+            occurred_at=self._clock() - alarm.idle_s, status=self._status()))
 
     def _receive(self) -> None:
         try:
@@ -184,6 +214,7 @@ class Processor:
                 action = cmd.WhichOneof("action")
                 if action == "stop":
                     self.stops += 1
+                    self.watchdog.disarm()
                     self.stop_event.set()
                     for listener in list(self._stop_listeners):
                         try:
@@ -191,7 +222,8 @@ class Processor:
                         except Exception:
                             log.exception("stop listener failed")
                 elif action == "exit":
-                    self._arm_exit(cmd.exit.code)
+                    # A hung loop will not leave by itself: no grace then.
+                    self._arm_exit(cmd.exit.code, grace_s=0.2 if cmd.exit.code == EXIT_HUNG else None)
                 self._commands.put(cmd)
         except grpc.RpcError as e:
             self._error = f"{e.code().name}: {e.details()}"
@@ -201,13 +233,15 @@ class Processor:
             if self._error and self.run not in (RunStatus.EXITING, RunStatus.FINISHED):
                 log.error("rank %d lost the controller: %s", self.rank, self._error)
 
-    def _arm_exit(self, code: int) -> None:
+    def _arm_exit(self, code: int, grace_s: float | None = None) -> None:
+        grace_s = self.config.exit_grace_s if grace_s is None else grace_s
+
         def force() -> None:
             log.error("rank %d did not exit within %g s of the exit command; forcing exit %d",
-                      self.rank, self.config.exit_grace_s, code)
+                      self.rank, grace_s, code)
             self._force_exit(code)
 
-        self._exit_timer = threading.Timer(self.config.exit_grace_s, force)
+        self._exit_timer = threading.Timer(grace_s, force)
         self._exit_timer.daemon = True
         self._exit_timer.start()
 
@@ -236,6 +270,8 @@ class Processor:
             self._reader.join(timeout=5)
         if self._exit_timer is not None:
             self._exit_timer.cancel()
+        self.watchdog.disarm()
+        self.watchdog.close()
         self._channel.close()
         self._call = None
 
@@ -246,6 +282,7 @@ class Processor:
     def end_update(self, step: int) -> None:
         self.data = advance(self.data, DataStatus.UPDATED, what=f"rank {self.rank} end_update")
         self.step = step
+        self.watchdog.step_done()
 
     def begin_copy(self) -> None:
         """This rank's state is being replaced from a replica."""
@@ -257,7 +294,9 @@ class Processor:
 
     # ----------------------------------------------------------- reports
     def _status(self) -> pb.Status:
-        return to_pb_status(self.step, self.run, self.data)
+        status = to_pb_status(self.step, self.run, self.data)
+        status.step_time_s = self.watchdog.median_step_s
+        return status
 
     def _post(self, msg: pb.RankMessage) -> None:
         if self._call is not None:
@@ -301,3 +340,4 @@ class Processor:
         """Training continues: clear the stop signal."""
         self.stop_event.clear()
         self.run = RunStatus.TRAINING
+        self.watchdog.arm()

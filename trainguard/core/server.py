@@ -239,7 +239,7 @@ class _Service:
         await self._authorize(context)
         if isinstance(request, Refused):
             await self._refuse(context, request.code, request.reason)
-        self.core.on_process_exit(request.rank, request.pid, request.exit_code)
+        self.core.on_process_exit(request.rank, request.pid, request.exit_code, request.reason[:2000])
         return pb.Ack()
 
     async def get_status(self, request, context) -> pb.JobStatus:
@@ -327,9 +327,10 @@ class Controller(LoopThread):
             except Exception:
                 log.exception("controller tick failed")
 
-    def report_process_exit(self, rank: int, pid: int, code: int) -> None:
-        """Tell the controller a worker process exited (from a node agent)."""
-        self._call(lambda: self._core.on_process_exit(rank, pid, code))
+    def report_process_exit(self, rank: int, pid: int, code: int, reason: str = "") -> None:
+        """Tell the controller a worker process exited (from a node agent);
+        ``reason`` when the agent ended it (a stopped process, say)."""
+        self._call(lambda: self._core.on_process_exit(rank, pid, code, reason))
 
     def snapshot(self) -> dict:
         return self._call(lambda: json.loads(json.dumps(self._core.snapshot())))

@@ -11,7 +11,10 @@ two things:
 * when a worker dies, the agent reports it to the controller at once and
   lets the survivors finish what the controller tells them (a dying-gasp
   save, then exit) instead of killing them on the spot. Once every worker
-  has exited, torch's usual restart logic (``--max-restarts``) applies.
+  has exited, torch's usual restart logic (``--max-restarts``) applies;
+* a worker found stopped (SIGSTOP, a frozen container: state ``T`` in
+  ``/proc``) on two checks ``STOPPED_CONFIRM_S`` apart is a hang: the agent
+  kills it and reports why, within a second instead of a heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -37,6 +40,17 @@ log = logging.getLogger("trainguard.launcher")
 _ADDRESS_KEY = "trainguard/controller"
 _WORKER_STORE_KEY = "trainguard/worker_store_port"
 _TOKEN_KEY = "trainguard/token"
+#: A worker seen stopped this long is killed as hung.
+STOPPED_CONFIRM_S = 0.3
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a process (``R``, ``S``, ``T``...; ``""`` if gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 class TrainguardAgent(LocalElasticAgent):
@@ -51,6 +65,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._worker_store: dist.TCPStore | None = None
         self._failed_at: float | None = None
         self._reported: set[int] = set()
+        self._stopped_since: dict[int, float] = {}
         self.last_status: dict | None = None
 
     # ----------------------------------------------------------- controller
@@ -123,6 +138,15 @@ class TrainguardAgent(LocalElasticAgent):
         if not handlers:
             return super()._monitor_workers(worker_group)
         codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+        for lr in [lr for lr, c in codes.items() if c is None]:
+            reason = self._stopped(handlers[lr].proc.pid)
+            if reason:
+                # Report before killing: the kill also breaks the rank's
+                # session, which alone would read as a plain lost process.
+                self._reported.add(handlers[lr].proc.pid)
+                self._report(worker_group.workers[lr].global_rank, handlers[lr].proc.pid, -9, reason)
+                handlers[lr].proc.kill()
+                codes[lr] = handlers[lr].proc.wait()
         failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
         running = [lr for lr, c in codes.items() if c is None]
         for lr, code in failed.items():
@@ -140,17 +164,27 @@ class TrainguardAgent(LocalElasticAgent):
                       now - self._failed_at)
         return super()._monitor_workers(worker_group)
 
+    def _stopped(self, pid: int) -> str:
+        """Why the worker counts as hung (found stopped twice), else ``""``."""
+        if process_state(pid) not in ("T", "t"):
+            self._stopped_since.pop(pid, None)
+            return ""
+        now = time.monotonic()
+        since = self._stopped_since.setdefault(pid, now)
+        return f"found stopped (state T) for {now - since:.1f} s; killed by its agent" \
+            if now - since >= STOPPED_CONFIRM_S else ""
+
     def _grace_s(self) -> float:
         c = self._config
         return c.prelock_timeout_s + c.save_timeout_s + 2 * c.handler_timeout_s + 30
 
-    def _report(self, rank: int, pid: int, code: int) -> None:
-        log.warning("worker rank %d (pid %d) %s", rank, pid,
+    def _report(self, rank: int, pid: int, code: int, reason: str = "") -> None:
+        log.warning("worker rank %d (pid %d) %s%s", rank, pid, f"{reason}: " if reason else "",
                     f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
         try:
             if self.controller is not None:
-                self.controller.report_process_exit(rank, pid, code)
+                self.controller.report_process_exit(rank, pid, code, reason)
             elif self._client is not None:
-                self._client.report_process_exit(rank, pid, code)
+                self._client.report_process_exit(rank, pid, code, reason)
         except Exception as e:  # the controller also notices through the broken session
             log.warning("could not report the exit of rank %d to the controller: %s", rank, e)

@@ -104,8 +104,10 @@ def _summarise(result, status: dict | None) -> int:
                     r["lost_steps"], r["reason"])
     if not result.is_failed():
         return 0
-    codes = {f.exitcode for f in result.failures.values()}
-    if records and records[-1]["strategy"] == "dump" and EXIT_AFTER_DUMP in codes:
+    if records and records[-1]["strategy"] == "dump":  # recorded once the checkpoint was finalised
+        odd = {r: f.exitcode for r, f in result.failures.items() if f.exitcode != EXIT_AFTER_DUMP}
+        if odd:
+            log.warning("after the dump, ranks ended with other exit codes (a hung rank is ended with 77): %s", odd)
         print(f"trainguard: the job saved a dying-gasp checkpoint at step {records[-1]['step']} and stopped; "
               f"relaunch the same command to resume from it.", file=sys.stderr)
         return EXIT_AFTER_DUMP

@@ -25,9 +25,13 @@ still checkpoints and resumes, but cannot recover in place.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
+import threading
 import time
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -151,9 +155,14 @@ class Guard:
 
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
         self.injector = injector or FaultInjector.from_env(self.rank, log_path=log_path)
+        self.injector.on_stall = self.process_group.black_hole
         self._install_fault_hooks()
         self.processor = processor or self._connect()
         self.processor.add_stop_listener(self.process_group.stop)
+        self._thread = threading.get_ident()
+        self.processor.watchdog.in_collective = self._blocked_on_comm
+        self._exit_code: int | None = None
+        atexit.register(self._exit_now)
 
     # --------------------------------------------------------------- setup
     def _connect(self) -> Processor:
@@ -210,6 +219,27 @@ class Guard:
 
             self._hooks.append(middle.register_hook(hook))
 
+    def _blocked_on_comm(self) -> bool:
+        """For the watchdog (called on the processor's thread): is the
+        training thread waiting on communication? Collectives are in flight
+        and its innermost Python frame is in torch or in our group's wait
+        (``backward`` waiting for DDP's buckets, ``Work.wait``), not in the
+        training script."""
+        if not self.process_group.busy:
+            return False
+        frame = sys._current_frames().get(self._thread)
+        return frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
+
+    def section(self, name: str) -> AbstractContextManager:
+        """Mark a stretch that may take much longer than a step (evaluation,
+        a save of your own) so the hang watchdog does not count it; its limit
+        is three times its longest run so far (600 s the first time)::
+
+            with guard.section("evaluation"):
+                evaluate(model)
+        """
+        return self.processor.watchdog.section(name)
+
     # ----------------------------------------------------------- the loop
     @property
     def step(self) -> int:
@@ -232,6 +262,7 @@ class Guard:
         return _Protected(self)
 
     def _begin(self) -> None:
+        self.injector.strike("gc", self._step)
         self._entered = True
         self._updated = False
         self._step_started = time.perf_counter()
@@ -273,7 +304,24 @@ class Guard:
         if not outcome.resume:
             log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
             self.close(finished=False)
+            self._exit_code = outcome.exit_code
             raise SystemExit(outcome.exit_code)
+
+    def _exit_now(self) -> None:
+        """At interpreter exit after the controller's exit command (the
+        script's own ``finally`` blocks and later ``atexit`` handlers have
+        run): end the process without destroying the process groups, whose
+        destructors can abort the process when a peer is gone (gloo throws
+        from a destructor) or block on it."""
+        if self._exit_code is None:
+            return
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(self._exit_code)
 
     def rolled_back(self, step: int) -> None:
         """Called by the rollback handler: training continues at ``step``."""
@@ -305,6 +353,11 @@ class Guard:
         """
         if self.store is None:
             raise CheckpointError("no checkpoint_dir was given to the Guard")
+        with self.section("checkpoint"):
+            self.injector.strike("save", self._step)
+            self._save()
+
+    def _save(self) -> None:
         step, group = self._step, self.groups[0]
         copies = group.copies(self.rank)
         mine = None
@@ -392,6 +445,9 @@ class _Protected:
             return False
         self.guard._handle(exc)
         return True
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
 
 
 def _refuse_unsupported(model: torch.nn.Module) -> None:

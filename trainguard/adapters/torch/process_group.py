@@ -134,6 +134,7 @@ class AbortableProcessGroup(dist.ProcessGroup):
         self._abort = abort
         self._pending: set[_Work] = set()
         self._halted = False
+        self._black_hole = False
         self.generation = 0
         self._inner = self._build(0)
 
@@ -152,6 +153,11 @@ class AbortableProcessGroup(dist.ProcessGroup):
             self._abort(self._inner)
 
     @property
+    def busy(self) -> bool:
+        """Whether any collective is in flight."""
+        return bool(self._pending)
+
+    @property
     def halted(self) -> bool:
         return self._halted
 
@@ -167,6 +173,7 @@ class AbortableProcessGroup(dist.ProcessGroup):
         """
         for work in list(self._pending):
             work.finish(error=ForceStop("process group rebuilt"))
+        self._black_hole = False
         built: dict[str, Any] = {}
 
         def build() -> None:
@@ -206,7 +213,17 @@ class AbortableProcessGroup(dist.ProcessGroup):
         threading.Thread(target=holder.clear, name="trainguard-pg-retire", daemon=True).start()
 
     # ------------------------------------------------------------ collectives
+    def black_hole(self) -> None:
+        """Fault injection: from now until :meth:`rebuild`, collectives are
+        never sent and never complete (a STOP fails them), as over a
+        black-holed link."""
+        self._black_hole = True
+
     def _issue(self, op: str, *args: Any, result: Any) -> _Work:
+        if self._black_hole and not self._halted:
+            work = _Work(self, None, result)
+            self._pending.add(work)
+            return work
         if self._halted:
             work = _Work(self, None, result)
             work.finish(error=ForceStop(f"{op} refused: the process group is stopped"))

@@ -78,14 +78,16 @@ class ReplicaGroup(_message.Message):
     def __init__(self, rank_list: _Optional[_Iterable[int]] = ..., replica_cnt: _Optional[int] = ..., replica_shift: _Optional[int] = ..., range_start: _Optional[int] = ..., range_step: _Optional[int] = ..., range_count: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("step", "run", "data")
+    __slots__ = ("step", "run", "data", "step_time_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     run: RunStatus
     data: DataStatus
-    def __init__(self, step: _Optional[int] = ..., run: _Optional[_Union[RunStatus, str]] = ..., data: _Optional[_Union[DataStatus, str]] = ...) -> None: ...
+    step_time_s: float
+    def __init__(self, step: _Optional[int] = ..., run: _Optional[_Union[RunStatus, str]] = ..., data: _Optional[_Union[DataStatus, str]] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("rank", "world_size", "pid", "host", "status", "replicas", "device", "device_repairable", "restart_count")
@@ -308,14 +310,16 @@ class ControllerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class ProcessExit(_message.Message):
-    __slots__ = ("rank", "pid", "exit_code")
+    __slots__ = ("rank", "pid", "exit_code", "reason")
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     exit_code: int
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ...) -> None: ...
+    reason: str
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()
