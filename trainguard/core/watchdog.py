@@ -193,6 +193,8 @@ class ProgressWatchdog:
                     limit = max(self.config.steps_factor * median, self.config.min_limit_s)
                     why = f"{self.config.steps_factor:g} x median step {median:.2f} s, at least " \
                           f"{self.config.min_limit_s:g} s"
+            if idle <= limit:
+                return None  # the common case: no need to probe the training thread
             try:
                 in_collective = bool(self.in_collective())
             except Exception:  # a probe must never break the watchdog

@@ -166,7 +166,7 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _stopped(self, pid: int) -> str:
         """Why the worker counts as hung (found stopped twice), else ``""``."""
-        if process_state(pid) not in ("T", "t"):
+        if process_state(pid) != "T":  # not "t": a debugger or py-spy attached for a moment
             self._stopped_since.pop(pid, None)
             return ""
         now = time.monotonic()
