@@ -98,13 +98,7 @@ def main() -> None:
         with protect():
             t0, c0 = time.perf_counter(), time.process_time()
             _CURRENT[0] = step
-            x, y = data.batch(step, rank)
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-            optimizer.step()
-            sched.step()
+            _one_step(model, optimizer, sched, data, step, rank)
         done = step + 1
         if args.mode == "guard" and guard.step != done:
             continue  # the step failed and was recovered: it runs again
@@ -167,7 +161,11 @@ def _ab(args) -> None:
             guard.close()
         time.sleep(1.0)  # let compute threads stop spinning
         t0, c0 = time.perf_counter(), time.process_time()
-        time.sleep(args.idle_s)
+        if with_guard:
+            with guard.section("idle"):  # a declared pause: the hang watchdog leaves it alone
+                time.sleep(args.idle_s)
+        else:
+            time.sleep(args.idle_s)
         idle[with_guard] = (time.process_time() - c0) / (time.perf_counter() - t0)
     if timeline:
         note(timeline, event="idle", guard_cpu_per_s=idle[True], plain_cpu_per_s=idle[False])
