@@ -45,7 +45,7 @@ class Recording(Handlers):
         self._note("clean", uce)
         return 0
 
-    def rebuild(self, generation, ranks):
+    def rebuild(self, generation, ranks, join_store=""):
         self._note("rebuild", generation)
 
     def repair(self, step, transfers):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from trainguard.core.decide import Agents
 from trainguard.core import (
     EXIT_AFTER_DUMP,
     ControllerConfig,
@@ -159,7 +160,59 @@ def test_exit_is_the_last_resort_even_when_not_listed():
 
 
 def test_strategies_of_later_versions_fall_through_with_a_reason():
-    config = ControllerConfig(strategies="recover-in-place,dump")
-    plan, reason = decide(ranks(), [lost(1)], config, 0.0, layout=FULL)
+    config = ControllerConfig(strategies="elastic-training,dump")
+    plan, reason = decide(ranks(overrides={1: {"alive": False}}), [lost(1)], config, 0.0, layout=FULL)
     assert plan.strategy is Strategy.DUMP
-    assert "recover-in-place: recover-in-place is not available" in reason
+    assert "elastic-training: elastic-training is not available" in reason
+
+
+TWO_NODES = Agents(home={0: "a", 1: "a", 2: "b", 3: "b"}, spare={"a": 0, "b": 1}, restarts_left=3, max_restarts=3)
+
+
+def test_a_lost_process_is_restarted_on_its_node_and_repaired_from_a_replica():
+    view = ranks(overrides={1: {"alive": False}})
+    config = ControllerConfig(strategies="recover-in-place,dump")
+    plan, reason = decide(view, [lost(1)], config, 0.0, layout=FULL, agents=TWO_NODES)
+    assert plan.strategy is Strategy.RECOVER_IN_PLACE
+    assert plan.replacements == {1: "a"} and plan.participants == (0, 2, 3)
+    assert plan.transfers == (Transfer(src=2, dst=1),) and plan.step == 5
+    assert "new process for rank 1 on a" in reason
+
+
+def test_recover_starts_the_process_on_another_node():
+    view = ranks(overrides={1: {"alive": False}})
+    plan, _ = decide(view, [lost(1)], ControllerConfig(strategies="recover,dump"), 0.0, layout=FULL,
+                     agents=TWO_NODES)
+    assert plan.strategy is Strategy.RECOVER and plan.replacements == {1: "b"}
+
+
+def test_recover_needs_a_spare_slot_elsewhere():
+    view = ranks(overrides={2: {"alive": False}})  # rank 2 lives on b, the only node with a spare slot
+    plan, reason = decide(view, [lost(2)], ControllerConfig(strategies="recover,dump"), 0.0, layout=FULL,
+                          agents=TWO_NODES)
+    assert plan.strategy is Strategy.DUMP
+    assert "no other node agent has a spare slot for rank 2" in reason
+
+
+def test_a_spent_restart_budget_names_the_limit():
+    view = ranks(overrides={1: {"alive": False}})
+    spent = Agents(home=TWO_NODES.home, spare=TWO_NODES.spare, restarts_left=0, max_restarts=2)
+    plan, reason = decide(view, [lost(1)], ControllerConfig(strategies="recover-in-place,dump"), 0.0,
+                          layout=FULL, agents=spent)
+    assert plan.strategy is Strategy.DUMP
+    assert "--max-restarts 2, 2 used" in reason
+
+
+def test_a_rank_whose_agent_is_gone_is_not_restarted_in_place():
+    view = ranks(overrides={1: {"alive": False}})
+    gone = Agents(home={2: "b", 3: "b"}, spare={"b": 1}, restarts_left=3, max_restarts=3)
+    plan, reason = decide(view, [lost(1)], ControllerConfig(strategies="recover-in-place,recover,dump"), 0.0,
+                          layout=FULL, agents=gone)
+    assert plan.strategy is Strategy.RECOVER and plan.replacements == {1: "b"}
+    assert "rank 1's node agent is gone" in reason
+
+
+def test_in_process_faults_are_not_restarted():
+    plan, reason = decide(ranks(), [uce(1)], ControllerConfig(strategies="recover-in-place,dump"), 0.0,
+                          layout=FULL, agents=TWO_NODES)
+    assert plan.strategy is Strategy.DUMP and "no process was lost" in reason

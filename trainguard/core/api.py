@@ -190,6 +190,8 @@ class Plan:
     or stale rank). ``savers`` maps each shard to the rank that saves it and
     ``finaliser`` is the one rank that renames the checkpoint (dump).
     ``participants`` are the live ranks the plan's commands go to.
+    ``replacements`` maps each lost rank a new process is started for to the
+    node agent that starts it (recover-in-place: its own; recover: another).
     """
 
     strategy: Strategy
@@ -199,6 +201,7 @@ class Plan:
     savers: Mapping[int, int] = field(default_factory=dict)
     finaliser: int | None = None
     exit_code: int = 0
+    replacements: Mapping[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,6 +45,9 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_HANDLER_TIMEOUT_S": "seconds a stop/clean/repair/rollback handler may take (default 180)",
     "TRAINGUARD_SAVE_TIMEOUT_S": "seconds a dying-gasp save may take (default 1800)",
     "TRAINGUARD_MAX_MESSAGE_BYTES": "largest control message accepted (default 1 MiB)",
+    "TRAINGUARD_RESTART_TIMEOUT_S": "seconds a restarted process may take to start and join (default 300)",
+    "TRAINGUARD_SPARE_SLOTS": "workers a node agent may start for other nodes' ranks under `recover` (default 0)",
+    "TRAINGUARD_JOIN": "set by the node agent for a replacement process: what it joins (do not set by hand)",
     "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
     "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",
     "TRAINGUARD_WATCHDOG": "'off' turns the in-process hang watchdog off (default on)",
@@ -112,11 +115,16 @@ class ControllerConfig:
     save_timeout_s: float = 1800.0
     max_message_bytes: int = 1 << 20
     job_id: str = "trainguard"
+    max_restarts: int = 0  # process restarts the job may make (torchrun's --max-restarts)
+    restart_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if isinstance(self.strategies, (str, list)):
             object.__setattr__(self, "strategies", parse_strategies(self.strategies))
-        for f in ("heartbeat_interval_s", "prelock_timeout_s", "handler_timeout_s", "save_timeout_s"):
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        for f in ("heartbeat_interval_s", "prelock_timeout_s", "handler_timeout_s", "save_timeout_s",
+                  "restart_timeout_s"):
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ConfigError(f"{f} must be > 0, got {getattr(self, f)!r}")
         if self.heartbeat_misses < 1:

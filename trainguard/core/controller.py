@@ -32,6 +32,7 @@ from typing import Callable
 
 from .api import (
     EXIT_HUNG,
+    EXIT_UNRECOVERABLE,
     ConfigError,
     ControllerState,
     DataStatus,
@@ -44,6 +45,7 @@ from .api import (
     RunStatus,
     Strategy,
 )
+from .agents import AgentTable
 from .config import ControllerConfig
 from .decide import decide
 from .protocol import trainguard_pb2 as pb
@@ -87,6 +89,8 @@ class _Phase:
     commands: dict[int, pb.Command] = field(default_factory=dict)
     deadline: float = 0.0
     waiting: set[int] = field(default_factory=set)
+    orders: dict[int, int] = field(default_factory=dict)  # respawn: rank -> the id of its start order
+    also_wait: tuple[int, ...] = ()  # join: replacements, done when they register
 
 
 @dataclass
@@ -103,6 +107,8 @@ class _Episode:
     phases: list[_Phase] = field(default_factory=list)
     record: RecoveryRecord | None = None
     shards: list = field(default_factory=list)  # pb.ShardFiles of a dump, filled as savers answer
+    join_store: str = ""  # where replacement processes rendezvous with the survivors
+    started: set[int] = field(default_factory=set)  # ranks a replacement was started for
 
 
 class ControllerCore:
@@ -113,6 +119,7 @@ class ControllerCore:
         config: strategies, timeouts, limits.
         world_size: number of ranks in the job.
         send: delivers a command to a rank's session.
+        send_agent: delivers an order to a node agent (none: no restarts).
         clock: monotonic seconds, for timeouts.
         wall: unix seconds, for reported times.
     """
@@ -123,6 +130,7 @@ class ControllerCore:
         world_size: int,
         *,
         send: Callable[[int, pb.Command], None],
+        send_agent: Callable[[str, pb.AgentOrder], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -130,6 +138,8 @@ class ControllerCore:
         self.world_size = world_size
         self.heartbeat_interval_s = config.heartbeat_interval_for(world_size)
         self._send = send
+        self._send_agent = send_agent or (lambda node, order: None)
+        self.agents = AgentTable(config.max_restarts)
         self._clock, self._wall = clock, wall
         self.state = ControllerState.INIT
         self.ranks: dict[int, _Rank] = {}
@@ -164,14 +174,61 @@ class ControllerCore:
         except ConfigError as e:
             raise ProtocolError(f"rank {rank}: {e}") from None
         self._pids.setdefault(rank, []).append(hello.pid)
+        self._exiting.discard(rank)
         r = _Rank(rank=rank, pid=hello.pid, host=hello.host, repairable=hello.device_repairable, groups=groups,
                   step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock())
         r.update(hello.status)
         self.ranks[rank] = r
         log.debug("rank %d registered (pid %d on %s, step %d)", rank, hello.pid, hello.host, r.step)
+        if hello.joining:
+            self._joined(r)
+            return
         if self.state is ControllerState.INIT and len(self.ranks) == self.world_size:
             self._to(ControllerState.NORMAL)
             log.info("all %d ranks registered", self.world_size)
+
+    def _joined(self, r: _Rank) -> None:
+        """A replacement process registered: it waits for commands."""
+        r.stopped = True
+        phase = self._current_phase()
+        if phase is not None and phase.name == "join" and r.rank in phase.waiting:
+            log.warning("rank %d rejoined (pid %d on %s)", r.rank, r.pid, r.host)
+            phase.waiting.discard(r.rank)
+            if not phase.waiting:
+                self._next_phase()
+        elif self.episode is None:
+            # Nothing to join any more: it must not train on its own.
+            self._exiting.add(r.rank)
+            self._send(r.rank, self._command(exit=pb.Exit(code=EXIT_UNRECOVERABLE,
+                                                          reason="no recovery is waiting for this process")))
+
+    # ------------------------------------------------------------ agents
+    def on_agent(self, node: str, hello: pb.AgentHello) -> None:
+        self.agents.hello(node, hello)
+
+    def on_agent_lost(self, node: str) -> None:
+        self.agents.lost(node)
+
+    def on_agent_event(self, node: str, event: pb.AgentEvent) -> None:
+        """A node agent answered a start order."""
+        phase = self._current_phase()
+        if phase is None or phase.name != "respawn" or event.rank not in phase.waiting \
+                or phase.orders.get(event.rank) != event.order:
+            log.debug("ignoring stale agent event for rank %d from %s", event.rank, node)
+            return
+        if not event.ok:
+            self._plan_failed(f"node agent {node} could not start rank {event.rank}: {event.message}")
+            return
+        ep = self.episode
+        ep.started.add(event.rank)
+        ep.join_store = event.join_store
+        for other in self.agents.started(event.rank, node):
+            self._send_agent(other, self.agents.order(restarts_left=self.agents.restarts_left))
+        log.warning("rank %d restarted as pid %d by %s (%d process restarts left)", event.rank, event.pid, node,
+                    self.agents.restarts_left)
+        phase.waiting.discard(event.rank)
+        if not phase.waiting:
+            self._next_phase()
 
     def _group(self, g: pb.ReplicaGroup) -> ReplicaGroup:
         """Parse a group, reusing the object when many ranks send the same one."""
@@ -222,7 +279,8 @@ class ControllerCore:
         r.last_seen = self._clock()
         r.update(result.status)
         phase = self._current_phase()
-        if phase is None or rank not in phase.waiting or phase.commands[rank].id != result.command_id:
+        if phase is None or rank not in phase.waiting or rank not in phase.commands \
+                or phase.commands[rank].id != result.command_id:
             log.debug("ignoring stale result %d from rank %d", result.command_id, rank)
             return
         if not result.ok:
@@ -262,6 +320,13 @@ class ControllerCore:
         """A node agent saw the rank's process exit with ``code`` (or ended
         it, for ``reason``: a process found stopped is a hang)."""
         r = self.ranks.get(rank)
+        ep = self.episode
+        if ep is not None and rank in ep.started and (r is None or r.pid != pid or not r.alive):
+            # The replacement died before it joined: a fault during the recovery.
+            ep.started.discard(rank)
+            self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank, detected_at=self._wall(),
+                              message=f"replacement pid {pid} exited with code {code} before it joined"))
+            return
         if r is None or r.pid != pid or not r.alive or rank in self._exiting or rank in self._finished:
             return
         self._lose(r)
@@ -391,12 +456,14 @@ class ControllerCore:
             for r in self.ranks.values()
         }
         layout = {r.rank: r.groups for r in self.ranks.values()}
-        plan, reason = decide(view, ep.faults, self.config, self._wall(), layout=layout, tried=ep.tried)
+        plan, reason = decide(view, ep.faults, self.config, self._wall(), layout=layout, tried=ep.tried,
+                              agents=self.agents.view())
         ep.plan = plan
         ep.reason = f"{ep.reason}; then {reason}" if ep.reason else reason  # keep what failed before
         log.warning("decision: %s", reason)
         ep.phases = self._phases(plan, layout)
-        self._to({Strategy.RETRY: ControllerState.RECOVERING,
+        self._to({Strategy.RETRY: ControllerState.RECOVERING, Strategy.RECOVER_IN_PLACE: ControllerState.RECOVERING,
+                  Strategy.RECOVER: ControllerState.RECOVERING,
                   Strategy.DUMP: ControllerState.DUMPING}.get(plan.strategy, ControllerState.EXITED))
         self._start_phase()
 
@@ -415,31 +482,8 @@ class ControllerCore:
         cfg, everyone = self.config, list(plan.participants)
         exit_phase = _Phase("exit", 0, lambda: self._to_all(
             everyone, exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason)))
-        if plan.strategy is Strategy.RETRY:
-            uce = {f.rank for f in self.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
-            self.generation += 1
-            generation = self.generation
-            excluded = sorted(set(range(self.world_size)) - set(everyone))
-            involved = sorted({t.src for t in plan.transfers} | {t.dst for t in plan.transfers})
-
-            def clean() -> dict[int, pb.Command]:
-                faulty, healthy = self._command(clean=pb.Clean(uce=True)), self._command(clean=pb.Clean(uce=False))
-                return {r: faulty if r in uce else healthy for r in everyone}
-
-            phases = [
-                _Phase("clean", cfg.handler_timeout_s, clean),
-                _Phase("rebuild", cfg.handler_timeout_s, lambda: self._to_all(
-                    everyone, rebuild=pb.Rebuild(generation=generation, excluded=excluded))),
-            ]
-            if plan.transfers:
-                transfers = [pb.Transfer(src=t.src, dst=t.dst, kind=t.kind) for t in plan.transfers]
-                phases.append(_Phase("repair", cfg.handler_timeout_s, lambda: self._to_all(
-                    involved, repair=pb.Repair(step=plan.step, transfers=transfers))))
-            phases.append(_Phase("rollback", cfg.handler_timeout_s, lambda: self._to_all(
-                everyone, rollback=pb.Rollback(step=plan.step))))
-            phases.append(_Phase("resume", 0, lambda: self._to_all(everyone, resume=pb.Resume(
-                step=plan.step, record_json=json.dumps(self._record().to_dict())))))
-            return phases
+        if plan.strategy in (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.RECOVER):
+            return self._repair_phases(plan)
         if plan.strategy is Strategy.DUMP:
             keys = {sid: key for key, sid in shard_ids(layout).items()}
             kinds: dict[int, list[int]] = {}
@@ -463,6 +507,55 @@ class ControllerCore:
         self._record()
         return [exit_phase]
 
+    def _repair_phases(self, plan: Plan) -> list[_Phase]:
+        """retry: clean, rebuild, repair, rollback, resume. With new
+        processes (recover-in-place, recover) the agents start them first and
+        the rebuild becomes a join: the survivors meet them on the store
+        their agent serves."""
+        cfg, everyone = self.config, list(plan.participants)
+        new = sorted(plan.replacements)
+        after = sorted(everyone + new)
+        uce = {f.rank for f in self.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
+        self.generation += 1
+        generation = self.generation
+        involved = sorted({t.src for t in plan.transfers} | {t.dst for t in plan.transfers})
+
+        def clean() -> dict[int, pb.Command]:
+            faulty, healthy = self._command(clean=pb.Clean(uce=True)), self._command(clean=pb.Clean(uce=False))
+            return {r: faulty if r in uce else healthy for r in everyone}
+
+        phases = [_Phase("clean", cfg.handler_timeout_s, clean)]
+        if new:
+            phases.append(_Phase("respawn", cfg.restart_timeout_s, dict))
+            phases.append(_Phase("join", cfg.restart_timeout_s, lambda: self._to_all(everyone, rebuild=pb.Rebuild(
+                generation=generation, join_store=self.episode.join_store)), also_wait=tuple(new)))
+        else:
+            excluded = sorted(set(range(self.world_size)) - set(everyone))
+            phases.append(_Phase("rebuild", cfg.handler_timeout_s, lambda: self._to_all(
+                everyone, rebuild=pb.Rebuild(generation=generation, excluded=excluded))))
+        if plan.transfers:
+            transfers = [pb.Transfer(src=t.src, dst=t.dst, kind=t.kind) for t in plan.transfers]
+            phases.append(_Phase("repair", cfg.handler_timeout_s, lambda: self._to_all(
+                involved, repair=pb.Repair(step=plan.step, transfers=transfers))))
+        phases.append(_Phase("rollback", cfg.handler_timeout_s, lambda: self._to_all(
+            after, rollback=pb.Rollback(step=plan.step))))
+        phases.append(_Phase("resume", 0, lambda: self._to_all(after, resume=pb.Resume(
+            step=plan.step, record_json=json.dumps(self._record().to_dict()),
+            pids_json=json.dumps({str(k): v for k, v in self._pids.items()}) if new else ""))))
+        return phases
+
+    def _respawn(self, phase: _Phase, plan: Plan) -> None:
+        """Order each replacement's agent to start it (and tell a rank's old
+        agent, when the rank moves to another node, not to count it)."""
+        for rank, node in sorted(plan.replacements.items()):
+            home = self.agents.home(rank)
+            if home is not None and home != node:
+                self._send_agent(home, self.agents.order(moved=rank))
+            order = self.agents.order(start=pb.StartReplacement(rank=rank, generation=self.generation,
+                                                                 step=plan.step))
+            phase.orders[rank] = order.id
+            self._send_agent(node, order)
+
     def _current_phase(self) -> _Phase | None:
         ep = self.episode
         if ep is None or not ep.phases or self.state not in (ControllerState.RECOVERING, ControllerState.DUMPING):
@@ -475,9 +568,12 @@ class ControllerCore:
         if phase.name == "exit":
             self._exiting.update(phase.commands)
         phase.deadline = self._clock() + phase.timeout_s
-        phase.waiting = set(phase.commands) if phase.timeout_s > 0 else set()
+        phase.waiting = set(phase.commands) | set(phase.also_wait) if phase.timeout_s > 0 else set()
         for rank, cmd in phase.commands.items():
             self._send(rank, cmd)
+        if phase.name == "respawn":
+            phase.waiting = set(self.episode.plan.replacements)
+            self._respawn(phase, self.episode.plan)
         if not phase.waiting:
             self._next_phase()
 
@@ -501,6 +597,11 @@ class ControllerCore:
     def _plan_failed(self, why: str) -> None:
         ep = self.episode
         log.warning("%s; falling back", why)
+        for rank in sorted(ep.started):
+            r = self.ranks.get(rank)
+            if r is None or not r.alive:  # it never registered: it may sit in its startup
+                self._send_agent(ep.plan.replacements[rank], self.agents.order(kill=rank))
+        ep.started = set()
         ep.tried.add(ep.plan.strategy)
         ep.reason = f"{ep.reason}; {why}"
         ep.phases = []

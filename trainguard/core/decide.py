@@ -30,7 +30,7 @@ from .api import (
 from .config import ControllerConfig
 from .replicas import Layout, choose_savers, choose_sources
 
-__all__ = ["JobView", "PLANNERS", "decide", "lock_step"]
+__all__ = ["Agents", "JobView", "PLANNERS", "decide", "lock_step"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,10 +44,27 @@ class JobView:
     lock: int | None = None
     usable: frozenset[int] = frozenset()
     bad: frozenset[int] = field(default_factory=frozenset)
+    agents: "Agents" = field(default_factory=lambda: Agents())
 
     @property
     def live(self) -> tuple[int, ...]:
         return tuple(sorted(r for r, s in self.ranks.items() if s.alive))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Agents:
+    """What the node agents can do for a recovery.
+
+    ``home`` maps a rank to the node agent that runs it (only agents still
+    connected); ``spare`` maps an agent to how many workers it may start for
+    other nodes' ranks; ``restarts_left`` counts the process restarts the job
+    still may make (``--max-restarts``) out of ``max_restarts``.
+    """
+
+    home: Mapping[int, str] = field(default_factory=dict)
+    spare: Mapping[str, int] = field(default_factory=dict)
+    restarts_left: int = 0
+    max_restarts: int = 0
 
 
 def _state_bad(faults: Iterable[Fault]) -> frozenset[int]:
@@ -144,6 +161,56 @@ def plan_exit(view: JobView) -> Plan:
     )
 
 
+def _restart(view: JobView, strategy: Strategy) -> Plan | str:
+    """Start a new process for every lost rank -- on its own node
+    (recover-in-place) or on another node agent's spare slot (recover) --
+    and repair it from a replica at the locked step."""
+    lost = sorted(r for r, s in view.ranks.items() if not s.alive)
+    if not lost:
+        return "no process was lost (in-process faults are for retry)"
+    if view.lock is None:
+        return "no healthy rank is consistent (UPDATED) at any step, so no replica can serve a new process"
+    why = _corrupted(view)
+    if why:
+        return why
+    agents = view.agents
+    if agents.restarts_left < len(lost):
+        return (f"{len(lost)} process restart(s) needed but the job's limit is spent "
+                f"(--max-restarts {agents.max_restarts}, {agents.max_restarts - agents.restarts_left} used)")
+    placement: dict[int, str] = {}
+    if strategy is Strategy.RECOVER_IN_PLACE:
+        for r in lost:
+            if r not in agents.home:
+                return f"rank {r}'s node agent is gone, so the rank cannot be restarted on its node"
+            placement[r] = agents.home[r]
+    else:
+        spare = dict(agents.spare)
+        for r in lost:
+            node = next((n for n in sorted(spare) if spare[n] > 0 and n != agents.home.get(r)), None)
+            if node is None:
+                return f"no other node agent has a spare slot for rank {r} (trainguard run --spare-slots)"
+            spare[node] -= 1
+            placement[r] = node
+    stuck = [r for r in view.live if not view.ranks[r].stopped]
+    if stuck:
+        return f"ranks {stuck} did not stop at a consistent step"
+    targets = lost + [r for r in view.live if r not in view.usable]
+    transfers, missing = choose_sources(view.layout, targets, view.usable)
+    if missing:
+        rank, kind = missing[0]
+        return f"no consistent replica at step {view.lock} to repair rank {rank} (state kind {kind}) from"
+    return Plan(strategy=strategy, step=view.lock, participants=view.live, transfers=tuple(transfers),
+                replacements=placement)
+
+
+def plan_recover_in_place(view: JobView) -> Plan | str:
+    return _restart(view, Strategy.RECOVER_IN_PLACE)
+
+
+def plan_recover(view: JobView) -> Plan | str:
+    return _restart(view, Strategy.RECOVER)
+
+
 def _not_yet(name: str) -> Callable[[JobView], str]:
     return lambda view: f"{name} is not available in this version of trainguard"
 
@@ -151,8 +218,8 @@ def _not_yet(name: str) -> Callable[[JobView], str]:
 #: Strategy -> planner. A planner returns a Plan, or why it cannot work.
 PLANNERS: dict[Strategy, Callable[[JobView], Plan | str]] = {
     Strategy.RETRY: plan_retry,
-    Strategy.RECOVER_IN_PLACE: _not_yet("recover-in-place"),
-    Strategy.RECOVER: _not_yet("recover"),
+    Strategy.RECOVER_IN_PLACE: plan_recover_in_place,
+    Strategy.RECOVER: plan_recover,
     Strategy.ELASTIC_TRAINING: _not_yet("elastic-training"),
     Strategy.DUMP: plan_dump,
     Strategy.EXIT: plan_exit,
@@ -163,6 +230,10 @@ def _describe(plan: Plan) -> str:
     if plan.strategy is Strategy.RETRY:
         copies = ", ".join(f"rank {t.dst} from rank {t.src}" for t in plan.transfers) or "no state copy needed"
         return f"retry at step {plan.step} ({copies})"
+    if plan.replacements:
+        where = ", ".join(f"rank {r} on {n}" for r, n in sorted(plan.replacements.items()))
+        copies = ", ".join(f"rank {t.dst} from rank {t.src}" for t in plan.transfers)
+        return f"{plan.strategy.value} at step {plan.step} (new process for {where}; state {copies})"
     if plan.strategy is Strategy.DUMP:
         savers = ", ".join(f"shard {s} by rank {r}" for s, r in sorted(plan.savers.items()))
         return f"dump at step {plan.step} ({savers}; rank {plan.finaliser} finalises)"
@@ -177,6 +248,7 @@ def decide(
     *,
     layout: Layout,
     tried: Iterable = (),
+    agents: Agents | None = None,
 ) -> tuple[Plan, str]:
     """Choose the plan for a fault episode.
 
@@ -188,6 +260,7 @@ def decide(
             replacements use it.
         layout: each rank's replica groups.
         tried: strategies that already failed in this episode.
+        agents: what the node agents can restart (none: no restarts).
 
     Returns:
         ``(plan, reason)``; ``reason`` says why each earlier strategy was
@@ -204,6 +277,7 @@ def decide(
         lock=lock,
         usable=_usable(ranks, bad, lock),
         bad=bad,
+        agents=agents or Agents(),
     )
     passed: list[str] = []
     for strategy in config.strategies:

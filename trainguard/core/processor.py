@@ -116,8 +116,10 @@ class Processor:
         device: str = "cpu",
         device_repairable: bool = True,
         restart_count: int = 0,
+        joining: bool = False,
     ) -> None:
-        """Register with the controller and start the background thread.
+        """Register with the controller and start the background thread
+        (``joining``: this process replaces a lost one in a recovery).
 
         A session the controller's server cancels or cannot accept yet
         (thousands of ranks registering at once) is retried with jitter until
@@ -133,7 +135,7 @@ class Processor:
         hello = pb.Hello(
             rank=self.rank, world_size=self.config.world_size, pid=os.getpid(), host=socket.gethostname(),
             status=to_pb_status(step, self.run, self.data), device=device,
-            device_repairable=device_repairable, restart_count=restart_count,
+            device_repairable=device_repairable, restart_count=restart_count, joining=joining,
             replicas=[_pb_group(g) for g in replicas],
         )
         self._channel = client_channel(self.config.controller, self.config.max_message_bytes)

@@ -42,8 +42,10 @@ class Handlers(abc.ABC):
         and the fault did not touch state)."""
 
     @abc.abstractmethod
-    def rebuild(self, generation: int, ranks: Sequence[int]) -> None:
-        """Create fresh communication among ``ranks`` (every rank calls it)."""
+    def rebuild(self, generation: int, ranks: Sequence[int], join_store: str = "") -> None:
+        """Create fresh communication among ``ranks`` (every rank calls it).
+        With ``join_store``, new processes replace lost ones: meet them on
+        that store (``host:port``) as their start-up expects."""
 
     @abc.abstractmethod
     def repair(self, step: int, transfers: Sequence[Transfer]) -> None:
@@ -63,8 +65,9 @@ class Handlers(abc.ABC):
         """Verify every shard's files, write the manifest, rename the
         checkpoint to its final name and update the tracker."""
 
-    def resumed(self, step: int, record: dict) -> None:
-        """Training continues at ``step`` (``record`` describes the recovery)."""
+    def resumed(self, step: int, record: dict, pids: dict | None = None) -> None:
+        """Training continues at ``step`` (``record`` describes the recovery;
+        ``pids``, after new processes joined, every rank's PIDs so far)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
             return Outcome(resume=False, exit_code=cmd.exit.code, reason=cmd.exit.reason)
         if action == "resume":
             record = json.loads(cmd.resume.record_json) if cmd.resume.record_json else None
-            handlers.resumed(cmd.resume.step, record or {})
+            pids = json.loads(cmd.resume.pids_json) if cmd.resume.pids_json else None
+            handlers.resumed(cmd.resume.step, record or {}, pids)
             processor.resumed()
             return Outcome(resume=True, step=cmd.resume.step, record=record)
         processor.run = RunStatus.RECOVERING
@@ -142,7 +146,8 @@ def _execute(handlers: Handlers, action: str, cmd: pb.Command,
         return handlers.clean(cmd.clean.uce), []
     if action == "rebuild":
         excluded = set(cmd.rebuild.excluded)
-        handlers.rebuild(cmd.rebuild.generation, [r for r in range(world_size) if r not in excluded])
+        handlers.rebuild(cmd.rebuild.generation, [r for r in range(world_size) if r not in excluded],
+                         cmd.rebuild.join_store)
     elif action == "repair":
         handlers.repair(cmd.repair.step, [Transfer(t.src, t.dst, t.kind) for t in cmd.repair.transfers])
     elif action == "rollback":

@@ -16,6 +16,10 @@ node as one message listing its ranks.
   at once that no recovery can be coordinated.
 * Ranks authenticate to the relay with the job token; the relay
   authenticates to the controller with it.
+* A relay run by a node agent also carries the agent's side: it announces
+  the ranks the agent runs (``AgentHello``), hands the controller's orders
+  (start a replacement process, kill one, the restart budget) to
+  ``on_order`` and sends the agent's answers (:meth:`report`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import logging
 import os
 import socket
 from concurrent.futures import Future
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -53,13 +57,16 @@ class Relay(LoopThread):
         host, port: where local ranks connect (loopback, any free port).
         node: a name for this node in the controller's logs.
         max_message_bytes: size limit of one message, each way.
+        agent: the node agent's announcement, when a node agent runs it.
+        on_order: called on the relay's thread with each order for the agent.
         batch_window_s, heartbeat_window_s: how long messages wait to travel
             together.
     """
 
     def __init__(self, controller: str, token: str, *, host: str = "127.0.0.1", port: int = 0,
                  node: str | None = None, max_message_bytes: int = 1 << 20, batch_window_s: float = 0.002,
-                 heartbeat_window_s: float = 0.25) -> None:
+                 heartbeat_window_s: float = 0.25, agent: pb.AgentHello | None = None,
+                 on_order: Callable[[pb.AgentOrder], None] | None = None) -> None:
         self.controller, self.token = controller, token
         self.host, self.port = host, port
         self.node = node or f"{socket.gethostname()}:{os.getpid()}"
@@ -73,6 +80,7 @@ class Relay(LoopThread):
         self._flush_handle: asyncio.TimerHandle | None = None
         self._upstream_alive = False
         self._stopping = False
+        self._agent, self._on_order = agent, on_order
 
     # ------------------------------------------------------------ lifecycle
     thread_name = "trainguard-relay"
@@ -99,6 +107,8 @@ class Relay(LoopThread):
             response_deserializer=pb.NodeCommands.FromString)(metadata=auth_metadata(self.token))
         self._upstream_alive = True
         self._sends: asyncio.Queue = asyncio.Queue()
+        if self._agent is not None:
+            self._sends.put_nowait(pb.NodeMessage(node=self.node, agent=self._agent))
         self._tasks = [asyncio.ensure_future(self._read_upstream()), asyncio.ensure_future(self._write_upstream())]
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * self.limit),
                                                 ("grpc.so_reuseport", 0)])
@@ -125,6 +135,12 @@ class Relay(LoopThread):
     async def _read_upstream(self) -> None:
         try:
             async for batch in self._upstream:
+                for order in batch.orders:
+                    if self._on_order is not None:
+                        try:
+                            self._on_order(order)
+                        except Exception:  # the agent's bug must not end the node's stream
+                            log.exception("relay %s: the agent failed to take order %d", self.node, order.id)
                 for delivery in batch.items:
                     item = (_Refusal(grpc.StatusCode.INVALID_ARGUMENT, delivery.refused) if delivery.refused
                             else delivery.message)
@@ -147,6 +163,10 @@ class Relay(LoopThread):
                 await self._upstream.write(message)
             except (grpc.RpcError, asyncio.InvalidStateError):
                 return  # the reader reports the loss
+
+    def report(self, event: pb.AgentEvent) -> None:
+        """Send the agent's answer to an order (from any thread)."""
+        self._loop.call_soon_threadsafe(self._sends.put_nowait, pb.NodeMessage(node=self.node, events=[event]))
 
     def _forward(self, rank: int, message: pb.RankMessage | None = None, *, disconnected: bool = False) -> None:
         envelope = pb.RankEnvelope(rank=rank, message=message, disconnected=disconnected)

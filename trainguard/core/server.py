@@ -78,6 +78,7 @@ class _Service:
         self.core = core
         self.token = token
         self.routes: dict[int, Callable[[pb.Command], None]] = {}
+        self.agents: dict[str, _NodeLink] = {}  # node agents, by the node name of their relay
         self.stopping = False  # set while the server shuts down: ended sessions are not lost ranks
         self.welcome = pb.ControllerMessage(welcome=pb.Welcome(
             job_id=core.config.job_id, heartbeat_interval_s=core.heartbeat_interval_s))
@@ -88,6 +89,19 @@ class _Service:
             log.debug("no session for rank %d; dropping command %d", rank, command.id)
             return
         route(command)
+
+    def order(self, node: str, order: pb.AgentOrder) -> None:
+        link = self.agents.get(node)
+        if link is None:
+            log.warning("no relay for node agent %s; dropping order %d", node, order.id)
+            return
+        link.queue.put_nowait(pb.NodeCommands(orders=[order]))
+
+    def _restore_route(self, rank: int, previous) -> None:
+        if previous is None:
+            self.routes.pop(rank, None)
+        else:
+            self.routes[rank] = previous
 
     def _ended(self, rank: int, route, *, goodbye: bool) -> None:
         """A rank's session is over; without Goodbye its process is lost."""
@@ -115,15 +129,23 @@ class _Service:
             return
         if isinstance(first, Refused):
             await self._refuse(context, first.code, first.reason)
-        try:
-            validate_rank_message(first, world_size=self.core.world_size, first=True)
-            self.core.on_hello(first.hello)
-        except ProtocolError as e:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rank = first.hello.rank
         queue: asyncio.Queue = asyncio.Queue()
         route = queue.put_nowait
-        self.routes[rank] = route
+        try:
+            validate_rank_message(first, world_size=self.core.world_size, first=True)
+            # Routed before the core hears of it: registering a rank can send
+            # it commands at once (a replacement completes a phase).
+            previous = self.routes.get(rank)
+            self.routes[rank] = route
+            try:
+                self.core.on_hello(first.hello)
+            except ProtocolError:
+                if self.routes.get(rank) is route:
+                    self._restore_route(rank, previous)
+                raise
+        except ProtocolError as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         state = {"goodbye": False}
         reader = asyncio.ensure_future(self._read(rank, stream, queue, state))
         try:
@@ -166,8 +188,8 @@ class _Service:
     # ------------------------------------------------------- a node's ranks, one stream
     async def node_session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.NodeCommands]:
         await self._authorize(context)
-        link, local = _NodeLink(), {}
-        reader = asyncio.ensure_future(self._read_node(requests, link, local, context.peer()))
+        link, local, seen = _NodeLink(), {}, {}
+        reader = asyncio.ensure_future(self._read_node(requests, link, local, context.peer(), seen))
         try:
             while True:
                 item = await link.queue.get()
@@ -180,13 +202,32 @@ class _Service:
             reader.cancel()
             for rank, route in list(local.items()):
                 self._ended(rank, route, goodbye=False)
+            node = seen.get("agent")
+            if node is not None and self.agents.get(node) is link:
+                del self.agents[node]
+                if not self.stopping:
+                    self.core.on_agent_lost(node)
 
-    async def _read_node(self, requests, link: _NodeLink, local: dict, peer: str) -> None:
+    async def _read_node(self, requests, link: _NodeLink, local: dict, peer: str, seen: dict) -> None:
         try:
             async for msg in requests:
                 if isinstance(msg, Refused):
                     link.queue.put_nowait(_Abort(msg.code, msg.reason))
                     return
+                node = msg.node or peer
+                if msg.HasField("agent"):
+                    bad = [r for r in msg.agent.ranks if not 0 <= r < self.core.world_size]
+                    if bad or msg.agent.spare < 0:
+                        link.queue.put_nowait(_Abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                            f"node agent {node}: ranks {bad[:8]} outside a world of {self.core.world_size}"
+                            if bad else f"node agent {node}: negative spare slots {msg.agent.spare}")))
+                        return
+                    seen["agent"] = node
+                    self.agents[node] = link
+                    self.core.on_agent(node, msg.agent)
+                for event in msg.events:
+                    if seen.get("agent") == node:
+                        self.core.on_agent_event(node, event)
                 for item in msg.items:
                     self._node_item(item, link, local, msg.node or peer)
         except asyncio.CancelledError:
@@ -209,8 +250,16 @@ class _Service:
             if first:
                 if item.message.hello.rank != rank:
                     raise ProtocolError(f"envelope for rank {rank} carries a Hello for rank {item.message.hello.rank}")
-                self.core.on_hello(item.message.hello)
-                local[rank] = self.routes[rank] = partial(link.send, rank)
+                # Routed before the core hears of it (see session()); any
+                # command it sends at once travels in the welcome's batch.
+                previous, route = self.routes.get(rank), partial(link.send, rank)
+                self.routes[rank] = route
+                try:
+                    self.core.on_hello(item.message.hello)
+                except ProtocolError:
+                    self._restore_route(rank, previous)
+                    raise
+                local[rank] = route
                 link.send(rank, self.welcome)
                 return
             self._dispatch(rank, body, item.message)
@@ -285,7 +334,8 @@ class Controller(LoopThread):
         return self.address
 
     async def _serve(self, ready: Future) -> None:
-        self._core = ControllerCore(self.config, self.world_size, send=lambda r, c: self._service.deliver(r, c))
+        self._core = ControllerCore(self.config, self.world_size, send=lambda r, c: self._service.deliver(r, c),
+                                    send_agent=lambda n, o: self._service.order(n, o))
         self._service = _Service(self._core, self.token)
         limit = self.config.max_message_bytes
         handlers = {

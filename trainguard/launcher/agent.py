@@ -14,13 +14,20 @@ two things:
   has exited, torch's usual restart logic (``--max-restarts``) applies;
 * a worker found stopped (SIGSTOP, a frozen container: state ``T`` in
   ``/proc``) on two checks ``STOPPED_CONFIRM_S`` apart is a hang: the agent
-  kills it and reports why, within a second instead of a heartbeat timeout.
+  kills it and reports why, within a second instead of a heartbeat timeout;
+* it takes the controller's orders (:mod:`.restart`): start a new process
+  for one rank while the others keep running (recover-in-place for its own
+  ranks, recover for another node's), kill one, or lower the restart budget.
+  Every process restart counts against ``--max-restarts``, as torch's
+  restarts of the whole group do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import queue
 import time
 from typing import Any
 
@@ -30,8 +37,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from trainguard.core import Controller, ControllerConfig
 from trainguard.core.client import ControllerClient
+from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.rpc import new_token
+
+from .restart import Replacements
 
 __all__ = ["TrainguardAgent"]
 
@@ -54,11 +64,16 @@ def process_state(pid: int) -> str:
 
 
 class TrainguardAgent(LocalElasticAgent):
-    """Args: as ``LocalElasticAgent``, plus the controller's config."""
+    """Args: as ``LocalElasticAgent``, plus the controller's config and how
+    many workers this agent may start for other nodes' ranks (``recover``)."""
 
-    def __init__(self, *args: Any, controller_config: ControllerConfig, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, controller_config: ControllerConfig, spare_slots: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._config = controller_config
+        self._spare = spare_slots
+        self._orders: queue.Queue = queue.Queue()
+        self.replacements: Replacements | None = None
         self.controller: Controller | None = None
         self.relay: Relay | None = None
         self._client: ControllerClient | None = None
@@ -81,16 +96,25 @@ class TrainguardAgent(LocalElasticAgent):
                 log.warning("the controller listens on %s: only agents on this host can reach it; for nodes "
                             "on other hosts pass --controller-host (or TRAINGUARD_HOST)", self._config.host)
             token = os.environ.get("TRAINGUARD_TOKEN") or new_token()
-            self.controller = Controller(self._config, world_size, token=token)
+            # One restart budget per job: process restarts and torch's
+            # restarts of the whole group draw on --max-restarts alike.
+            config = dataclasses.replace(self._config, max_restarts=self._remaining_restarts)
+            self.controller = Controller(config, world_size, token=token)
             store.set(_ADDRESS_KEY, self.controller.start())
             store.set(_TOKEN_KEY, token)
         address = store.get(_ADDRESS_KEY).decode()
         token = store.get(_TOKEN_KEY).decode()
         if self.relay is not None:
             self.relay.stop()
+        if self.replacements is not None:
+            self.replacements.close()
+        self._orders = queue.Queue()
         # The node's ranks reach the controller through this agent's relay:
-        # one stream per node instead of one per rank.
-        self.relay = Relay(address, token, max_message_bytes=self._config.max_message_bytes)
+        # one stream per node instead of one per rank; it carries the
+        # agent's orders too.
+        hello = pb.AgentHello(ranks=[w.global_rank for w in worker_group.workers], spare=self._spare)
+        self.relay = Relay(address, token, max_message_bytes=self._config.max_message_bytes, agent=hello,
+                           on_order=self._orders.put)
         os.environ.update(TRAINGUARD_CONTROLLER=self.relay.start(), TRAINGUARD_TOKEN=token,
                           TRAINGUARD_JOB_ID=self._config.job_id)
         if self._client is not None:
@@ -127,6 +151,9 @@ class TrainguardAgent(LocalElasticAgent):
         if self.relay is not None:
             self.relay.stop()
             self.relay = None
+        if self.replacements is not None:
+            self.replacements.close()
+            self.replacements = None
         self._stop_controller()
         if self._client is not None:
             self._client.close()
@@ -137,32 +164,57 @@ class TrainguardAgent(LocalElasticAgent):
         handlers = getattr(self._pcontext, "subprocess_handlers", None)
         if not handlers:
             return super()._monitor_workers(worker_group)
-        codes = {lr: h.proc.poll() for lr, h in handlers.items()}
-        for lr in [lr for lr, c in codes.items() if c is None]:
-            reason = self._stopped(handlers[lr].proc.pid)
+        if self.replacements is None or self.replacements.context is not self._pcontext:
+            self.replacements = Replacements(self, worker_group, self._pcontext)
+        self._take_orders()
+        procs = self.replacements.processes()  # global rank -> Popen, moved ranks left out
+        codes = {rank: p.poll() for rank, p in procs.items()}
+        for rank in [r for r, c in codes.items() if c is None]:
+            reason = self._stopped(procs[rank].pid)
             if reason:
                 # Report before killing: the kill also breaks the rank's
                 # session, which alone would read as a plain lost process.
-                self._reported.add(handlers[lr].proc.pid)
-                self._report(worker_group.workers[lr].global_rank, handlers[lr].proc.pid, -9, reason)
-                handlers[lr].proc.kill()
-                codes[lr] = handlers[lr].proc.wait()
-        failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
-        running = [lr for lr, c in codes.items() if c is None]
-        for lr, code in failed.items():
-            pid = handlers[lr].proc.pid
+                self._reported.add(procs[rank].pid)
+                self._report(rank, procs[rank].pid, -9, reason)
+                procs[rank].kill()
+                codes[rank] = procs[rank].wait()
+        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        running = [r for r, c in codes.items() if c is None]
+        for rank, code in failed.items():
+            pid = procs[rank].pid
             if pid not in self._reported:
                 self._reported.add(pid)
-                self._report(worker_group.workers[lr].global_rank, pid, code)
-        if failed and running:
+                self._report(rank, pid, code)
+        if not failed:
+            self._failed_at = None
+        if running:
+            # Not torch's poll while anything runs: it ends every worker at the
+            # first failure, and a failed rank may be restarted alone.
+            if not failed:
+                return RunResult(state=WorkerState.HEALTHY)
             now = time.monotonic()
             if self._failed_at is None:
                 self._failed_at = now
             if now - self._failed_at < self._grace_s():
                 return RunResult(state=WorkerState.HEALTHY)
-            log.error("workers %s still running %.0f s after a failure; stopping them", running,
-                      now - self._failed_at)
+            log.error("ranks %s still running %.0f s after a failure; stopping them", running, now - self._failed_at)
         return super()._monitor_workers(worker_group)
+
+    def _take_orders(self) -> None:
+        while True:
+            try:
+                order = self._orders.get_nowait()
+            except queue.Empty:
+                return
+            action = order.WhichOneof("action")
+            if action == "start":
+                self.relay.report(self.replacements.start(order))
+            elif action == "kill":
+                self.replacements.kill(order.kill)
+            elif action == "moved":
+                self.replacements.moved(order.moved)
+            elif action == "restarts_left":
+                self._remaining_restarts = min(self._remaining_restarts, order.restarts_left)
 
     def _stopped(self, pid: int) -> str:
         """Why the worker counts as hung (found stopped twice), else ``""``."""

@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     tg.add_argument("--controller-port", type=int, default=None,
                     help="port the controller binds to (default: any free port)")
     tg.add_argument("--job-id", default=None, help="job id in logs and reports (default: the rendezvous id)")
+    tg.add_argument("--spare-slots", type=int, default=None,
+                    help="workers this node may start for other nodes' ranks under the `recover` strategy "
+                         "(default: TRAINGUARD_SPARE_SLOTS or 0)")
     return p
 
 
@@ -85,9 +88,13 @@ def launch(argv: Sequence[str]) -> int:
         rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
         local_addr=config.local_addr)
+    spare = args.spare_slots if args.spare_slots is not None else os.environ.get("TRAINGUARD_SPARE_SLOTS", "0")
+    if not str(spare).isdigit():
+        raise TrainguardError(f"--spare-slots / TRAINGUARD_SPARE_SLOTS must be a whole number >= 0, got {spare!r}")
+    spare = int(spare)
     agent = TrainguardAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                             log_line_prefix_template=config.log_line_prefix_template,
-                            controller_config=controller_config)
+                            controller_config=controller_config, spare_slots=spare)
     try:
         result = agent.run()
     finally:
@@ -108,8 +115,8 @@ def _summarise(result, status: dict | None) -> int:
         odd = {r: f.exitcode for r, f in result.failures.items() if f.exitcode != EXIT_AFTER_DUMP}
         if odd:
             log.warning("after the dump, ranks ended with other exit codes (a hung rank is ended with 77): %s", odd)
-        print(f"trainguard: the job saved a dying-gasp checkpoint at step {records[-1]['step']} and stopped; "
-              f"relaunch the same command to resume from it.", file=sys.stderr)
+        print(f"trainguard: the job saved a dying-gasp checkpoint at step {records[-1]['step']} and stopped "
+              f"({records[-1]['reason']}); relaunch the same command to resume from it.", file=sys.stderr)
         return EXIT_AFTER_DUMP
     for rank, failure in sorted(result.failures.items()):
         print(f"trainguard: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)

@@ -60,6 +60,7 @@ from trainguard.core.checkpoint import FileInfo, SavedShard
 
 from .device import for_module
 from .handlers import TorchHandlers, read_shard, shard_name
+from .join import joining
 from .optimizer import GuardedOptimizer
 from .process_group import AbortableProcessGroup, allreduce_hook, job_namespace
 from .state import state_sha256
@@ -137,37 +138,64 @@ class Guard:
         self._entered = False
         self._step_started = 0.0
         self._hooks: list[Any] = []
+        self.joined_default_group: Any = None  # kept alive after survivors met a new process
+        join = joining()
+        self.replacement = join is not None  # until its history came from a replica
 
         self.process_group = AbortableProcessGroup(
             dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
             backend_factory=self.device.backend, timeout=comm_timeout, namespace=job_namespace(),
-            abort=self.device.abort)
+            abort=self.device.abort, generation=join["generation"] if join else 0)
         if self.ddp is not None:
             try:
                 self.ddp.register_comm_hook(self.process_group, allreduce_hook)
             except RuntimeError as e:
                 raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
             self.attach_ddp()
-        self.pids = {int(r): p for r, p in enumerate(self.process_group.all_gather_json(
-            os.getpid(), self.device.torch_device))}
-        self._step = self._load()
+        if join:
+            # The others are paused in a recovery: no start-up collectives;
+            # the state, the step and the history come from a replica.
+            self.pids = {self.rank: os.getpid()}
+        else:
+            self.pids = {int(r): p for r, p in enumerate(self.process_group.all_gather_json(
+                os.getpid(), self.device.torch_device))}
+            self._step = self._load()
         self.state.commit(self._step)
 
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
         self.injector = injector or FaultInjector.from_env(self.rank, log_path=log_path)
         self.injector.on_stall = self.process_group.black_hole
         self._install_fault_hooks()
-        self.processor = processor or self._connect()
+        self.processor = processor or self._connect(joining=join is not None)
         self.processor.add_stop_listener(self.process_group.stop)
         self._thread = threading.get_ident()
         self.processor.watchdog.in_collective = self._blocked_on_comm
         self._exit_code: int | None = None
         atexit.register(self._exit_now)
+        if join:
+            self._join(join["step"])
+
+    def _join(self, step: int) -> None:
+        """A replacement process: take part in the recovery that started it
+        (repair from a replica, roll back to ``step``) before training."""
+        log.warning("rank %d (pid %d) joins the running job at step %d", self.rank, os.getpid(), step)
+        self.processor.watchdog.disarm()
+        try:
+            outcome = recover(self.processor, self._handlers, injector=self.injector)
+        except ControllerLostError:
+            raise
+        if not outcome.resume:
+            log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
+            self.close(finished=False)
+            self._exit_code = outcome.exit_code
+            raise SystemExit(outcome.exit_code)
 
     # --------------------------------------------------------------- setup
-    def _connect(self) -> Processor:
+    def _connect(self, *, joining: bool = False) -> Processor:
         config = ProcessorConfig.from_env(rank=self.rank, world_size=self.world_size)
         if config is None:
+            if joining:
+                raise ConfigError("a replacement process (TRAINGUARD_JOIN set) needs the controller's address")
             if self.rank == 0:
                 log.warning("no trainguard controller in this job (TRAINGUARD_CONTROLLER unset): checkpoints "
                             "work, but faults will not be recovered; launch with `trainguard run`")
@@ -177,7 +205,7 @@ class Guard:
         processor = Processor(config)
         processor.connect(step=self._step, replicas=self.groups, device=self.device.name,
                           device_repairable=self.device.repairable,
-                          restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                          restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), joining=joining)
         return processor
 
     def attach_ddp(self) -> None:
@@ -187,8 +215,7 @@ class Guard:
         self.keep_bucket_layout()
 
     def keep_bucket_layout(self) -> None:
-        """Keep DDP's initial gradient-bucket layout for the whole job (with
-        three or more ranks).
+        """Keep DDP's initial gradient-bucket layout for the whole job.
 
         DDP runs its first iteration with buckets in reverse registration
         order, then rebuilds them in the order gradients became ready. Where
@@ -197,11 +224,12 @@ class Guard:
         would round its first step differently from one that never stopped.
         Dropping the parameters the reducer collected for a rebuild (before
         the next forward, which would rebuild) keeps one layout -- DDP's own
-        initial guess -- in every process. It costs some overlap of
-        communication with the backward pass, so it is skipped with two ranks,
-        where every sum is a + b and exact in either order.
+        initial guess -- in every process. The same holds for a replacement
+        process that joins a running job: were the survivors on a rebuilt
+        layout, its buckets would hold other parameters than theirs. It costs
+        some overlap of communication with the backward pass.
         """
-        if self.world_size > 2:
+        if self.world_size > 1:
             self.ddp.reducer._reset_state()
 
     def _install_fault_hooks(self) -> None:

@@ -13,6 +13,7 @@ from trainguard.core import CheckpointError, RecoveryError, Transfer
 from trainguard.core.checkpoint import FileInfo, SavedShard, shard_file
 from trainguard.core.recovery import Handlers
 
+from .join import meet
 from .state import recv_state, send_state
 
 if TYPE_CHECKING:
@@ -37,12 +38,16 @@ class TorchHandlers(Handlers):
         self._repaired = False
         return g.device.clean(uce)
 
-    def rebuild(self, generation: int, ranks: Sequence[int]) -> None:
+    def rebuild(self, generation: int, ranks: Sequence[int], join_store: str = "") -> None:
         g = self.guard
         if sorted(ranks) != list(range(g.world_size)):
             raise RecoveryError(f"rebuild with ranks {list(ranks)}: a smaller world needs elastic-training")
         stops = g.processor.stops
-        g.process_group.rebuild(generation, cancelled=lambda: g.processor.stops != stops)
+        cancelled = lambda: g.processor.stops != stops  # noqa: E731 - a new STOP abandons the rebuild
+        if join_store:
+            meet(g, generation, join_store, cancelled)
+        else:
+            g.process_group.rebuild(generation, cancelled=cancelled)
         if g.ddp is not None:
             g.attach_ddp()  # resets the reducer after the abandoned step
 
@@ -56,13 +61,17 @@ class TorchHandlers(Handlers):
             if g.rank == t.src:
                 if g.state.snapshot_step != step:
                     raise RecoveryError(f"rank {g.rank} is at step {g.state.snapshot_step}, cannot serve step {step}")
-                send_state(g.process_group, g.state.committed_state_dict(), t.dst, device=g.device.torch_device)
+                # The history travels too: a new process has none of its own.
+                send_state(g.process_group, {"state": g.state.committed_state_dict(),
+                                             "history": g.merged_history({})}, t.dst, device=g.device.torch_device)
                 log.info("rank %d sent its state at step %d to rank %d", g.rank, step, t.dst)
             else:
                 g.processor.begin_copy()
-                state = recv_state(g.process_group, t.src, device=g.device.torch_device,
-                                   into=g.state.state_dict())
-                g.state.load_state_dict(state)
+                got = recv_state(g.process_group, t.src, device=g.device.torch_device,
+                                 into={"state": g.state.state_dict()})
+                g.state.load_state_dict(got["state"])
+                if g.replacement:  # a new process: the replica's history is the job's
+                    g.history, g.replacement = got["history"], False
                 g.processor.end_copy(step)
                 self._repaired = True
                 log.info("rank %d took its state at step %d from rank %d", g.rank, step, t.src)
@@ -96,9 +105,12 @@ class TorchHandlers(Handlers):
     def finalize(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
         self.guard.finalize_checkpoint(step, shards, self.guard.merged_history(history))
 
-    def resumed(self, step: int, record: dict) -> None:
+    def resumed(self, step: int, record: dict, pids: dict | None = None) -> None:
         if record:
             self.guard.records.append(record)
+        for rank, seen in (pids or {}).items():
+            known = self.guard.history.setdefault("pids", {}).setdefault(rank, [])
+            known.extend(p for p in seen if p not in known)
 
 
 def shard_name(copies: Sequence[int]) -> str:

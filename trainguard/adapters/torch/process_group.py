@@ -112,6 +112,8 @@ class AbortableProcessGroup(dist.ProcessGroup):
         namespace: store prefix; must differ between job restarts.
         abort: called with the inner backend on STOP (NCCL needs its
             communicator aborted to free the device; gloo needs nothing).
+        generation: the generation to build first (a process joining a
+            running job builds the one the survivors rebuild).
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class AbortableProcessGroup(dist.ProcessGroup):
         timeout: timedelta = timedelta(minutes=30),
         namespace: str = "trainguard",
         abort: Callable[[Any], None] | None = None,
+        generation: int = 0,
     ) -> None:
         super().__init__(rank, size)
         self._store = store
@@ -135,8 +138,8 @@ class AbortableProcessGroup(dist.ProcessGroup):
         self._pending: set[_Work] = set()
         self._halted = False
         self._black_hole = False
-        self.generation = 0
-        self._inner = self._build(0)
+        self.generation = generation
+        self._inner = self._build(generation)
 
     # ------------------------------------------------------------ lifecycle
     def _build(self, generation: int) -> Any:
@@ -153,6 +156,11 @@ class AbortableProcessGroup(dist.ProcessGroup):
             self._abort(self._inner)
 
     @property
+    def timeout(self) -> timedelta:
+        """The inner backend's own timeout."""
+        return self._timeout
+
+    @property
     def busy(self) -> bool:
         """Whether any collective is in flight."""
         return bool(self._pending)
@@ -161,9 +169,10 @@ class AbortableProcessGroup(dist.ProcessGroup):
     def halted(self) -> bool:
         return self._halted
 
-    def rebuild(self, generation: int, cancelled: Callable[[], bool] = lambda: False) -> None:
+    def rebuild(self, generation: int, cancelled: Callable[[], bool] = lambda: False, store: Any = None) -> None:
         """Replace the inner backend with a fresh one (every rank calls this
-        with the same ``generation``).
+        with the same ``generation``), on ``store`` from now on when given
+        (a new process joined on a store of its own).
 
         The build runs on a helper thread so that a new STOP (``cancelled()``
         turning true) can abandon a build whose peers never arrive.
@@ -175,6 +184,8 @@ class AbortableProcessGroup(dist.ProcessGroup):
             work.finish(error=ForceStop("process group rebuilt"))
         self._black_hole = False
         built: dict[str, Any] = {}
+        if store is not None:
+            self._store = store
 
         def build() -> None:
             try:

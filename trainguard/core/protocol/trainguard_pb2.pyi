@@ -90,7 +90,7 @@ class Status(_message.Message):
     def __init__(self, step: _Optional[int] = ..., run: _Optional[_Union[RunStatus, str]] = ..., data: _Optional[_Union[DataStatus, str]] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "world_size", "pid", "host", "status", "replicas", "device", "device_repairable", "restart_count")
+    __slots__ = ("rank", "world_size", "pid", "host", "status", "replicas", "device", "device_repairable", "restart_count", "joining")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class Hello(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_REPAIRABLE_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     pid: int
@@ -109,7 +110,8 @@ class Hello(_message.Message):
     device: str
     device_repairable: bool
     restart_count: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., device: _Optional[str] = ..., device_repairable: _Optional[bool] = ..., restart_count: _Optional[int] = ...) -> None: ...
+    joining: bool
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., device: _Optional[str] = ..., device_repairable: _Optional[bool] = ..., restart_count: _Optional[int] = ..., joining: _Optional[bool] = ...) -> None: ...
 
 class FaultReport(_message.Message):
     __slots__ = ("kind", "severity", "phase", "message", "occurred_at", "status")
@@ -196,12 +198,14 @@ class Clean(_message.Message):
     def __init__(self, uce: _Optional[bool] = ...) -> None: ...
 
 class Rebuild(_message.Message):
-    __slots__ = ("generation", "excluded")
+    __slots__ = ("generation", "excluded", "join_store")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    JOIN_STORE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     excluded: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generation: _Optional[int] = ..., excluded: _Optional[_Iterable[int]] = ...) -> None: ...
+    join_store: str
+    def __init__(self, generation: _Optional[int] = ..., excluded: _Optional[_Iterable[int]] = ..., join_store: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
     __slots__ = ("src", "dst", "kind")
@@ -260,12 +264,14 @@ class Finalize(_message.Message):
     def __init__(self, step: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardFiles, _Mapping]]] = ..., history_json: _Optional[str] = ...) -> None: ...
 
 class Resume(_message.Message):
-    __slots__ = ("step", "record_json")
+    __slots__ = ("step", "record_json", "pids_json")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
+    PIDS_JSON_FIELD_NUMBER: _ClassVar[int]
     step: int
     record_json: str
-    def __init__(self, step: _Optional[int] = ..., record_json: _Optional[str] = ...) -> None: ...
+    pids_json: str
+    def __init__(self, step: _Optional[int] = ..., record_json: _Optional[str] = ..., pids_json: _Optional[str] = ...) -> None: ...
 
 class Exit(_message.Message):
     __slots__ = ("code", "reason")
@@ -349,13 +355,41 @@ class RankEnvelope(_message.Message):
     disconnected: bool
     def __init__(self, rank: _Optional[int] = ..., message: _Optional[_Union[RankMessage, _Mapping]] = ..., disconnected: _Optional[bool] = ...) -> None: ...
 
+class AgentHello(_message.Message):
+    __slots__ = ("ranks", "spare")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    spare: int
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ..., spare: _Optional[int] = ...) -> None: ...
+
+class AgentEvent(_message.Message):
+    __slots__ = ("rank", "order", "ok", "pid", "join_store", "message")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    JOIN_STORE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    order: int
+    ok: bool
+    pid: int
+    join_store: str
+    message: str
+    def __init__(self, rank: _Optional[int] = ..., order: _Optional[int] = ..., ok: _Optional[bool] = ..., pid: _Optional[int] = ..., join_store: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class NodeMessage(_message.Message):
-    __slots__ = ("node", "items")
+    __slots__ = ("node", "items", "agent", "events")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     node: str
     items: _containers.RepeatedCompositeFieldContainer[RankEnvelope]
-    def __init__(self, node: _Optional[str] = ..., items: _Optional[_Iterable[_Union[RankEnvelope, _Mapping]]] = ...) -> None: ...
+    agent: AgentHello
+    events: _containers.RepeatedCompositeFieldContainer[AgentEvent]
+    def __init__(self, node: _Optional[str] = ..., items: _Optional[_Iterable[_Union[RankEnvelope, _Mapping]]] = ..., agent: _Optional[_Union[AgentHello, _Mapping]] = ..., events: _Optional[_Iterable[_Union[AgentEvent, _Mapping]]] = ...) -> None: ...
 
 class NodeDelivery(_message.Message):
     __slots__ = ("ranks", "message", "refused")
@@ -367,8 +401,34 @@ class NodeDelivery(_message.Message):
     refused: str
     def __init__(self, ranks: _Optional[_Iterable[int]] = ..., message: _Optional[_Union[ControllerMessage, _Mapping]] = ..., refused: _Optional[str] = ...) -> None: ...
 
+class AgentOrder(_message.Message):
+    __slots__ = ("id", "start", "kill", "restarts_left", "moved")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    KILL_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    start: StartReplacement
+    kill: int
+    restarts_left: int
+    moved: int
+    def __init__(self, id: _Optional[int] = ..., start: _Optional[_Union[StartReplacement, _Mapping]] = ..., kill: _Optional[int] = ..., restarts_left: _Optional[int] = ..., moved: _Optional[int] = ...) -> None: ...
+
+class StartReplacement(_message.Message):
+    __slots__ = ("rank", "generation", "step")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    generation: int
+    step: int
+    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
 class NodeCommands(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "orders")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ORDERS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[NodeDelivery]
-    def __init__(self, items: _Optional[_Iterable[_Union[NodeDelivery, _Mapping]]] = ...) -> None: ...
+    orders: _containers.RepeatedCompositeFieldContainer[AgentOrder]
+    def __init__(self, items: _Optional[_Iterable[_Union[NodeDelivery, _Mapping]]] = ..., orders: _Optional[_Iterable[_Union[AgentOrder, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,86 @@
+"""Process-level rescheduling on real processes: a lost worker is started
+again alone (recover-in-place), the survivors keep their PIDs and the final
+state equals a fault-free run bit for bit; a second fault during the
+recovery falls back to a dump; ``--max-restarts`` counts process restarts."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_job
+from trainguard.core.faults import read_fault_log
+
+pytestmark = pytest.mark.timeout(420)
+
+STEPS = 8
+RIP = "recover-in-place,dump"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = run_job(tmp_path_factory.mktemp("reference"), "ref", nproc=2, steps=STEPS)
+    assert job.rc == 0, job
+    return job.report
+
+
+def restarted_alone(report, rank, nproc=2):
+    """Only ``rank`` got a new process; every other rank kept its one PID."""
+    pids = report["pids"]
+    assert len(pids[str(rank)] if str(rank) in pids else pids[rank]) == 2, pids
+    others = [p for r, p in pids.items() if int(r) != rank]
+    assert len(others) == nproc - 1 and all(len(p) == 1 for p in others), pids
+
+
+def test_a_killed_worker_is_restarted_alone_and_training_ends_bit_identical(job_runner, reference):
+    job = job_runner("rip", nproc=2, steps=STEPS, fault="crash:rank=1,step=4", strategies=RIP,
+                     extra_args=["--max-restarts", "3"])
+    assert job.rc == 0, job
+    report = job.report
+    (record,) = report["recoveries"]
+    assert (record["fault"], record["rank"], record["strategy"]) == ("process_lost", 1, "recover-in-place")
+    assert record["lost_steps"] == 0 and report["lost_steps"] == 0
+    assert report["steps_completed"] == STEPS
+    restarted_alone(report, 1)
+    assert report["final_state_sha256"] == reference["final_state_sha256"]
+
+
+def test_a_frozen_worker_is_killed_and_restarted_alone(job_runner, reference):
+    job = job_runner("stopped", nproc=2, steps=STEPS, fault="stop:rank=1,step=3", strategies=RIP,
+                     extra_args=["--max-restarts", "3"])
+    assert job.rc == 0, job
+    (strike,) = read_fault_log(job.ckpt / ".trainguard" / "faults.jsonl")
+    (record,) = job.report["recoveries"]
+    assert (record["fault"], record["rank"], record["strategy"]) == ("hang", 1, "recover-in-place")
+    assert 0 <= record["detected_at"] - strike["time"] <= 2.25  # max(3 x step, 2 s) + poll; steps are ms here
+    restarted_alone(job.report, 1)
+    assert job.report["final_state_sha256"] == reference["final_state_sha256"]
+
+
+def test_a_second_fault_during_the_recovery_falls_back_to_a_dump(job_runner, tmp_path):
+    """Rank 1 is killed; while the job recovers, rank 2 dies too. The
+    recovery is abandoned for a dump by rank 0, and torch's restart of the
+    whole group (--max-restarts has restarts left) resumes from it."""
+    ref = run_job(tmp_path, "ref3", nproc=3, steps=STEPS)
+    assert ref.rc == 0, ref
+    fault = "crash:rank=1,step=4;crash:rank=2,step=4,phase=recovery"
+    job = job_runner("second", nproc=3, steps=STEPS, fault=fault, strategies=RIP, extra_args=["--max-restarts", "3"])
+    assert job.rc == 0, job
+    assert "second fault during recover-in-place" in job.log
+    (record,) = job.report["recoveries"]
+    assert (record["strategy"], record["step"], record["lost_steps"]) == ("dump", 4, 0)
+    assert all(len(p) == 2 for p in job.report["pids"].values())  # the group was started again
+    assert job.report["final_state_sha256"] == ref.report["final_state_sha256"]
+
+
+def test_max_restarts_counts_process_restarts_and_ends_the_job_cleanly(job_runner, reference):
+    fault = "crash:rank=1,step=2;crash:rank=1,step=5"
+    job = job_runner("limit", nproc=2, steps=STEPS, fault=fault, strategies=RIP, extra_args=["--max-restarts", "1"])
+    assert job.rc == 75, job
+    assert "--max-restarts 1, 1 used" in job.log
+    assert "relaunch the same command to resume" in job.log
+    again = job_runner("resume", nproc=2, steps=STEPS, fault=fault, strategies=RIP, ckpt=job.ckpt,
+                       extra_args=["--max-restarts", "1"])
+    assert again.rc == 0, again
+    strategies = [r["strategy"] for r in again.report["recoveries"]]
+    assert strategies == ["recover-in-place", "dump"], again.report["recoveries"]
+    assert again.report["final_state_sha256"] == reference["final_state_sha256"]

@@ -1,0 +1,117 @@
+"""A new process joins a running job (recover-in-place, recover).
+
+The new process runs the user's script from the top: ``init_process_group``
+builds the default group with every rank, ``DistributedDataParallel(model)``
+verifies parameter shapes across ranks and broadcasts rank 0's parameters,
+then the :class:`~.guard.Guard` builds trainguard's process group. The
+survivors are paused in a recovery, so they do the same collectives on their
+side (:func:`meet`): they build the new default group with it on the store
+its agent serves, repeat DDP's start-up collectives into scratch copies
+(a freshly started rank 0 must not overwrite trained parameters), and
+rebuild trainguard's group at the generation the new process builds.
+
+The start-up collectives are DDP's own (torch 2.13's
+``_verify_param_shape_across_processes`` and ``_sync_module_states``). A
+script that runs other collectives on the default group before creating
+the Guard cannot be joined: the join times out and the controller falls
+back to its next strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.utils import _sync_params_and_buffers, _verify_param_shape_across_processes
+
+from trainguard.core import ForceStop, RecoveryError
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+__all__ = ["JOIN_ENV", "joining", "meet"]
+
+JOIN_ENV = "TRAINGUARD_JOIN"
+
+
+def joining() -> dict | None:
+    """What this process joins, when its agent started it as a replacement."""
+    raw = os.environ.get(JOIN_ENV)
+    if not raw:
+        return None
+    try:
+        join = json.loads(raw)
+        return {"generation": int(join["generation"]), "step": int(join["step"])}
+    except (ValueError, KeyError, TypeError) as e:
+        raise RecoveryError(f"{JOIN_ENV}={raw!r} is malformed ({e}); it is set by trainguard's node agent") from None
+
+
+def _default_group(prefix: Any, rank: int, size: int, timeout: timedelta, device: torch.device) -> dist.ProcessGroup:
+    """The survivor's side of the new process's ``init_process_group``:
+    group ``0`` under ``default_pg`` (``prefix``), its backend under the
+    device type."""
+    if device.type != "cpu":
+        raise RecoveryError(f"joining a new process is supported with gloo on CPU; this job runs on {device.type}")
+    group = dist.ProcessGroup(prefix, rank, size)
+    backend = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, size, timeout)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def _mirror_ddp(ddp: torch.nn.parallel.DistributedDataParallel, group: dist.ProcessGroup) -> None:
+    """DDP's start-up collectives, with this rank's parameters copied first."""
+    parameters, _ = ddp._build_params_for_reducer()
+    _verify_param_shape_across_processes(group, parameters)
+    ignore = ddp.parameters_to_ignore
+    states = [p.detach().clone() for n, p in ddp.module.named_parameters() if n not in ignore]
+    if ddp.forward_sync_buffers:
+        states += [b.detach().clone() for n, b in ddp.module.named_buffers() if n not in ignore]
+    _sync_params_and_buffers(group, states, ddp.broadcast_bucket_size, 0)
+
+
+def meet(guard: "Guard", generation: int, address: str, cancelled: Callable[[], bool]) -> None:
+    """Survivor side of a join: meet the new processes on ``address``
+    (``host:port``) and rebuild trainguard's group at ``generation`` there.
+
+    Runs on a helper thread so that a new STOP (``cancelled()``) abandons
+    a join whose new process never arrives.
+
+    Raises:
+        ForceStop: cancelled before the join finished.
+        RecoveryError: the store is unreachable or the job's device type
+            cannot be joined.
+    """
+    host, _, port = address.rpartition(":")
+    timeout = guard.process_group.timeout
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            client = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            # What init_process_group keeps as the default group's store,
+            # and the Guard builds its own group on.
+            store = dist.PrefixStore("0/", dist.PrefixStore("default_pg", client))
+            default = _default_group(store, guard.rank, guard.world_size, timeout, guard.device.torch_device)
+            if guard.ddp is not None:
+                _mirror_ddp(guard.ddp, default)
+            done["store"], done["default"] = store, default
+        except Exception as e:  # surfaced on the training thread below
+            done["error"] = e
+
+    thread = threading.Thread(target=run, name=f"trainguard-join-{generation}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+        if cancelled() and thread.is_alive():
+            raise ForceStop(f"join of generation {generation} abandoned")
+    if "error" in done:
+        raise RecoveryError(f"could not meet the new process on {address}: {done['error']}") from done["error"]
+    # Kept alive: the new process's default group talks to it.
+    guard.joined_default_group = done["default"]
+    guard.process_group.rebuild(generation, cancelled=cancelled, store=done["store"])

@@ -1,0 +1,73 @@
+"""The controller's table of node agents: who runs which rank, who has room.
+
+Every node agent announces itself on its relay stream (``AgentHello``: the
+global ranks it runs, the spare workers it may start for other nodes'
+ranks). The controller uses the table to place new processes
+(recover-in-place on the rank's own node, recover on another), to count the
+job's process restarts against ``--max-restarts``, and to hand out order
+ids. Pure bookkeeping: no sockets, no clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from .decide import Agents
+from .protocol import trainguard_pb2 as pb
+
+__all__ = ["AgentTable"]
+
+log = logging.getLogger("trainguard.controller")
+
+
+@dataclass
+class _Agent:
+    node: str
+    ranks: set[int]
+    spare: int
+    adopted: set[int] = field(default_factory=set)  # other nodes' ranks it now runs
+
+
+class AgentTable:
+    """Args: the job's restart limit (process restarts per job)."""
+
+    def __init__(self, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
+        self.restarts_left = max_restarts
+        self._agents: dict[str, _Agent] = {}
+        self._next_order = 1
+
+    def hello(self, node: str, hello: pb.AgentHello) -> None:
+        self._agents[node] = _Agent(node, set(hello.ranks), hello.spare)
+        log.info("node agent %s runs ranks %s (%d spare)", node, sorted(hello.ranks)[:16], hello.spare)
+
+    def lost(self, node: str) -> None:
+        if self._agents.pop(node, None) is not None:
+            log.warning("node agent %s is gone: its ranks cannot be restarted on its node", node)
+
+    def home(self, rank: int) -> str | None:
+        return next((a.node for a in self._agents.values() if rank in a.ranks), None)
+
+    def view(self) -> Agents:
+        home = {r: a.node for a in self._agents.values() for r in a.ranks}
+        spare = {a.node: a.spare - len(a.adopted) for a in self._agents.values()}
+        return Agents(home=home, spare=spare, restarts_left=self.restarts_left, max_restarts=self.max_restarts)
+
+    def order(self, **action) -> pb.AgentOrder:
+        order = pb.AgentOrder(id=self._next_order, **action)
+        self._next_order += 1
+        return order
+
+    def started(self, rank: int, node: str) -> list[str]:
+        """A new process for ``rank`` runs under ``node``: count the restart
+        and, when ``node`` is not the rank's home, move the rank there (using
+        one of its spare slots). Returns every agent, to tell the new budget."""
+        self.restarts_left = max(0, self.restarts_left - 1)
+        agent = self._agents.get(node)
+        if agent is not None and rank not in agent.ranks:
+            for other in self._agents.values():
+                other.ranks.discard(rank)
+            agent.ranks.add(rank)
+            agent.adopted.add(rank)
+        return list(self._agents)

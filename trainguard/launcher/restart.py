@@ -1,0 +1,145 @@
+"""Starting one worker again while the others keep running.
+
+torch's agent keeps a node's workers in one process context and ends all of
+them at the first failure. :class:`Replacements` lets the
+:class:`~.agent.TrainguardAgent` restart a single rank instead:
+
+* **recover-in-place** -- a new process for one of this node's ranks takes
+  the failed one's slot in torch's context (same entry point, arguments,
+  environment and log files), so torch's own monitoring, log tailing and
+  shutdown cover it like the original;
+* **recover** -- a new process for another node's rank runs beside this
+  node's workers (a *spare slot*), with the rank's identity
+  (``RANK``) and the next free local rank.
+
+The new process finds its peers on a fresh store this agent serves (the
+job's store holds the old rendezvous keys of the default group, which a new
+process must not read) and learns from ``TRAINGUARD_JOIN`` that it joins a
+running job: the survivors meet it on that store (see the torch adapter's
+``join`` module).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+from torch.distributed.elastic.utils import macros
+
+from trainguard.core.protocol import trainguard_pb2 as pb
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+__all__ = ["Replacements"]
+
+log = logging.getLogger("trainguard.launcher")
+
+
+class Replacements:
+    """The restartable workers of one rendezvous round.
+
+    Args:
+        agent: the node agent (for its host name and spec).
+        group: this round's worker group.
+        context: torch's process context holding the group's workers.
+    """
+
+    def __init__(self, agent: Any, group: "WorkerGroup", context: Any) -> None:
+        self.context = context
+        self._group = group
+        self._local = {w.global_rank: w.local_rank for w in group.workers}
+        self._adopted: dict[int, Any] = {}  # other nodes' ranks run here: global rank -> handler
+        self._moved: set[int] = set()  # this node's ranks now run elsewhere
+        self._stores: list[dist.TCPStore] = []
+        self._host = group.master_addr if group.group_rank == 0 else socket.getfqdn()
+
+    def processes(self) -> dict[int, Any]:
+        """Every worker this agent is responsible for: global rank -> Popen."""
+        procs = {rank: self.context.subprocess_handlers[lr].proc for rank, lr in self._local.items()
+                 if rank not in self._moved}
+        procs.update({rank: h.proc for rank, h in self._adopted.items()})
+        return procs
+
+    def start(self, order: pb.AgentOrder) -> pb.AgentEvent:
+        """Start a new process for ``order.start.rank``; answer with its pid
+        and the store it will rendezvous on, or why it could not start."""
+        start = order.start
+        rank = start.rank
+        try:
+            self._end(rank)
+            store = dist.TCPStore(host_name=self._host, port=0, is_master=True, multi_tenant=True,
+                                  wait_for_workers=False)
+            self._stores.append(store)
+            join = {"generation": start.generation, "step": start.step}
+            handler = self._spawn(rank, {"MASTER_ADDR": self._host, "MASTER_PORT": str(store.port),
+                                         "TORCHELASTIC_USE_AGENT_STORE": "True",
+                                         "TRAINGUARD_JOIN": json.dumps(join)})
+        except Exception as e:  # answered to the controller, which falls back
+            log.exception("could not start a new process for rank %d", rank)
+            return pb.AgentEvent(rank=rank, order=order.id, ok=False, message=f"{type(e).__name__}: {e}")
+        log.warning("started pid %d for rank %d (joining generation %d at step %d)", handler.proc.pid, rank,
+                    start.generation, start.step)
+        return pb.AgentEvent(rank=rank, order=order.id, ok=True, pid=handler.proc.pid,
+                             join_store=f"{self._host}:{store.port}")
+
+    def _spawn(self, rank: int, extra_env: dict[str, str]) -> Any:
+        ctx = self.context
+        lr = self._local.get(rank)
+        if lr is not None and rank not in self._moved:
+            env = {**ctx.envs[lr], **extra_env}
+            handler = get_subprocess_handler(entrypoint=ctx.entrypoint, args=ctx.args[lr], env=env,
+                                             stdout=ctx.stdouts[lr], stderr=ctx.stderrs[lr], local_rank_id=lr)
+            # torch's context now watches the new process in the old one's place.
+            ctx.subprocess_handlers[lr] = handler
+            ctx._running_local_ranks.add(lr)
+            ctx._failures.pop(lr, None)
+            self._group.workers[lr].id = handler.proc.pid
+            return handler
+        # Another node's rank, in a spare slot: the next local rank after ours.
+        local_rank = self._group.spec.local_world_size + len(self._adopted)
+        env = {**ctx.envs[0], "RANK": str(rank), "ROLE_RANK": str(rank), "LOCAL_RANK": str(local_rank),
+               **extra_env}
+        env.pop("TORCHELASTIC_ERROR_FILE", None)  # that file is local rank 0's
+        args = tuple(macros.substitute(list(self._group.spec.args), str(local_rank)))
+        handler = get_subprocess_handler(entrypoint=ctx.entrypoint, args=args, env=env, stdout=None, stderr=None,
+                                         local_rank_id=local_rank)
+        self._adopted[rank] = handler
+        return handler
+
+    def _end(self, rank: int) -> None:
+        """Make sure the rank's previous process here is gone."""
+        proc = self.processes().get(rank)
+        if proc is not None and proc.poll() is None:
+            log.warning("killing pid %d of rank %d before starting its replacement", proc.pid, rank)
+            proc.kill()
+            proc.wait(timeout=30)
+
+    def kill(self, rank: int) -> None:
+        """End the rank's replacement here (its recovery was abandoned)."""
+        proc = self.processes().get(rank)
+        if proc is not None and proc.poll() is None:
+            log.warning("killing pid %d of rank %d: its recovery was abandoned", proc.pid, rank)
+            proc.kill()
+
+    def moved(self, rank: int) -> None:
+        """The rank runs under another agent now: its process here (dead)
+        is no failure of this node."""
+        lr = self._local.get(rank)
+        if lr is None:
+            return
+        self._moved.add(rank)
+        self.context._running_local_ranks.discard(lr)
+        self.context._failures.pop(lr, None)
+
+    def close(self) -> None:
+        """End adopted workers (the round is over) and the join stores."""
+        for handler in self._adopted.values():
+            if handler.proc.poll() is None:
+                handler.close()
+        self._adopted.clear()
+        self._stores.clear()
