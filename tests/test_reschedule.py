@@ -5,9 +5,16 @@ recovery falls back to a dump; ``--max-restarts`` counts process restarts."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from conftest import run_job
+from conftest import WORKERS, run_job
 from trainguard.core.faults import read_fault_log
 
 pytestmark = pytest.mark.timeout(420)
@@ -84,3 +91,52 @@ def test_max_restarts_counts_process_restarts_and_ends_the_job_cleanly(job_runne
     strategies = [r["strategy"] for r in again.report["recoveries"]]
     assert strategies == ["recover-in-place", "dump"], again.report["recoveries"]
     assert again.report["final_state_sha256"] == reference["final_state_sha256"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_nodes(tmp: Path, name: str, *, fault: str, strategies: str, steps: int = STEPS) -> tuple[list, dict]:
+    """Two ``--nnodes 2`` agents on loopback, one rank each, one spare slot each."""
+    ckpt, report = tmp / f"{name}-ckpt", tmp / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env.update(TRAINGUARD_HEARTBEAT_INTERVAL_S="0.5", TRAINGUARD_PRELOCK_TIMEOUT_S="20", PYTHONUNBUFFERED="1",
+               TRAINGUARD_FAULT=fault, TRAINGUARD_STRATEGIES=strategies)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", name, "--monitor-interval", "0.1",
+           "--max-restarts", "3", "--spare-slots", "1",
+           str(WORKERS / "tiny_train.py"), str(steps), str(report), str(ckpt)]
+    nodes = [subprocess.Popen(cmd + [], env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outs = []
+    for node in nodes:
+        try:
+            outs.append((node.wait(timeout=240), node.stdout.read()))
+        except subprocess.TimeoutExpired:
+            for n in nodes:
+                n.kill()
+            raise
+    return outs, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def test_recover_starts_the_lost_rank_under_the_other_node_agent(tmp_path):
+    # The reference has the same topology: torchrun sets OMP_NUM_THREADS=1
+    # only with several processes per node, so one rank per node computes
+    # with other thread counts (and roundings) than two ranks on one node.
+    outs, reference = run_two_nodes(tmp_path, "plain", fault="", strategies="recover,dump")
+    assert [rc for rc, _ in outs] == [0, 0], "\n".join(log[-4000:] for _, log in outs)
+    outs, report = run_two_nodes(tmp_path, "recover", fault="crash:rank=1,step=4", strategies="recover,dump")
+    assert [rc for rc, _ in outs] == [0, 0], "\n".join(log[-4000:] for _, log in outs)
+    (record,) = report["recoveries"]
+    assert (record["fault"], record["rank"], record["strategy"], record["lost_steps"]) == (
+        "process_lost", 1, "recover", 0)
+    restarted_alone(report, 1)
+    assert report["final_state_sha256"] == reference["final_state_sha256"]
+    # Which agent started it: the one that did not run rank 1 before.
+    logs = "\n".join(log for _, log in outs)
+    started = [line for line in logs.splitlines() if "started pid" in line and "for rank 1" in line]
+    assert len(started) == 1

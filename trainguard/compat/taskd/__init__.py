@@ -4,22 +4,26 @@ The package mirrors TaskD's import paths (``taskd.api``,
 ``taskd.api.taskd_manager_api``, ``taskd.api.taskd_worker_api``) under
 ``trainguard.compat.taskd``, so a TaskD script changes only its imports.
 
-=============================  =================================================================
-TaskD name                     what it does in trainguard
-=============================  =================================================================
-``init_taskd_manager(config)`` checks ``{"job_id", "node_nums", "proc_per_node"}`` and the job
-                               secret ``TRAINGUARD_TOKEN``; prepares a controller for
-                               ``node_nums * proc_per_node`` ranks. ``True``, or ``ConfigError``.
-``start_taskd_manager()``      serves that controller on port 9601 (``TRAINGUARD_PORT``) at
-                               ``TRAINGUARD_HOST``, else ``MASTER_ADDR``/``MS_SCHED_HOST``, else
-                               127.0.0.1; blocks until every rank finished (``True``); serves a
-                               fresh controller for each relaunch after a dying gasp.
-``init_taskd_worker(rank, mb)`` checks the rank and the profiling disk cap and keeps both.
-``start_taskd_worker()``       points ``TRAINGUARD_CONTROLLER`` at the manager
-                               (``MASTER_ADDR:9601``) so the :class:`trainguard.torch.Guard`
-                               built next connects to it; the Guard is the per-rank link.
-``destroy_taskd_worker()``     forgets the worker and restores ``TRAINGUARD_CONTROLLER``.
-=============================  =================================================================
+What each TaskD name does in trainguard:
+
+``init_taskd_manager(config)``
+    Checks ``{"job_id", "node_nums", "proc_per_node"}`` (every problem named
+    in one :class:`~trainguard.core.ConfigError`) and the job secret
+    ``TRAINGUARD_TOKEN``; prepares a controller for ``node_nums *
+    proc_per_node`` ranks. Returns ``True``.
+``start_taskd_manager()``
+    Serves that controller on port 9601 (or ``TRAINGUARD_PORT``) at
+    ``TRAINGUARD_HOST``, else ``MASTER_ADDR`` / ``MS_SCHED_HOST``, else
+    127.0.0.1, and blocks until every rank finished (``True``). After a
+    dying gasp it serves a fresh controller for the relaunch.
+``init_taskd_worker(rank_id, upper_limit_of_disk_in_mb=5000, framework="pt")``
+    Checks the rank and the profiling disk cap and keeps both.
+``start_taskd_worker()``
+    Sets ``TRAINGUARD_CONTROLLER`` to the manager (``MASTER_ADDR:9601``) so
+    the :class:`trainguard.torch.Guard` built next connects to it: the Guard
+    is the per-rank link.
+``destroy_taskd_worker()``
+    Forgets the worker and restores ``TRAINGUARD_CONTROLLER``.
 
 Not provided: TaskD's proxy and agent (``init_taskd_proxy``,
 ``init_taskd_agent``), whose jobs (one upstream stream per node, restarting

@@ -27,8 +27,11 @@ starting the manager), else ``MS_SCHED_HOST`` (MindSpore), else loopback.
 
 Differences from TaskD, on purpose: a bad config raises
 :class:`~trainguard.core.ConfigError` naming every problem instead of
-returning ``False``; a job that trainguard stopped and that will not be
-relaunched raises :class:`TaskdJobStopped`.
+returning ``False``. After trainguard stopped the job (a dying-gasp
+``dump``, or ``exit``) the manager waits for the relaunch on a fresh
+controller, as TaskD's manager outlives process restarts; with
+``start_taskd_manager(max_restarts=N)`` it raises :class:`TaskdJobStopped`
+once N relaunches were used up.
 """
 
 from __future__ import annotations
@@ -199,7 +202,11 @@ class TaskdManager:
         A launch that trainguard stopped (ranks exiting after a dying-gasp
         ``dump``, or ``exit``) is followed by a fresh controller on the same
         address for the relaunch (``torchrun --max-restarts``, a rescheduled
-        pod), which resumes from the checkpoint.
+        pod), which resumes from the checkpoint. (Plain torchrun's own
+        ``--max-restarts`` relaunch hangs in ``init_process_group`` on torch
+        2.13, a torch bug ``trainguard run`` works around: relaunch the
+        command, or launch with ``trainguard run``, whose agent brings its
+        own controller and leaves this manager unused.)
 
         Args:
             max_restarts: relaunches to wait for after a stop; ``None``
