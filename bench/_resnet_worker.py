@@ -3,7 +3,8 @@
 * ``plain``: what users run today -- DDP, a ``torch.save`` checkpoint every
   ``--save-every`` steps by rank 0, resume from the newest one at start. A
   fault (``--fault-step``) raises a device memory error on rank 1 in its
-  backward pass in the first launch only; the process dies and
+  backward pass in the first launch only (``BENCH_FAULT_KIND=crash``: the
+  process SIGKILLs itself there instead); the process dies and
   ``torchrun --max-restarts`` relaunches everyone.
 * ``guard``: the same loop protected by trainguard's Guard (faults come from
   ``TRAINGUARD_FAULT``, set by the benchmark).
@@ -27,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -186,6 +188,8 @@ def _arm_plain_fault(model: DDP, fault_step: int) -> None:
     def hook(grad):
         if _CURRENT[0] == fault_step:
             note(Path(os.environ["BENCH_FAULT_LOG"]), event="fault", step=fault_step)
+            if os.environ.get("BENCH_FAULT_KIND") == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("UCE ERROR: injected device memory error (baseline)")
         return grad
 

@@ -47,7 +47,10 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_one(mode: str, fault_step: int, steps: int, save_every: int, size: dict, tmp: Path) -> dict:
+def run_one(mode: str, fault_step: int, steps: int, save_every: int, size: dict, tmp: Path, *,
+            fault: str = "uce", strategies: str | None = None, launcher_args: tuple = ()) -> dict:
+    """One launch with one fault on rank 1 at ``fault_step`` (``uce``: a
+    device memory error; ``crash``: SIGKILL), timed from the job's timeline."""
     timeline, ckpt, fault_log = tmp / f"{mode}.timeline", tmp / f"{mode}-ckpt", tmp / f"{mode}.faults"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     args = [str(WORKER), "--mode", mode, "--steps", str(steps), "--timeline", str(timeline), "--ckpt", str(ckpt),
@@ -56,15 +59,18 @@ def run_one(mode: str, fault_step: int, steps: int, save_every: int, size: dict,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]
         args += ["--fault-step", str(fault_step)]
         env["BENCH_FAULT_LOG"] = str(fault_log)
+        env["BENCH_FAULT_KIND"] = fault
         # torch 2.13's c10d rendezvous shares one store across restart rounds and
         # restarted workers hang on the previous attempt's keys; this documented
         # opt-out is what a torchrun user has to set for --max-restarts to work.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     else:
         cmd = [sys.executable, "-m", "trainguard.cli", "run"]
-        env["TRAINGUARD_FAULT"] = f"uce:rank=1,step={fault_step},phase=backward"
+        env["TRAINGUARD_FAULT"] = f"{fault}:rank=1,step={fault_step},phase=backward"
+        if strategies:
+            env["TRAINGUARD_STRATEGIES"] = strategies
         fault_log = ckpt / ".trainguard" / "faults.jsonl"
-    cmd += ["--nproc-per-node", str(NPROC), "--monitor-interval", "0.1", *args]
+    cmd += ["--nproc-per-node", str(NPROC), "--monitor-interval", "0.1", *launcher_args, *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise LaunchFailed(f"{mode} run failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
