@@ -47,6 +47,7 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_MAX_MESSAGE_BYTES": "largest control message accepted (default 1 MiB)",
     "TRAINGUARD_RESTART_TIMEOUT_S": "seconds a restarted process may take to start and join (default 300)",
     "TRAINGUARD_SPARE_SLOTS": "workers a node agent may start for other nodes' ranks under `recover` (default 0)",
+    "TRAINGUARD_STANDBY": "'off': restarted workers start cold instead of in a warm standby process (default on)",
     "TRAINGUARD_JOIN": "set by the node agent for a replacement process: what it joins (do not set by hand)",
     "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
     "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",

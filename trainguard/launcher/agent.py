@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from trainguard.core import Controller, ControllerConfig
+from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.client import ControllerClient
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
@@ -165,7 +165,7 @@ class TrainguardAgent(LocalElasticAgent):
         if not handlers:
             return super()._monitor_workers(worker_group)
         if self.replacements is None or self.replacements.context is not self._pcontext:
-            self.replacements = Replacements(self, worker_group, self._pcontext)
+            self.replacements = Replacements(self, worker_group, self._pcontext, standby=self._wants_standby())
         self._take_orders()
         procs = self.replacements.processes()  # global rank -> Popen, moved ranks left out
         codes = {rank: p.poll() for rank, p in procs.items()}
@@ -199,6 +199,12 @@ class TrainguardAgent(LocalElasticAgent):
                 return RunResult(state=WorkerState.HEALTHY)
             log.error("ranks %s still running %.0f s after a failure; stopping them", running, now - self._failed_at)
         return super()._monitor_workers(worker_group)
+
+    def _wants_standby(self) -> bool:
+        restarts = {Strategy.RECOVER_IN_PLACE, Strategy.RECOVER} & set(self._config.strategies)
+        switch = os.environ.get("TRAINGUARD_STANDBY", "on").strip().lower() not in ("off", "0", "false")
+        return bool(restarts) and self._remaining_restarts > 0 and switch and (
+            Strategy.RECOVER_IN_PLACE in restarts or self._spare > 0)
 
     def _take_orders(self) -> None:
         while True:

@@ -12,6 +12,11 @@ them at the first failure. :class:`Replacements` lets the
   node's workers (a *spare slot*), with the rank's identity
   (``RANK``) and the next free local rank.
 
+With a restart strategy enabled the agent keeps a warm *standby* process
+per node (:mod:`.standby`: torch already imported) and hands it the rank's
+environment and command line, which saves the interpreter start and the
+imports (``TRAINGUARD_STANDBY=off`` starts cold).
+
 The new process finds its peers on a fresh store this agent serves (the
 job's store holds the old rendezvous keys of the default group, which a new
 process must not read) and learns from ``TRAINGUARD_JOIN`` that it joins a
@@ -23,14 +28,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+import subprocess
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
 from torch.distributed.elastic.utils import macros
 
 from trainguard.core.protocol import trainguard_pb2 as pb
+
+from .standby import command_for
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -47,9 +57,10 @@ class Replacements:
         agent: the node agent (for its host name and spec).
         group: this round's worker group.
         context: torch's process context holding the group's workers.
+        standby: keep a warm standby process for the next restart.
     """
 
-    def __init__(self, agent: Any, group: "WorkerGroup", context: Any) -> None:
+    def __init__(self, agent: Any, group: "WorkerGroup", context: Any, *, standby: bool = False) -> None:
         self.context = context
         self._group = group
         self._local = {w.global_rank: w.local_rank for w in group.workers}
@@ -57,6 +68,33 @@ class Replacements:
         self._moved: set[int] = set()  # this node's ranks now run elsewhere
         self._stores: list[dist.TCPStore] = []
         self._host = group.master_addr if group.group_rank == 0 else socket.getfqdn()
+        self._standby: subprocess.Popen | None = None
+        self._use_standby = standby and command_for(context.entrypoint, context.args[0]) is not None
+        if self._use_standby:
+            self._standby = self._new_standby()
+
+    def _new_standby(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-u", "-m", "trainguard.launcher.standby"], stdin=subprocess.PIPE,
+                                start_new_session=True, text=True)
+
+    def _launch(self, args: tuple, env: dict[str, str], stdout: str | None, stderr: str | None,
+                local_rank: int) -> SubprocessHandler:
+        """Start a worker: in the standby when one is ready (and the worker's
+        output is not redirected to files), else as torch starts one."""
+        ctx, standby = self.context, self._standby
+        command = command_for(ctx.entrypoint, args)
+        if standby is not None and standby.poll() is None and command is not None and not stdout and not stderr:
+            argv, module = command
+            try:
+                standby.stdin.write(json.dumps({"env": {**os.environ, **env}, "argv": argv, "module": module}) + "\n")
+                standby.stdin.close()
+            except OSError:
+                log.warning("the standby process is gone; starting the worker cold")
+            else:
+                self._standby = self._new_standby()
+                return _Running(standby, local_rank)
+        return get_subprocess_handler(entrypoint=ctx.entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                                      local_rank_id=local_rank)
 
     def processes(self) -> dict[int, Any]:
         """Every worker this agent is responsible for: global rank -> Popen."""
@@ -92,8 +130,7 @@ class Replacements:
         lr = self._local.get(rank)
         if lr is not None and rank not in self._moved:
             env = {**ctx.envs[lr], **extra_env}
-            handler = get_subprocess_handler(entrypoint=ctx.entrypoint, args=ctx.args[lr], env=env,
-                                             stdout=ctx.stdouts[lr], stderr=ctx.stderrs[lr], local_rank_id=lr)
+            handler = self._launch(ctx.args[lr], env, ctx.stdouts[lr], ctx.stderrs[lr], lr)
             # torch's context now watches the new process in the old one's place.
             ctx.subprocess_handlers[lr] = handler
             ctx._running_local_ranks.add(lr)
@@ -106,8 +143,7 @@ class Replacements:
                **extra_env}
         env.pop("TORCHELASTIC_ERROR_FILE", None)  # that file is local rank 0's
         args = tuple(macros.substitute(list(self._group.spec.args), str(local_rank)))
-        handler = get_subprocess_handler(entrypoint=ctx.entrypoint, args=args, env=env, stdout=None, stderr=None,
-                                         local_rank_id=local_rank)
+        handler = self._launch(args, env, None, None, local_rank)
         self._adopted[rank] = handler
         return handler
 
@@ -137,9 +173,23 @@ class Replacements:
         self.context._failures.pop(lr, None)
 
     def close(self) -> None:
-        """End adopted workers (the round is over) and the join stores."""
+        """End adopted workers and the standby (the round is over), and the
+        join stores."""
         for handler in self._adopted.values():
             if handler.proc.poll() is None:
                 handler.close()
         self._adopted.clear()
         self._stores.clear()
+        if self._standby is not None:
+            self._standby.kill()
+            self._standby.wait()
+            self._standby = None
+
+
+class _Running(SubprocessHandler):
+    """torch's handle for a worker that already runs (a standby put to work)."""
+
+    def __init__(self, proc: subprocess.Popen, local_rank: int) -> None:  # noqa: D107 - no new process here
+        self.proc = proc
+        self.local_rank_id = local_rank
+        self._stdout = self._stderr = None

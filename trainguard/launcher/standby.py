@@ -1,0 +1,72 @@
+"""A warm standby worker: a Python process with torch already imported,
+waiting to become a restarted rank.
+
+Starting a worker from nothing costs seconds before the script's first line
+runs (the interpreter, then ``import torch``: ~2 s on a small CPU box, more
+with CUDA libraries). The node agent keeps one standby per node while a
+restart strategy is enabled; when a rank must be started again it hands the
+standby the rank's environment and command line on stdin, and the standby
+runs the script as ``python -u script.py args`` (or ``-m module``) would.
+The agent then starts the next standby.
+
+Protocol: one JSON line ``{"env": {...}, "argv": [...], "module": bool}``;
+end of input without a line means "not needed": exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+__all__ = ["command_for", "main"]
+
+
+def command_for(entrypoint: str, args: tuple) -> tuple[list[str], bool] | None:
+    """The script's argv and whether it is a module (``-m``), for a worker
+    torchrun would start as ``entrypoint args``; ``None`` when a standby
+    cannot stand in (``--no-python``, other interpreter flags)."""
+    if os.path.realpath(entrypoint) != os.path.realpath(sys.executable):
+        return None
+    rest = list(args)
+    if not rest or rest[0] != "-u":
+        return None
+    rest = rest[1:]
+    module = bool(rest) and rest[0] == "-m"
+    if module:
+        rest = rest[1:]
+    if not rest or rest[0].startswith("-"):
+        return None
+    return rest, module
+
+
+def main() -> int:
+    # The expensive part, done before anyone waits for it.
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+
+    import trainguard.torch  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    spec = json.loads(line)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    argv = spec["argv"]
+    sys.stdin = open(os.devnull)  # as a worker started by torchrun reads nothing either
+    if spec["module"]:
+        sys.argv = [argv[0], *argv[1:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
