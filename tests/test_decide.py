@@ -159,13 +159,6 @@ def test_exit_is_the_last_resort_even_when_not_listed():
     assert reason.endswith("exit (no strategy left)")
 
 
-def test_strategies_of_later_versions_fall_through_with_a_reason():
-    config = ControllerConfig(strategies="elastic-training,dump")
-    plan, reason = decide(ranks(overrides={1: {"alive": False}}), [lost(1)], config, 0.0, layout=FULL)
-    assert plan.strategy is Strategy.DUMP
-    assert "elastic-training: elastic-training is not available" in reason
-
-
 TWO_NODES = Agents(home={0: "a", 1: "a", 2: "b", 3: "b"}, spare={"a": 0, "b": 1}, restarts_left=3, max_restarts=3)
 
 
@@ -216,3 +209,20 @@ def test_in_process_faults_are_not_restarted():
     plan, reason = decide(ranks(), [uce(1)], ControllerConfig(strategies="recover-in-place,dump"), 0.0,
                           layout=FULL, agents=TWO_NODES)
     assert plan.strategy is Strategy.DUMP and "no process was lost" in reason
+
+
+def test_elastic_training_goes_on_with_the_survivors():
+    view = ranks(overrides={3: {"alive": False}})
+    plan, reason = decide(view, [lost(3)], ControllerConfig(strategies="elastic-training,dump"), 0.0, layout=FULL)
+    assert plan.strategy is Strategy.ELASTIC_TRAINING
+    assert plan.participants == (0, 1, 2) and plan.transfers == () and plan.step == 5
+    assert "elastic-training at step 5 with ranks [0, 1, 2]" in reason
+
+
+def test_elastic_training_refuses_sharded_state():
+    sharded = {r: (ReplicaGroup((0, 1, 2, 3), 2, 0),) for r in range(WORLD)}
+    view = ranks(overrides={3: {"alive": False}})
+    plan, reason = decide(view, [lost(3)], ControllerConfig(strategies="elastic-training,dump"), 0.0,
+                          layout=sharded)
+    assert plan.strategy is not Strategy.ELASTIC_TRAINING
+    assert "hold part of the state (sharded)" in reason

@@ -121,3 +121,22 @@ def test_periodic_checkpoints_resume_to_the_same_state(world):
     resumed = state_sha256({"model": model.module.state_dict(), "optimizer": opt.state_dict()})
     guard.close()
     assert resumed == straight
+
+
+def test_lr_factor_scales_the_update_only():
+    import torch
+
+    from trainguard.adapters.torch.optimizer import GuardedOptimizer
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    b.load_state_dict(a.state_dict())
+    guarded = GuardedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1), lambda: None, lambda: None)
+    plain = torch.optim.SGD(b.parameters(), lr=0.05)
+    guarded.lr_factor = 0.5
+    x = torch.randn(8, 4)
+    for model, opt in ((a, guarded), (b, plain)):
+        model(x).sum().backward()
+        opt.step()
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+    assert guarded.param_groups[0]["lr"] == 0.1  # what the scheduler sees is unchanged

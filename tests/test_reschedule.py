@@ -140,3 +140,18 @@ def test_recover_starts_the_lost_rank_under_the_other_node_agent(tmp_path):
     logs = "\n".join(log for _, log in outs)
     started = [line for line in logs.splitlines() if "started pid" in line and "for rank 1" in line]
     assert len(started) == 1
+
+
+def test_elastic_training_goes_on_without_the_lost_replica(job_runner, tmp_path):
+    job = job_runner("elastic", nproc=3, steps=STEPS, fault="crash:rank=2,step=4", strategies="elastic-training,dump",
+                     env={"TINY_ALL_REPORTS": "1", "TINY_ELASTIC_LR": "linear"})
+    assert job.rc == 0, job
+    report = job.report
+    (record,) = report["recoveries"]
+    assert (record["fault"], record["rank"], record["strategy"], record["lost_steps"]) == (
+        "process_lost", 2, "elastic-training", 0)
+    assert report["steps_completed"] == STEPS
+    assert report["replicas"] == [{"step": 0, "replicas": 3}, {"step": 4, "replicas": 2}]
+    other = json.loads((tmp_path / "elastic.json.rank1").read_text())
+    assert other["final_state_sha256"] == report["final_state_sha256"]  # the two replicas stayed identical
+    assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 1

@@ -4,7 +4,9 @@ batches that are a function of (seed, step, rank). Writes a JSON report.
 usage: tiny_train.py STEPS REPORT CHECKPOINT_DIR [SAVE_EVERY]
 
 TINY_DEVICE=cuda runs it on one GPU per local rank with NCCL; TINY_STEP_SLEEP=S
-makes every step last at least S seconds more (for the watchdog tests).
+makes every step last at least S seconds more (for the watchdog tests);
+TINY_ELASTIC_LR sets the Guard's elastic_lr; TINY_ALL_REPORTS=1 makes every
+rank write its report (REPORT.rank<r>).
 """
 
 import json
@@ -41,7 +43,8 @@ def main() -> None:
     model = DDP(net, bucket_cap_mb=0.01, device_ids=[device.index] if cuda else None)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every)
+    guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every,
+                  elastic_lr=os.environ.get("TINY_ELASTIC_LR", "keep"))
     rank = dist.get_rank()
     step_sleep = float(os.environ.get("TINY_STEP_SLEEP", "0"))
     for step in guard.steps(steps):
@@ -55,8 +58,8 @@ def main() -> None:
             sched.step()
     out = guard.report()
     guard.close()
-    if rank == 0:
-        with open(report, "w") as f:
+    if rank == 0 or os.environ.get("TINY_ALL_REPORTS") == "1":
+        with open(report if rank == 0 else f"{report}.rank{rank}", "w") as f:
             json.dump(out, f, indent=1)
     dist.destroy_process_group()
 

@@ -151,6 +151,7 @@ class ControllerCore:
         self._next_id = 1
         self._exiting: set[int] = set()
         self._finished: set[int] = set()
+        self.dropped: set[int] = set()  # ranks elastic-training went on without
         self._pids: dict[int, list[int]] = {}
         self._parsed: dict[tuple, ReplicaGroup] = {}
         self._last_tick = clock()
@@ -301,7 +302,7 @@ class ControllerCore:
         r.alive = False
         self._finished.add(rank)
         log.debug("rank %d finished at step %d", rank, r.step)
-        if len(self._finished) == self.world_size and self.state is ControllerState.NORMAL:
+        if len(self._finished | self.dropped) == self.world_size and self.state is ControllerState.NORMAL:
             self._to(ControllerState.FINISHED)
             log.info("all %d ranks finished", self.world_size)
 
@@ -463,7 +464,7 @@ class ControllerCore:
         log.warning("decision: %s", reason)
         ep.phases = self._phases(plan, layout)
         self._to({Strategy.RETRY: ControllerState.RECOVERING, Strategy.RECOVER_IN_PLACE: ControllerState.RECOVERING,
-                  Strategy.RECOVER: ControllerState.RECOVERING,
+                  Strategy.RECOVER: ControllerState.RECOVERING, Strategy.ELASTIC_TRAINING: ControllerState.RECOVERING,
                   Strategy.DUMP: ControllerState.DUMPING}.get(plan.strategy, ControllerState.EXITED))
         self._start_phase()
 
@@ -482,7 +483,8 @@ class ControllerCore:
         cfg, everyone = self.config, list(plan.participants)
         exit_phase = _Phase("exit", 0, lambda: self._to_all(
             everyone, exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason)))
-        if plan.strategy in (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.RECOVER):
+        if plan.strategy in (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.RECOVER,
+                             Strategy.ELASTIC_TRAINING):
             return self._repair_phases(plan)
         if plan.strategy is Strategy.DUMP:
             keys = {sid: key for key, sid in shard_ids(layout).items()}
@@ -541,8 +543,20 @@ class ControllerCore:
             after, rollback=pb.Rollback(step=plan.step))))
         phases.append(_Phase("resume", 0, lambda: self._to_all(after, resume=pb.Resume(
             step=plan.step, record_json=json.dumps(self._record().to_dict()),
-            pids_json=json.dumps({str(k): v for k, v in self._pids.items()}) if new else ""))))
+            pids_json=json.dumps({str(k): v for k, v in self._pids.items()}) if new else "",
+            replicas=len(after)))))
+        if plan.strategy is Strategy.ELASTIC_TRAINING:
+            self._drop(set(range(self.world_size)) - set(after))
         return phases
+
+    def _drop(self, ranks: set[int]) -> None:
+        """The job goes on without ``ranks`` (elastic-training): it finishes
+        when the others do, and their agents do not count them as failed."""
+        for rank in sorted(ranks - self.dropped):
+            home = self.agents.home(rank)
+            if home is not None:
+                self._send_agent(home, self.agents.order(dropped=rank))
+        self.dropped |= ranks
 
     def _respawn(self, phase: _Phase, plan: Plan) -> None:
         """Order each replacement's agent to start it (and tell a rank's old

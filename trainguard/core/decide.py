@@ -211,8 +211,32 @@ def plan_recover(view: JobView) -> Plan | str:
     return _restart(view, Strategy.RECOVER)
 
 
-def _not_yet(name: str) -> Callable[[JobView], str]:
-    return lambda view: f"{name} is not available in this version of trainguard"
+def plan_elastic(view: JobView) -> Plan | str:
+    """Go on without the lost ranks: every rank must hold the whole state
+    (pure data parallelism), so dropping replicas loses no state."""
+    lost = sorted(r for r, s in view.ranks.items() if not s.alive)
+    if not lost:
+        return "no rank was lost (elastic-training drops lost data-parallel replicas)"
+    if view.lock is None:
+        return "no healthy rank is consistent (UPDATED) at any step"
+    why = _corrupted(view)
+    if why:
+        return why
+    partial = sorted({r for r, groups in view.layout.items() for g in groups if not g.is_full})
+    if partial:
+        return f"ranks {partial[:8]} hold part of the state (sharded): dropping a rank would lose its shard"
+    if not view.live:
+        return "no rank is left to train"
+    stuck = [r for r in view.live if not view.ranks[r].stopped]
+    if stuck:
+        return f"ranks {stuck} did not stop at a consistent step"
+    targets = [r for r in view.live if r not in view.usable]
+    transfers, missing = choose_sources(view.layout, targets, view.usable)
+    if missing:
+        rank, kind = missing[0]
+        return f"no consistent replica at step {view.lock} to repair rank {rank} (state kind {kind}) from"
+    return Plan(strategy=Strategy.ELASTIC_TRAINING, step=view.lock, participants=view.live,
+                transfers=tuple(transfers))
 
 
 #: Strategy -> planner. A planner returns a Plan, or why it cannot work.
@@ -220,7 +244,7 @@ PLANNERS: dict[Strategy, Callable[[JobView], Plan | str]] = {
     Strategy.RETRY: plan_retry,
     Strategy.RECOVER_IN_PLACE: plan_recover_in_place,
     Strategy.RECOVER: plan_recover,
-    Strategy.ELASTIC_TRAINING: _not_yet("elastic-training"),
+    Strategy.ELASTIC_TRAINING: plan_elastic,
     Strategy.DUMP: plan_dump,
     Strategy.EXIT: plan_exit,
 }
@@ -234,6 +258,9 @@ def _describe(plan: Plan) -> str:
         where = ", ".join(f"rank {r} on {n}" for r, n in sorted(plan.replacements.items()))
         copies = ", ".join(f"rank {t.dst} from rank {t.src}" for t in plan.transfers)
         return f"{plan.strategy.value} at step {plan.step} (new process for {where}; state {copies})"
+    if plan.strategy is Strategy.ELASTIC_TRAINING:
+        copies = "".join(f"; rank {t.dst} from rank {t.src}" for t in plan.transfers)
+        return f"elastic-training at step {plan.step} with ranks {list(plan.participants)[:16]}{copies}"
     if plan.strategy is Strategy.DUMP:
         savers = ", ".join(f"shard {s} by rank {r}" for s, r in sorted(plan.savers.items()))
         return f"dump at step {plan.step} ({savers}; rank {plan.finaliser} finalises)"

@@ -65,9 +65,10 @@ class Handlers(abc.ABC):
         """Verify every shard's files, write the manifest, rename the
         checkpoint to its final name and update the tracker."""
 
-    def resumed(self, step: int, record: dict, pids: dict | None = None) -> None:
+    def resumed(self, step: int, record: dict, pids: dict | None = None, replicas: int = 0) -> None:
         """Training continues at ``step`` (``record`` describes the recovery;
-        ``pids``, after new processes joined, every rank's PIDs so far)."""
+        ``pids``, after new processes joined, every rank's PIDs so far;
+        ``replicas``, how many data-parallel replicas train from now on)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
         if action == "resume":
             record = json.loads(cmd.resume.record_json) if cmd.resume.record_json else None
             pids = json.loads(cmd.resume.pids_json) if cmd.resume.pids_json else None
-            handlers.resumed(cmd.resume.step, record or {}, pids)
+            handlers.resumed(cmd.resume.step, record or {}, pids, cmd.resume.replicas)
             processor.resumed()
             return Outcome(resume=True, step=cmd.resume.step, record=record)
         processor.run = RunStatus.RECOVERING

@@ -30,7 +30,8 @@ blocked on communication now?), and a rank blocked in a collective raises
 only after ``benign_pause_steps + 1`` (6) median steps plus one poll (the
 peer's step holds its pause and then the step itself), and says
 ``in_collective``. So a collective that never completes on any rank is
-reported after ``max(6 x median step, 2 s)`` plus a poll.
+reported after ``max(6 x median step, 2 s)`` plus one poll of margin plus
+up to one more poll before the check runs (0.5 s with the default poll).
 
 No timers, no threads: the caller owns the clock and the polling.
 """
@@ -81,7 +82,7 @@ class Alarm:
 
     def describe(self) -> str:
         where = "waiting in a collective" if self.in_collective else "not in a collective"
-        return f"no progress for {self.idle_s:.1f} s (limit {self.limit_s:.1f} s: {self.why}; {where})"
+        return f"no progress for {self.idle_s:.2f} s (limit {self.limit_s:.2f} s: {self.why}; {where})"
 
 
 class ProgressWatchdog:

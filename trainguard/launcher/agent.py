@@ -218,7 +218,9 @@ class TrainguardAgent(LocalElasticAgent):
             elif action == "kill":
                 self.replacements.kill(order.kill)
             elif action == "moved":
-                self.replacements.moved(order.moved)
+                self.replacements.release(order.moved)
+            elif action == "dropped":
+                self.replacements.release(order.dropped)
             elif action == "restarts_left":
                 self._remaining_restarts = min(self._remaining_restarts, order.restarts_left)
 

@@ -162,9 +162,10 @@ class Replacements:
             log.warning("killing pid %d of rank %d: its recovery was abandoned", proc.pid, rank)
             proc.kill()
 
-    def moved(self, rank: int) -> None:
-        """The rank runs under another agent now: its process here (dead)
-        is no failure of this node."""
+    def release(self, rank: int) -> None:
+        """The rank runs under another agent now, or the job goes on without
+        it (elastic training): its process here (dead) is no failure of this
+        node."""
         lr = self._local.get(rank)
         if lr is None:
             return

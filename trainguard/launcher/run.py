@@ -106,9 +106,10 @@ def launch(argv: Sequence[str]) -> int:
 def _summarise(result, status: dict | None) -> int:
     records = (status or {}).get("recoveries", [])
     for r in records:
-        log.warning("recovery: %s on rank %d at step %d -> %s (detect %ss, recover %ss, lost %d steps): %s",
-                    r["fault"], r["rank"], r["step"], r["strategy"], r["detect_s"], r["recover_s"],
-                    r["lost_steps"], r["reason"])
+        detect = "" if r["detect_s"] is None else f"detect {r['detect_s']} s, "  # known when the rank reported it
+        log.warning("recovery: %s on rank %d at step %d -> %s (%srecover %s s, lost %d steps): %s",
+                    r["fault"], r["rank"], r["step"], r["strategy"], detect, r["recover_s"], r["lost_steps"],
+                    r["reason"])
     if not result.is_failed():
         return 0
     if records and records[-1]["strategy"] == "dump":  # recorded once the checkpoint was finalised

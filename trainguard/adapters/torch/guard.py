@@ -62,7 +62,7 @@ from .device import for_module
 from .handlers import TorchHandlers, read_shard, shard_name
 from .join import joining
 from .optimizer import GuardedOptimizer
-from .process_group import AbortableProcessGroup, allreduce_hook, job_namespace
+from .process_group import AbortableProcessGroup, GroupRef, allreduce_hook, job_namespace
 from .state import state_sha256
 from .trainstate import TrainState
 
@@ -93,6 +93,11 @@ class Guard:
         processor, injector, classifier: collaborators, from the
             environment when omitted.
         comm_timeout: the inner backend's own timeout.
+        elastic_lr: what elastic-training does to the learning rate while the
+            job runs with fewer data-parallel replicas (each keeps its batch
+            size, so the global batch shrinks with them): ``"keep"`` it, or
+            ``"linear"``: scale it by replicas / world size (the linear
+            scaling rule), back to 1 when the job is whole again.
     """
 
     def __init__(
@@ -112,11 +117,14 @@ class Guard:
         injector: FaultInjector | None = None,
         classifier: Classifier | None = None,
         comm_timeout: timedelta = timedelta(minutes=30),
+        elastic_lr: str = "keep",
     ) -> None:
         if not dist.is_initialized():
             raise ConfigError("call torch.distributed.init_process_group() before creating a Guard")
         if isinstance(optimizer, GuardedOptimizer):
             raise ConfigError("pass the plain optimizer; the Guard wraps it (use guard.optimizer)")
+        if elastic_lr not in ("keep", "linear"):
+            raise ConfigError(f"elastic_lr must be 'keep' or 'linear', got {elastic_lr!r}")
         if save_every < 0 or (save_every and checkpoint_dir is None):
             raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
         _refuse_unsupported(model)
@@ -132,6 +140,8 @@ class Guard:
         self.classifier = classifier or Classifier()
         self.records: list[dict] = []
         self.history: dict = {"records": [], "pids": {}}
+        self.elastic_lr = elastic_lr
+        self.replicas: list[dict] = [{"step": 0, "replicas": self.world_size}]  # data-parallel width over time
         self._handlers = TorchHandlers(self)
         self._step = 0
         self._updated = False
@@ -148,7 +158,8 @@ class Guard:
             abort=self.device.abort, generation=join["generation"] if join else 0)
         if self.ddp is not None:
             try:
-                self.ddp.register_comm_hook(self.process_group, allreduce_hook)
+                self._hook_group = GroupRef(self.process_group)
+                self.ddp.register_comm_hook(self._hook_group, allreduce_hook)
             except RuntimeError as e:
                 raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
             self.attach_ddp()
@@ -164,10 +175,10 @@ class Guard:
 
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
         self.injector = injector or FaultInjector.from_env(self.rank, log_path=log_path)
-        self.injector.on_stall = self.process_group.black_hole
+        self.injector.on_stall = lambda: self.process_group.black_hole()  # the group in use then
         self._install_fault_hooks()
         self.processor = processor or self._connect(joining=join is not None)
-        self.processor.add_stop_listener(self.process_group.stop)
+        self.processor.add_stop_listener(lambda: self.process_group.stop())
         self._thread = threading.get_ident()
         self.processor.watchdog.in_collective = self._blocked_on_comm
         self._exit_code: int | None = None
@@ -351,6 +362,30 @@ class Guard:
                 pass
         os._exit(self._exit_code)
 
+    def regroup(self, ranks: Sequence[int], generation: int, cancelled) -> None:
+        """Go on with ``ranks`` only (elastic training): a new group over
+        them, with DDP moved onto it."""
+        old = self.process_group
+        new = AbortableProcessGroup(
+            old._store, self.rank, self.world_size, backend_factory=self.device.backend, timeout=old.timeout,
+            namespace=job_namespace(), abort=self.device.abort, generation=generation, members=ranks, build=False)
+        new.rebuild(generation, cancelled=cancelled)
+        old.stop("replaced by a group of fewer ranks")
+        old._retire(old._inner)
+        old._inner = None
+        self.process_group = new
+        if self.ddp is not None:
+            self._hook_group.group = new
+            self.attach_ddp()
+        log.warning("rank %d goes on with ranks %s", self.rank, list(ranks)[:16])
+
+    def replicas_changed(self, step: int, replicas: int) -> None:
+        """Training continues at ``step`` with ``replicas`` data-parallel replicas."""
+        if replicas != self.replicas[-1]["replicas"]:
+            self.replicas.append({"step": step, "replicas": replicas})
+        if self.elastic_lr == "linear":
+            self.optimizer.lr_factor = replicas / self.world_size
+
     def rolled_back(self, step: int) -> None:
         """Called by the rollback handler: training continues at ``step``."""
         self._step = step
@@ -387,14 +422,15 @@ class Guard:
 
     def _save(self) -> None:
         step, group = self._step, self.groups[0]
+        members = self.process_group.members  # fewer than the world while elastic training dropped ranks
         copies = group.copies(self.rank)
         mine = None
-        if self.rank == min(copies):
+        if self.rank == min(c for c in copies if c in members):
             info = self.write_shard(step)
             mine = {"copies": copies, "full": group.replica_cnt == len(group.rank_list),
                     "file": [info.name, info.bytes, info.sha256]}
         shards = [s for s in self.process_group.all_gather_json(mine, self.device.torch_device) if s]
-        if self.rank == 0:
+        if self.rank == members[0]:
             saved = [SavedShard(kind=0, copies=tuple(s["copies"]), full=s["full"], rank=min(s["copies"]),
                                 files=(FileInfo(*s["file"]),)) for s in shards]
             self.finalize_checkpoint(step, saved, self.merged_history({}))
@@ -444,6 +480,7 @@ class Guard:
             "pids": {int(k): v for k, v in sorted(history["pids"].items(), key=lambda kv: int(kv[0]))},
             "recoveries": history["records"],
             "final_state_sha256": state_sha256(self.state.model_and_optimizer()),
+            "replicas": list(self.replicas),
         }
 
     def close(self, *, finished: bool = True) -> None:

@@ -40,12 +40,12 @@ class TorchHandlers(Handlers):
 
     def rebuild(self, generation: int, ranks: Sequence[int], join_store: str = "") -> None:
         g = self.guard
-        if sorted(ranks) != list(range(g.world_size)):
-            raise RecoveryError(f"rebuild with ranks {list(ranks)}: a smaller world needs elastic-training")
         stops = g.processor.stops
         cancelled = lambda: g.processor.stops != stops  # noqa: E731 - a new STOP abandons the rebuild
         if join_store:
             meet(g, generation, join_store, cancelled)
+        elif tuple(sorted(ranks)) != g.process_group.members:
+            g.regroup(sorted(ranks), generation, cancelled)  # elastic: the job goes on with these ranks
         else:
             g.process_group.rebuild(generation, cancelled=cancelled)
         if g.ddp is not None:
@@ -63,11 +63,12 @@ class TorchHandlers(Handlers):
                     raise RecoveryError(f"rank {g.rank} is at step {g.state.snapshot_step}, cannot serve step {step}")
                 # The history travels too: a new process has none of its own.
                 send_state(g.process_group, {"state": g.state.committed_state_dict(),
-                                             "history": g.merged_history({})}, t.dst, device=g.device.torch_device)
+                                             "history": g.merged_history({})}, g.process_group.group_rank(t.dst),
+                           device=g.device.torch_device)
                 log.info("rank %d sent its state at step %d to rank %d", g.rank, step, t.dst)
             else:
                 g.processor.begin_copy()
-                got = recv_state(g.process_group, t.src, device=g.device.torch_device,
+                got = recv_state(g.process_group, g.process_group.group_rank(t.src), device=g.device.torch_device,
                                  into={"state": g.state.state_dict()})
                 g.state.load_state_dict(got["state"])
                 if g.replacement:  # a new process: the replica's history is the job's
@@ -105,9 +106,11 @@ class TorchHandlers(Handlers):
     def finalize(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
         self.guard.finalize_checkpoint(step, shards, self.guard.merged_history(history))
 
-    def resumed(self, step: int, record: dict, pids: dict | None = None) -> None:
+    def resumed(self, step: int, record: dict, pids: dict | None = None, replicas: int = 0) -> None:
         if record:
             self.guard.records.append(record)
+        if replicas:
+            self.guard.replicas_changed(step, replicas)
         for rank, seen in (pids or {}).items():
             known = self.guard.history.setdefault("pids", {}).setdefault(rank, [])
             known.extend(p for p in seen if p not in known)

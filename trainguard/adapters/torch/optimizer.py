@@ -4,6 +4,10 @@ It behaves as the optimizer it wraps (``param_groups``, ``state``,
 ``state_dict``, ``zero_grad``...), so LR schedulers, ``GradScaler`` and
 gradient clipping work unchanged; only ``step`` is bracketed by two calls
 that cost a field write each.
+
+``lr_factor`` scales every group's learning rate for the update only (the
+value the user and the LR scheduler see is left alone): elastic training
+sets it when the job runs with fewer data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -26,10 +30,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise TypeError("the optimizer is already wrapped by trainguard")
         self.optimizer = optimizer
         self._on_start, self._on_end = on_start, on_end
+        self.lr_factor = 1.0
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self._on_start()
-        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        if self.lr_factor == 1.0:
+            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        else:
+            saved = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * self.lr_factor
+            try:
+                loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            finally:
+                for group, lr in zip(self.optimizer.param_groups, saved):
+                    group["lr"] = lr
         self._on_end()
         return loss
 

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ import torch._C._distributed_c10d as c10d
 
 from trainguard.core import ForceStop
 
-__all__ = ["AbortableProcessGroup", "allreduce_hook"]
+__all__ = ["AbortableProcessGroup", "GroupRef", "allreduce_hook"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -114,6 +114,11 @@ class AbortableProcessGroup(dist.ProcessGroup):
             communicator aborted to free the device; gloo needs nothing).
         generation: the generation to build first (a process joining a
             running job builds the one the survivors rebuild).
+        members: the global ranks in the group (default: all ``size``);
+            ``rank`` is global and the group numbers members from 0
+            (elastic training drops ranks).
+        build: build the backend now; otherwise the first :meth:`rebuild`
+            does (off the calling thread, so it can be abandoned).
     """
 
     def __init__(
@@ -127,10 +132,15 @@ class AbortableProcessGroup(dist.ProcessGroup):
         namespace: str = "trainguard",
         abort: Callable[[Any], None] | None = None,
         generation: int = 0,
+        members: Sequence[int] | None = None,
+        build: bool = True,
     ) -> None:
-        super().__init__(rank, size)
+        self.members = tuple(members) if members is not None else tuple(range(size))
+        if rank not in self.members:
+            raise ValueError(f"rank {rank} is not among the group's members {list(self.members)[:16]}")
+        super().__init__(self.members.index(rank), len(self.members))
         self._store = store
-        self._rank, self._size = rank, size
+        self._rank, self._size = self.members.index(rank), len(self.members)
         self._factory = backend_factory or (lambda s, r, n, t: dist.ProcessGroupGloo(s, r, n, t))
         self._timeout = timeout
         self._namespace = namespace
@@ -139,7 +149,7 @@ class AbortableProcessGroup(dist.ProcessGroup):
         self._halted = False
         self._black_hole = False
         self.generation = generation
-        self._inner = self._build(generation)
+        self._inner = self._build(generation) if build else None
 
     # ------------------------------------------------------------ lifecycle
     def _build(self, generation: int) -> Any:
@@ -152,8 +162,12 @@ class AbortableProcessGroup(dist.ProcessGroup):
         self._halted = True
         for work in list(self._pending):
             work.finish(error=ForceStop(reason))
-        if self._abort is not None:
+        if self._abort is not None and self._inner is not None:
             self._abort(self._inner)
+
+    def group_rank(self, rank: int) -> int:
+        """This group's number for global ``rank``."""
+        return self.members.index(rank)
 
     @property
     def timeout(self) -> timedelta:
@@ -202,7 +216,8 @@ class AbortableProcessGroup(dist.ProcessGroup):
         if "error" in built:
             raise built["error"]
         old, self._inner = self._inner, built["pg"]
-        self._retire(old)
+        if old is not None:
+            self._retire(old)
         self.generation = generation
         self._halted = False
         log.info("rank %d: process group rebuilt (generation %d)", self._rank, generation)
@@ -302,10 +317,19 @@ class AbortableProcessGroup(dist.ProcessGroup):
         return "trainguard"
 
 
-def allreduce_hook(group, bucket):  # no annotations: DDP compares them to real types
-    """DDP comm hook: average the bucket over ``group`` (an
-    :class:`AbortableProcessGroup`) through a future trainguard can fail; the
-    same arithmetic as DDP's default hook."""
+class GroupRef:
+    """The group a comm hook averages over; elastic training points it at a
+    group of fewer ranks (DDP keeps the hook's state object for good)."""
+
+    def __init__(self, group: AbortableProcessGroup) -> None:
+        self.group = group
+
+
+def allreduce_hook(state, bucket):  # no annotations: DDP compares them to real types
+    """DDP comm hook: average the bucket over ``state`` (an
+    :class:`AbortableProcessGroup`, or a :class:`GroupRef` to one) through a
+    future trainguard can fail; the same arithmetic as DDP's default hook."""
+    group = state.group if isinstance(state, GroupRef) else state
     tensor = bucket.buffer()
     tensor.div_(group.size())
     return group.allreduce([tensor]).get_future().then(lambda fut: fut.value()[0])

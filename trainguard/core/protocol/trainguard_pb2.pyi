@@ -264,14 +264,16 @@ class Finalize(_message.Message):
     def __init__(self, step: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardFiles, _Mapping]]] = ..., history_json: _Optional[str] = ...) -> None: ...
 
 class Resume(_message.Message):
-    __slots__ = ("step", "record_json", "pids_json")
+    __slots__ = ("step", "record_json", "pids_json", "replicas")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
     PIDS_JSON_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     step: int
     record_json: str
     pids_json: str
-    def __init__(self, step: _Optional[int] = ..., record_json: _Optional[str] = ..., pids_json: _Optional[str] = ...) -> None: ...
+    replicas: int
+    def __init__(self, step: _Optional[int] = ..., record_json: _Optional[str] = ..., pids_json: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class Exit(_message.Message):
     __slots__ = ("code", "reason")
@@ -402,18 +404,20 @@ class NodeDelivery(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ..., message: _Optional[_Union[ControllerMessage, _Mapping]] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class AgentOrder(_message.Message):
-    __slots__ = ("id", "start", "kill", "restarts_left", "moved")
+    __slots__ = ("id", "start", "kill", "restarts_left", "moved", "dropped")
     ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     KILL_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_LEFT_FIELD_NUMBER: _ClassVar[int]
     MOVED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     id: int
     start: StartReplacement
     kill: int
     restarts_left: int
     moved: int
-    def __init__(self, id: _Optional[int] = ..., start: _Optional[_Union[StartReplacement, _Mapping]] = ..., kill: _Optional[int] = ..., restarts_left: _Optional[int] = ..., moved: _Optional[int] = ...) -> None: ...
+    dropped: int
+    def __init__(self, id: _Optional[int] = ..., start: _Optional[_Union[StartReplacement, _Mapping]] = ..., kill: _Optional[int] = ..., restarts_left: _Optional[int] = ..., moved: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class StartReplacement(_message.Message):
     __slots__ = ("rank", "generation", "step")
