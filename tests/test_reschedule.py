@@ -155,3 +155,18 @@ def test_elastic_training_goes_on_without_the_lost_replica(job_runner, tmp_path)
     other = json.loads((tmp_path / "elastic.json.rank1").read_text())
     assert other["final_state_sha256"] == report["final_state_sha256"]  # the two replicas stayed identical
     assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 1
+
+
+def test_elastic_training_scales_back_up_when_a_new_process_runs(job_runner, tmp_path):
+    steps = 16
+    job = job_runner("grow", nproc=3, steps=steps, fault="crash:rank=2,step=3", strategies="elastic-training,dump",
+                     env={"TINY_ALL_REPORTS": "1", "TINY_STEP_SLEEP": "0.3"}, extra_args=["--max-restarts", "1"])
+    assert job.rc == 0, job
+    report = job.report
+    assert report["steps_completed"] == steps and report["lost_steps"] == 0
+    shrunk, grown = report["replicas"][1:]
+    assert shrunk == {"step": 3, "replicas": 2}
+    assert grown["replicas"] == 3 and 3 < grown["step"] < steps, report["replicas"]
+    hashes = {json.loads((tmp_path / f"grow.json.rank{r}").read_text())["final_state_sha256"] for r in (1, 2)}
+    assert hashes == {report["final_state_sha256"]}  # all three replicas identical again
+    assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 1 and len(report["pids"]["2"]) == 2

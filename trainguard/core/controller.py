@@ -24,6 +24,7 @@ every rank it goes to, and the prelock counts the ranks still to stop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -49,7 +50,7 @@ from .agents import AgentTable
 from .config import ControllerConfig
 from .decide import decide
 from .protocol import trainguard_pb2 as pb
-from .replicas import Registry, ReplicaGroup, shard_ids
+from .replicas import Registry, ReplicaGroup, choose_sources, shard_ids
 from .rpc import fault_fields, from_pb_status
 from .transitions import advance
 
@@ -89,7 +90,6 @@ class _Phase:
     commands: dict[int, pb.Command] = field(default_factory=dict)
     deadline: float = 0.0
     waiting: set[int] = field(default_factory=set)
-    orders: dict[int, int] = field(default_factory=dict)  # respawn: rank -> the id of its start order
     also_wait: tuple[int, ...] = ()  # join: replacements, done when they register
 
 
@@ -109,6 +109,27 @@ class _Episode:
     shards: list = field(default_factory=list)  # pb.ShardFiles of a dump, filled as savers answer
     join_store: str = ""  # where replacement processes rendezvous with the survivors
     started: set[int] = field(default_factory=set)  # ranks a replacement was started for
+    starts: _Starts | None = None
+    grow: bool = False  # a planned pause to scale back up (elastic-training), no fault
+    escalate_at: float = 0.0  # grow: ranks not stopped at a boundary by then are stopped mid-step
+
+
+@dataclass
+class _Starts:
+    """New processes being started for ranks: the first one's agent serves
+    the store they all meet the survivors on; the others are ordered once
+    its address is known."""
+
+    placement: dict[int, str]  # rank -> node agent that starts it
+    generation: int
+    step: int
+    orders: dict[int, int] = field(default_factory=dict)  # rank -> id of its start order
+    started: dict[int, int] = field(default_factory=dict)  # rank -> pid
+    store: str = ""
+
+    @property
+    def done(self) -> bool:
+        return len(self.started) == len(self.placement)
 
 
 class ControllerCore:
@@ -152,6 +173,7 @@ class ControllerCore:
         self._exiting: set[int] = set()
         self._finished: set[int] = set()
         self.dropped: set[int] = set()  # ranks elastic-training went on without
+        self._grow: _Starts | None = None  # new processes for them, starting while the others train
         self._pids: dict[int, list[int]] = {}
         self._parsed: dict[tuple, ReplicaGroup] = {}
         self._last_tick = clock()
@@ -212,24 +234,99 @@ class ControllerCore:
 
     def on_agent_event(self, node: str, event: pb.AgentEvent) -> None:
         """A node agent answered a start order."""
+        ep = self.episode
         phase = self._current_phase()
-        if phase is None or phase.name != "respawn" or event.rank not in phase.waiting \
-                or phase.orders.get(event.rank) != event.order:
+        if phase is not None and phase.name == "respawn" and ep.starts is not None:
+            starts, growing = ep.starts, False
+        elif self._grow is not None and ep is None:
+            starts, growing = self._grow, True
+        else:
+            starts, growing = None, False
+        if starts is None or starts.orders.get(event.rank) != event.order or event.rank in starts.started:
             log.debug("ignoring stale agent event for rank %d from %s", event.rank, node)
             return
         if not event.ok:
-            self._plan_failed(f"node agent {node} could not start rank {event.rank}: {event.message}")
+            why = f"node agent {node} could not start rank {event.rank}: {event.message}"
+            self._grow_failed(why) if growing else self._plan_failed(why)
             return
-        ep = self.episode
-        ep.started.add(event.rank)
-        ep.join_store = event.join_store
+        starts.started[event.rank] = event.pid
+        starts.store = starts.store or event.join_store
         for other in self.agents.started(event.rank, node):
             self._send_agent(other, self.agents.order(restarts_left=self.agents.restarts_left))
         log.warning("rank %d restarted as pid %d by %s (%d process restarts left)", event.rank, event.pid, node,
                     self.agents.restarts_left)
-        phase.waiting.discard(event.rank)
-        if not phase.waiting:
+        self._order_starts(starts)
+        if not starts.done:
+            return
+        if growing:
+            self._begin_grow()
+        else:
+            ep.join_store, ep.started = starts.store, set(starts.started)
+            phase.waiting.clear()
             self._next_phase()
+
+    def _order_starts(self, starts: _Starts) -> None:
+        """Order the first start, or, once its store is known, the rest."""
+        for rank, node in sorted(starts.placement.items()):
+            if rank in starts.orders:
+                continue
+            order = self.agents.order(start=pb.StartReplacement(
+                rank=rank, generation=starts.generation, step=starts.step, join_store=starts.store))
+            starts.orders[rank] = order.id
+            self._send_agent(node, order)
+            if not starts.store:
+                return
+
+    # ------------------------------------------------------------ scaling back up
+    def _grow_back(self) -> None:
+        """After elastic-training dropped ranks: start new processes for them
+        while the others train (restart budget and agents permitting); the
+        job takes them back at a step boundary once all of them run."""
+        ranks = sorted(self.dropped)
+        homes = {r: self.agents.home(r) for r in ranks}
+        if not ranks or self._grow is not None:
+            return
+        if self.agents.restarts_left < len(ranks) or None in homes.values():
+            log.warning("elastic-training goes on with %d ranks: no restart left or no agent to start ranks %s "
+                        "again", self.world_size - len(ranks), ranks[:16])
+            return
+        self.generation += 1
+        self._grow = _Starts(placement=homes, generation=self.generation, step=-1)
+        log.warning("starting new processes for ranks %s to scale back up", ranks[:16])
+        self._order_starts(self._grow)
+
+    def _begin_grow(self) -> None:
+        """Every new process runs: pause the others at their next step
+        boundary (no collective is released), then take the new ones in."""
+        self._epoch += 1
+        reached = max((r.reached for r in self.ranks.values()), default=0)
+        ep = self.episode = _Episode(self._epoch, [], self._wall(), reached, grow=True, starts=self._grow,
+                                     join_store=self._grow.store, started=set(self._grow.started))
+        self._to(ControllerState.ABNORMAL)
+        limit = max((r.step_time_s for r in self.ranks.values() if r.alive), default=0.0)
+        ep.escalate_at = self._clock() + max(2.0, 3 * limit)
+        self._stop_all("scaling back up at a step boundary", at_boundary=True)
+
+    def _grow_plan(self) -> Plan | None:
+        """The plan that takes the new processes in, or None when the
+        others are not consistent at one step."""
+        ep = self.episode
+        live = [r for r in self.ranks.values() if r.alive and r.rank not in ep.started]
+        lock = max((r.step for r in live if r.stopped and r.data is DataStatus.UPDATED), default=None)
+        usable = frozenset(r.rank for r in live if r.stopped and r.data is DataStatus.UPDATED and r.step == lock)
+        targets = sorted(ep.started) + [r.rank for r in live if r.rank not in usable]
+        transfers, missing = choose_sources({r.rank: r.groups for r in self.ranks.values()}, targets, usable)
+        if lock is None or missing or len(usable) < len(live):
+            return None
+        return Plan(strategy=Strategy.ELASTIC_TRAINING, step=lock, participants=tuple(sorted(r.rank for r in live)),
+                    transfers=tuple(transfers), replacements=dict(ep.starts.placement))
+
+    def _grow_failed(self, why: str) -> None:
+        log.warning("scaling back up abandoned: %s", why)
+        grow, self._grow = self._grow, None
+        for rank, node in grow.placement.items():
+            if rank in grow.started:
+                self._kill_new(rank, node)
 
     def _group(self, g: pb.ReplicaGroup) -> ReplicaGroup:
         """Parse a group, reusing the object when many ranks send the same one."""
@@ -322,9 +419,15 @@ class ControllerCore:
         it, for ``reason``: a process found stopped is a hang)."""
         r = self.ranks.get(rank)
         ep = self.episode
-        if ep is not None and rank in ep.started and (r is None or r.pid != pid or not r.alive):
+        grow = self._grow
+        if ep is None and grow is not None and grow.started.get(rank) == pid:
+            self._grow_failed(f"the new process for rank {rank} (pid {pid}) exited with code {code}")
+            return
+        new_pid = ep.starts.started.get(rank) if ep is not None and ep.starts is not None else None
+        if new_pid == pid and (r is None or r.pid != pid or not r.alive):
             # The replacement died before it joined: a fault during the recovery.
-            ep.started.discard(rank)
+            if ep.grow:
+                ep.tried.add(Strategy.ELASTIC_TRAINING)
             self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank, detected_at=self._wall(),
                               message=f"replacement pid {pid} exited with code {code} before it joined"))
             return
@@ -360,6 +463,13 @@ class ControllerCore:
         ep = self.episode
         if ep is None:
             return
+        if ep.grow and self.state is ControllerState.ABNORMAL and ep.unstopped and 0 < ep.escalate_at < now:
+            # Ranks that began the next step wait in it for the ones that
+            # stopped: release them (they stop mid-step, still consistent).
+            ep.escalate_at = 0.0
+            stop = self._command(stop=pb.Stop(reason="scaling back up"))
+            for rank in sorted(ep.unstopped):
+                self._send(rank, stop)
         if self.state is ControllerState.ABNORMAL and ep.unstopped and now > ep.stop_deadline:
             for rank in sorted(ep.unstopped):
                 self._lose(self.ranks[rank])
@@ -436,11 +546,11 @@ class ControllerCore:
         else:
             self._check_prelock()
 
-    def _stop_all(self, reason: str) -> None:
+    def _stop_all(self, reason: str, at_boundary: bool = False) -> None:
         ep = self.episode
         ep.stop_deadline = self._clock() + self.config.prelock_timeout_s
         ep.unstopped = {r.rank for r in self.ranks.values() if r.alive and not r.stopped}
-        stop = self._command(stop=pb.Stop(reason=reason))
+        stop = self._command(stop=pb.Stop(reason=reason, at_boundary=at_boundary))
         for rank in sorted(ep.unstopped):
             self._send(rank, stop)
         self._check_prelock()
@@ -457,8 +567,16 @@ class ControllerCore:
             for r in self.ranks.values()
         }
         layout = {r.rank: r.groups for r in self.ranks.values()}
-        plan, reason = decide(view, ep.faults, self.config, self._wall(), layout=layout, tried=ep.tried,
-                              agents=self.agents.view())
+        plan = self._grow_plan() if ep.grow and Strategy.ELASTIC_TRAINING not in ep.tried else None
+        if plan is not None:
+            reason = f"scaling back up at step {plan.step}: ranks {sorted(plan.replacements)[:16]} rejoin"
+        elif ep.grow:  # could not take the new processes in: go on as before
+            plan, reason = decide(view, [], dataclasses.replace(self.config, strategies=(Strategy.RETRY,)),
+                                  self._wall(), layout=layout, tried=ep.tried)
+            reason = f"scaling back up abandoned; {reason}"
+        else:
+            plan, reason = decide(view, ep.faults, self.config, self._wall(), layout=layout, tried=ep.tried,
+                                  agents=self.agents.view())
         ep.plan = plan
         ep.reason = f"{ep.reason}; then {reason}" if ep.reason else reason  # keep what failed before
         log.warning("decision: %s", reason)
@@ -518,8 +636,11 @@ class ControllerCore:
         new = sorted(plan.replacements)
         after = sorted(everyone + new)
         uce = {f.rank for f in self.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
-        self.generation += 1
-        generation = self.generation
+        if self.episode.grow:  # the new processes build the generation reserved when they started
+            generation = self.episode.starts.generation
+        else:
+            self.generation += 1
+            generation = self.generation
         involved = sorted({t.src for t in plan.transfers} | {t.dst for t in plan.transfers})
 
         def clean() -> dict[int, pb.Command]:
@@ -528,7 +649,8 @@ class ControllerCore:
 
         phases = [_Phase("clean", cfg.handler_timeout_s, clean)]
         if new:
-            phases.append(_Phase("respawn", cfg.restart_timeout_s, dict))
+            if not self.episode.grow:  # growing back: they run already
+                phases.append(_Phase("respawn", cfg.restart_timeout_s, dict))
             phases.append(_Phase("join", cfg.restart_timeout_s, lambda: self._to_all(everyone, rebuild=pb.Rebuild(
                 generation=generation, join_store=self.episode.join_store)), also_wait=tuple(new)))
         else:
@@ -542,7 +664,7 @@ class ControllerCore:
         phases.append(_Phase("rollback", cfg.handler_timeout_s, lambda: self._to_all(
             after, rollback=pb.Rollback(step=plan.step))))
         phases.append(_Phase("resume", 0, lambda: self._to_all(after, resume=pb.Resume(
-            step=plan.step, record_json=json.dumps(self._record().to_dict()),
+            step=plan.step, record_json=json.dumps(self._record().to_dict()) if self.episode.faults else "",
             pids_json=json.dumps({str(k): v for k, v in self._pids.items()}) if new else "",
             replicas=len(after)))))
         if plan.strategy is Strategy.ELASTIC_TRAINING:
@@ -558,6 +680,13 @@ class ControllerCore:
                 self._send_agent(home, self.agents.order(dropped=rank))
         self.dropped |= ranks
 
+    def _kill_new(self, rank: int, node: str) -> None:
+        """End a new process that will not join; a rank elastic-training
+        dropped stays dropped for its agent."""
+        self._send_agent(node, self.agents.order(kill=rank))
+        if rank in self.dropped:
+            self._send_agent(node, self.agents.order(dropped=rank))
+
     def _respawn(self, phase: _Phase, plan: Plan) -> None:
         """Order each replacement's agent to start it (and tell a rank's old
         agent, when the rank moves to another node, not to count it)."""
@@ -565,10 +694,8 @@ class ControllerCore:
             home = self.agents.home(rank)
             if home is not None and home != node:
                 self._send_agent(home, self.agents.order(moved=rank))
-            order = self.agents.order(start=pb.StartReplacement(rank=rank, generation=self.generation,
-                                                                 step=plan.step))
-            phase.orders[rank] = order.id
-            self._send_agent(node, order)
+        self.episode.starts = _Starts(placement=dict(plan.replacements), generation=self.generation, step=plan.step)
+        self._order_starts(self.episode.starts)
 
     def _current_phase(self) -> _Phase | None:
         ep = self.episode
@@ -603,6 +730,11 @@ class ControllerCore:
             self.episode = None
             self._to(ControllerState.NORMAL)
             log.warning("recovered: training resumed at step %d", ep.plan.step)
+            if ep.grow:
+                self.dropped -= set(ep.plan.replacements)
+                self._grow = None
+            elif ep.plan.strategy is Strategy.ELASTIC_TRAINING:
+                self._grow_back()
         else:
             if self.state is not ControllerState.EXITED:
                 self._to(ControllerState.EXITED)
@@ -611,11 +743,15 @@ class ControllerCore:
     def _plan_failed(self, why: str) -> None:
         ep = self.episode
         log.warning("%s; falling back", why)
-        for rank in sorted(ep.started):
+        started = set(ep.starts.started) if ep.starts is not None else set()
+        for rank in sorted(started | ep.started):
             r = self.ranks.get(rank)
-            if r is None or not r.alive:  # it never registered: it may sit in its startup
-                self._send_agent(ep.plan.replacements[rank], self.agents.order(kill=rank))
-        ep.started = set()
+            if ep.grow and r is not None and r.alive:  # the job goes on without it, as before
+                self._lose(r)
+                self._exiting.add(rank)
+            if ep.grow or r is None or not r.alive:  # not joined: it may sit in its startup
+                self._kill_new(rank, ep.starts.placement[rank])
+        ep.started, ep.starts = set(), None
         ep.tried.add(ep.plan.strategy)
         ep.reason = f"{ep.reason}; {why}"
         ep.phases = []

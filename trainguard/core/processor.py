@@ -218,7 +218,8 @@ class Processor:
                     self.stops += 1
                     self.watchdog.disarm()
                     self.stop_event.set()
-                    for listener in list(self._stop_listeners):
+                    # A planned pause lets the step in hand finish.
+                    for listener in [] if cmd.stop.at_boundary else list(self._stop_listeners):
                         try:
                             listener()
                         except Exception:

@@ -167,6 +167,8 @@ class TrainguardAgent(LocalElasticAgent):
         if self.replacements is None or self.replacements.context is not self._pcontext:
             self.replacements = Replacements(self, worker_group, self._pcontext, standby=self._wants_standby())
         self._take_orders()
+        for event in self.replacements.ready():
+            self.relay.report(event)
         procs = self.replacements.processes()  # global rank -> Popen, moved ranks left out
         codes = {rank: p.poll() for rank, p in procs.items()}
         for rank in [r for r, c in codes.items() if c is None]:
@@ -214,7 +216,9 @@ class TrainguardAgent(LocalElasticAgent):
                 return
             action = order.WhichOneof("action")
             if action == "start":
-                self.relay.report(self.replacements.start(order))
+                failed = self.replacements.start(order)
+                if failed is not None:
+                    self.relay.report(failed)
             elif action == "kill":
                 self.replacements.kill(order.kill)
             elif action == "moved":

@@ -32,6 +32,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 __all__ = ["Replacements"]
+
+#: A new process that has not reached its rendezvous by then is announced anyway.
+READY_TIMEOUT_S = 120.0
 
 log = logging.getLogger("trainguard.launcher")
 
@@ -67,6 +71,7 @@ class Replacements:
         self._adopted: dict[int, Any] = {}  # other nodes' ranks run here: global rank -> handler
         self._moved: set[int] = set()  # this node's ranks now run elsewhere
         self._stores: list[dist.TCPStore] = []
+        self._starting: dict[int, tuple] = {}  # rank -> (order, handler, store or None, address), not yet ready
         self._host = group.master_addr if group.group_rank == 0 else socket.getfqdn()
         self._standby: subprocess.Popen | None = None
         self._use_standby = standby and command_for(context.entrypoint, context.args[0]) is not None
@@ -103,18 +108,26 @@ class Replacements:
         procs.update({rank: h.proc for rank, h in self._adopted.items()})
         return procs
 
-    def start(self, order: pb.AgentOrder) -> pb.AgentEvent:
-        """Start a new process for ``order.start.rank``; answer with its pid
-        and the store it will rendezvous on, or why it could not start."""
+    def start(self, order: pb.AgentOrder) -> pb.AgentEvent | None:
+        """Start a new process for ``order.start.rank``. The answer (its pid
+        and the store it will rendezvous on) comes from :meth:`ready` once it
+        reached its rendezvous; only a failure to start answers at once."""
         start = order.start
         rank = start.rank
+        if rank in self._local:
+            self._moved.discard(rank)  # a rank elastic training dropped comes back here
         try:
             self._end(rank)
-            store = dist.TCPStore(host_name=self._host, port=0, is_master=True, multi_tenant=True,
-                                  wait_for_workers=False)
-            self._stores.append(store)
+            store = None
+            if start.join_store:  # several new processes meet on the first one's store
+                host, _, port = start.join_store.rpartition(":")
+            else:
+                store = dist.TCPStore(host_name=self._host, port=0, is_master=True, multi_tenant=True,
+                                      wait_for_workers=False)
+                self._stores.append(store)
+                host, port = self._host, str(store.port)
             join = {"generation": start.generation, "step": start.step}
-            handler = self._spawn(rank, {"MASTER_ADDR": self._host, "MASTER_PORT": str(store.port),
+            handler = self._spawn(rank, {"MASTER_ADDR": host, "MASTER_PORT": port,
                                          "TORCHELASTIC_USE_AGENT_STORE": "True",
                                          "TRAINGUARD_JOIN": json.dumps(join)})
         except Exception as e:  # answered to the controller, which falls back
@@ -122,8 +135,26 @@ class Replacements:
             return pb.AgentEvent(rank=rank, order=order.id, ok=False, message=f"{type(e).__name__}: {e}")
         log.warning("started pid %d for rank %d (joining generation %d at step %d)", handler.proc.pid, rank,
                     start.generation, start.step)
-        return pb.AgentEvent(rank=rank, order=order.id, ok=True, pid=handler.proc.pid,
-                             join_store=f"{self._host}:{store.port}")
+        self._starting[rank] = (order, handler, store, f"{host}:{port}", time.monotonic() + READY_TIMEOUT_S)
+        return None
+
+    def ready(self) -> list[pb.AgentEvent]:
+        """Answers for new processes that reached their rendezvous (the first
+        key in their store: they sit in ``init_process_group``, waiting for the
+        others) or died first. Until then the others need not wait for them."""
+        events = []
+        for rank, (order, handler, store, address, deadline) in list(self._starting.items()):
+            code = handler.proc.poll()
+            if code is not None:
+                events.append(pb.AgentEvent(rank=rank, order=order.id, ok=False,
+                                            message=f"pid {handler.proc.pid} exited with code {code} before it joined"))
+            elif store is None or store.num_keys() > 0 or time.monotonic() > deadline:
+                events.append(pb.AgentEvent(rank=rank, order=order.id, ok=True, pid=handler.proc.pid,
+                                            join_store=address))
+            else:
+                continue
+            del self._starting[rank]
+        return events
 
     def _spawn(self, rank: int, extra_env: dict[str, str]) -> Any:
         ctx = self.context

@@ -362,15 +362,15 @@ class Guard:
                 pass
         os._exit(self._exit_code)
 
-    def regroup(self, ranks: Sequence[int], generation: int, cancelled) -> None:
-        """Go on with ``ranks`` only (elastic training): a new group over
-        them, with DDP moved onto it."""
+    def regroup(self, ranks: Sequence[int], generation: int, cancelled, store: Any = None) -> None:
+        """Go on with ``ranks`` (elastic training: fewer, or all again): a
+        new group over them, on ``store`` when given, with DDP moved onto it."""
         old = self.process_group
         new = AbortableProcessGroup(
-            old._store, self.rank, self.world_size, backend_factory=self.device.backend, timeout=old.timeout,
+            store if store is not None else old._store, self.rank, self.world_size, backend_factory=self.device.backend, timeout=old.timeout,
             namespace=job_namespace(), abort=self.device.abort, generation=generation, members=ranks, build=False)
         new.rebuild(generation, cancelled=cancelled)
-        old.stop("replaced by a group of fewer ranks")
+        old.stop("replaced by a group of other ranks")
         old._retire(old._inner)
         old._inner = None
         self.process_group = new

@@ -43,7 +43,7 @@ class TorchHandlers(Handlers):
         stops = g.processor.stops
         cancelled = lambda: g.processor.stops != stops  # noqa: E731 - a new STOP abandons the rebuild
         if join_store:
-            meet(g, generation, join_store, cancelled)
+            meet(g, generation, join_store, cancelled, sorted(ranks))
         elif tuple(sorted(ranks)) != g.process_group.members:
             g.regroup(sorted(ranks), generation, cancelled)  # elastic: the job goes on with these ranks
         else:

@@ -23,7 +23,7 @@ import json
 import os
 import threading
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,9 +75,11 @@ def _mirror_ddp(ddp: torch.nn.parallel.DistributedDataParallel, group: dist.Proc
     _sync_params_and_buffers(group, states, ddp.broadcast_bucket_size, 0)
 
 
-def meet(guard: "Guard", generation: int, address: str, cancelled: Callable[[], bool]) -> None:
+def meet(guard: "Guard", generation: int, address: str, cancelled: Callable[[], bool],
+         ranks: Sequence[int]) -> None:
     """Survivor side of a join: meet the new processes on ``address``
-    (``host:port``) and rebuild trainguard's group at ``generation`` there.
+    (``host:port``) and rebuild trainguard's group over ``ranks`` at
+    ``generation`` there (all of them again after elastic training).
 
     Runs on a helper thread so that a new STOP (``cancelled()``) abandons
     a join whose new process never arrives.
@@ -114,4 +116,7 @@ def meet(guard: "Guard", generation: int, address: str, cancelled: Callable[[], 
         raise RecoveryError(f"could not meet the new process on {address}: {done['error']}") from done["error"]
     # Kept alive: the new process's default group talks to it.
     guard.joined_default_group = done["default"]
-    guard.process_group.rebuild(generation, cancelled=cancelled, store=done["store"])
+    if tuple(ranks) != guard.process_group.members:
+        guard.regroup(ranks, generation, cancelled, store=done["store"])
+    else:
+        guard.process_group.rebuild(generation, cancelled=cancelled, store=done["store"])

@@ -186,10 +186,12 @@ class Welcome(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class Stop(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "at_boundary")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    at_boundary: bool
+    def __init__(self, reason: _Optional[str] = ..., at_boundary: _Optional[bool] = ...) -> None: ...
 
 class Clean(_message.Message):
     __slots__ = ("uce",)
@@ -420,14 +422,16 @@ class AgentOrder(_message.Message):
     def __init__(self, id: _Optional[int] = ..., start: _Optional[_Union[StartReplacement, _Mapping]] = ..., kill: _Optional[int] = ..., restarts_left: _Optional[int] = ..., moved: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class StartReplacement(_message.Message):
-    __slots__ = ("rank", "generation", "step")
+    __slots__ = ("rank", "generation", "step", "join_store")
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    JOIN_STORE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     generation: int
     step: int
-    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    join_store: str
+    def __init__(self, rank: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., join_store: _Optional[str] = ...) -> None: ...
 
 class NodeCommands(_message.Message):
     __slots__ = ("items", "orders")
