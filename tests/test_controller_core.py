@@ -64,3 +64,55 @@ def test_a_stalled_controller_does_not_declare_everyone_hung():
     # 4 s > 3 missed 1 s heartbeats: every rank is hung, nobody is left to save, the job exits.
     assert core.state is ControllerState.EXITED
     assert core.records[-1].fault == "hang" and core.records[-1].strategy == "exit"
+
+
+def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
+    """recover-in-place with a rank lost on each of two nodes: the first
+    agent makes the store, the second is ordered onto it; the survivors are
+    told to join only when both new processes run; the new ranks register,
+    get their state and resume with everyone."""
+    world = 4
+    sent: dict[int, list[pb.Command]] = {}
+    orders: list[tuple[str, pb.AgentOrder]] = []
+    core = ControllerCore(ControllerConfig(strategies="recover-in-place,dump", max_restarts=2), world,
+                          send=lambda r, c: sent.setdefault(r, []).append(c),
+                          send_agent=lambda n, o: orders.append((n, o)))
+    full = [_pb_group(ReplicaGroup.full(range(world)))]
+    for rank in range(world):
+        core.on_hello(pb.Hello(rank=rank, world_size=world, pid=100 + rank, replicas=full,
+                               status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
+    core.on_agent("a", pb.AgentHello(ranks=[0, 1]))
+    core.on_agent("b", pb.AgentHello(ranks=[2, 3]))
+    core.on_disconnect(1)
+    core.on_disconnect(3)
+    for rank in (0, 2):
+        core.on_stopped(rank, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
+    for rank in (0, 2):  # clean
+        core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
+                                              status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+    starts = [(n, o) for n, o in orders if o.HasField("start")]
+    assert [(n, o.start.rank, o.start.join_store) for n, o in starts] == [("a", 1, "")]  # one at a time
+    core.on_agent_event("a", pb.AgentEvent(rank=1, order=starts[0][1].id, ok=True, pid=201, join_store="h:1"))
+    starts = [(n, o) for n, o in orders if o.HasField("start")]
+    assert [(n, o.start.rank, o.start.join_store) for n, o in starts] == [("a", 1, ""), ("b", 3, "h:1")]
+    assert not sent[0][-1].HasField("rebuild"), "the survivors wait until every new process runs"
+    core.on_agent_event("b", pb.AgentEvent(rank=3, order=starts[1][1].id, ok=True, pid=203, join_store="h:1"))
+    assert sent[0][-1].rebuild.join_store == "h:1" and sent[2][-1].rebuild.join_store == "h:1"
+    assert core.agents.restarts_left == 0
+    for rank in (0, 2):
+        core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
+                                              status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+    assert core.episode.phases[0].name == "join", "still waiting for the new processes to register"
+    for rank in (1, 3):
+        core.on_hello(pb.Hello(rank=rank, world_size=world, pid=200 + rank, replicas=full, joining=True,
+                               status=pb.Status(step=0, run=pb.STARTING, data=pb.UPDATED)))
+    for phase in ("repair", "rollback"):
+        targets = [r for r, cmds in sent.items() if cmds[-1].HasField(phase)]
+        assert set(targets) >= {1, 3}, phase
+        for r in targets:
+            core.on_result(r, pb.CommandResult(command_id=sent[r][-1].id, ok=True,
+                                               status=pb.Status(step=3, run=pb.RECOVERING, data=pb.UPDATED)))
+    assert all(sent[r][-1].HasField("resume") for r in range(world))
+    assert core.state is ControllerState.NORMAL
+    assert core.records[-1].strategy == "recover-in-place"
+    assert core.snapshot()["pids"] == {"0": [100], "1": [101, 201], "2": [102], "3": [103, 203]}

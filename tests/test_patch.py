@@ -1,6 +1,7 @@
 """``adapters-patch torchrun``: on copies of the installed ``torch/distributed/run.py``
 (apply, idempotence, byte-for-byte revert, refusals), then once for real:
-plain ``torchrun`` on the patched install recovers a fault in place like
+plain ``torchrun`` on the patched install recovers a fault in place (and
+restarts a killed worker alone) like
 ``trainguard run``, and the install is restored byte for byte afterwards."""
 
 from __future__ import annotations
@@ -351,13 +352,13 @@ def _others_launching_torchrun() -> list[str]:
     return found
 
 
-def _plain_torchrun(tmp: Path, name: str, env: dict) -> tuple[subprocess.CompletedProcess, dict | None]:
+def _plain_torchrun(tmp: Path, name: str, env: dict, args: tuple = ()) -> tuple[subprocess.CompletedProcess, dict | None]:
     report, ckpt = tmp / f"{name}.json", tmp / f"{name}-ckpt"
     full = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     full.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "TRAINGUARD_PRELOCK_TIMEOUT_S": "20",
                  "PYTHONUNBUFFERED": "1", **env})
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--monitor-interval", "0.1", str(WORKERS / "tiny_train.py"),
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--monitor-interval", "0.1", *args, str(WORKERS / "tiny_train.py"),
            str(STEPS), str(report), str(ckpt)]
     out = subprocess.run(cmd, env=full, cwd=tmp, capture_output=True, text=True, timeout=60)
     return out, (json.loads(report.read_text()) if report.exists() else None)
@@ -383,6 +384,17 @@ def test_plain_torchrun_on_the_patched_install_recovers_like_trainguard_run(inst
         assert record["lost_steps"] == 0 and report["lost_steps"] == 0
         assert all(len(pids) == 1 for pids in report["pids"].values()), "a process was restarted"
         assert report["steps_completed"] == STEPS
+        assert report["final_state_sha256"] == reference.report["final_state_sha256"]
+
+        # A killed worker: plain torchrun now restarts that one process alone.
+        out, report = _plain_torchrun(tmp_path, "killed", {"TRAINGUARD_FAULT": "crash:rank=1,step=3",
+                                                           "TRAINGUARD_STRATEGIES": "recover-in-place,dump"},
+                                      ("--max-restarts", "1"))
+        log = out.stdout + out.stderr
+        assert out.returncode == 0, log[-6000:]
+        (record,) = report["recoveries"]
+        assert (record["fault"], record["rank"], record["strategy"]) == ("process_lost", 1, "recover-in-place")
+        assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 2
         assert report["final_state_sha256"] == reference.report["final_state_sha256"]
 
         out, report = _plain_torchrun(tmp_path, "disabled", {"TRAINGUARD_DISABLE": "1"})

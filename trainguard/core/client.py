@@ -33,8 +33,9 @@ class ControllerClient:
                 raise ProtocolError(f"controller at {self._address} refused {method}: {e.details()}") from None
             raise ControllerLostError(f"controller at {self._address} unreachable: {e.code().name}") from None
 
-    def report_process_exit(self, rank: int, pid: int, code: int, reason: str = "") -> None:
-        self._unary("ReportProcessExit", pb.ProcessExit(rank=rank, pid=pid, exit_code=code, reason=reason), pb.Ack)
+    def report_process_exit(self, rank: int, pid: int, code: int, reason: str = "", last_running: float = 0.0) -> None:
+        self._unary("ReportProcessExit", pb.ProcessExit(rank=rank, pid=pid, exit_code=code, reason=reason,
+                                                        last_running=last_running), pb.Ack)
 
     def status(self) -> dict:
         return json.loads(self._unary("GetStatus", pb.StatusRequest(), pb.JobStatus).json)

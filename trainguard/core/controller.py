@@ -11,8 +11,10 @@ An *episode* begins with the first fault while training runs normally:
    the next safe point and reports its step and data status. When all have
    (or the prelock timeout named the laggards as hung) the step is locked.
 2. **decide** -- :func:`trainguard.core.decide.decide` picks the plan.
-3. **phases** -- the plan's commands go out phase by phase (retry: clean,
-   rebuild, repair, rollback, resume; dump: save, finalise, exit); a phase
+3. **phases** -- the plan's commands go out phase by phase (retry and
+   elastic-training: clean, rebuild, repair, rollback, resume;
+   recover-in-place and recover: clean, respawn, join, repair, rollback,
+   resume -- see :mod:`.restarts`; dump: save, finalise, exit); a phase
    ends when every target answered. A failed answer, a timeout or a new fault
    abandons the plan: the strategy is marked tried, every rank is stopped
    again and the next strategy is decided.
@@ -28,7 +30,6 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from .api import (
@@ -49,9 +50,11 @@ from .api import (
 from .agents import AgentTable
 from .config import ControllerConfig
 from .decide import decide
+from .episode import Episode, Phase, Rank, Starts
 from .protocol import trainguard_pb2 as pb
-from .replicas import Registry, ReplicaGroup, choose_sources, shard_ids
-from .rpc import fault_fields, from_pb_status
+from .replicas import Registry, ReplicaGroup, shard_ids
+from .rpc import fault_fields
+from .restarts import Restarts
 from .transitions import advance
 
 __all__ = ["ControllerCore"]
@@ -59,80 +62,7 @@ __all__ = ["ControllerCore"]
 log = logging.getLogger("trainguard.controller")
 
 
-@dataclass
-class _Rank:
-    rank: int
-    pid: int
-    host: str
-    repairable: bool
-    groups: tuple[ReplicaGroup, ...]
-    step: int
-    run: RunStatus
-    data: DataStatus
-    last_seen: float
-    alive: bool = True
-    stopped: bool = False
-    reached: int = 0  # highest step this rank ever reported
-    step_time_s: float = 0.0  # median of its recent steps, as it reported
-
-    def update(self, status: pb.Status) -> None:
-        self.step, self.run, self.data = from_pb_status(status)
-        self.reached = max(self.reached, self.step)
-        if status.step_time_s > 0:
-            self.step_time_s = status.step_time_s
-
-
-@dataclass
-class _Phase:
-    name: str
-    timeout_s: float  # 0: nobody answers
-    build: Callable[[], dict[int, pb.Command]]
-    commands: dict[int, pb.Command] = field(default_factory=dict)
-    deadline: float = 0.0
-    waiting: set[int] = field(default_factory=set)
-    also_wait: tuple[int, ...] = ()  # join: replacements, done when they register
-
-
-@dataclass
-class _Episode:
-    epoch: int
-    faults: list[Fault]
-    detected_at: float  # wall clock
-    reached: int
-    stop_deadline: float = 0.0  # monotonic
-    unstopped: set[int] = field(default_factory=set)
-    tried: set[Strategy] = field(default_factory=set)
-    plan: Plan | None = None
-    reason: str = ""
-    phases: list[_Phase] = field(default_factory=list)
-    record: RecoveryRecord | None = None
-    shards: list = field(default_factory=list)  # pb.ShardFiles of a dump, filled as savers answer
-    join_store: str = ""  # where replacement processes rendezvous with the survivors
-    started: set[int] = field(default_factory=set)  # ranks a replacement was started for
-    starts: _Starts | None = None
-    grow: bool = False  # a planned pause to scale back up (elastic-training), no fault
-    escalate_at: float = 0.0  # grow: ranks not stopped at a boundary by then are stopped mid-step
-
-
-@dataclass
-class _Starts:
-    """New processes being started for ranks: the first one's agent serves
-    the store they all meet the survivors on; the others are ordered once
-    its address is known."""
-
-    placement: dict[int, str]  # rank -> node agent that starts it
-    generation: int
-    step: int
-    orders: dict[int, int] = field(default_factory=dict)  # rank -> id of its start order
-    started: dict[int, int] = field(default_factory=dict)  # rank -> pid
-    store: str = ""
-
-    @property
-    def done(self) -> bool:
-        return len(self.started) == len(self.placement)
-
-
-class ControllerCore:
+class ControllerCore(Restarts):
     """The job's brain. Every method is called from one thread (the server's
     event loop); none blocks.
 
@@ -163,17 +93,17 @@ class ControllerCore:
         self.agents = AgentTable(config.max_restarts)
         self._clock, self._wall = clock, wall
         self.state = ControllerState.INIT
-        self.ranks: dict[int, _Rank] = {}
+        self.ranks: dict[int, Rank] = {}
         self.registry = Registry(world_size)
         self.records: list[RecoveryRecord] = []
-        self.episode: _Episode | None = None
+        self.episode: Episode | None = None
         self.generation = 0
         self._epoch = 0
         self._next_id = 1
         self._exiting: set[int] = set()
         self._finished: set[int] = set()
         self.dropped: set[int] = set()  # ranks elastic-training went on without
-        self._grow: _Starts | None = None  # new processes for them, starting while the others train
+        self._grow: Starts | None = None  # new processes for them, starting while the others train
         self._pids: dict[int, list[int]] = {}
         self._parsed: dict[tuple, ReplicaGroup] = {}
         self._last_tick = clock()
@@ -198,7 +128,7 @@ class ControllerCore:
             raise ProtocolError(f"rank {rank}: {e}") from None
         self._pids.setdefault(rank, []).append(hello.pid)
         self._exiting.discard(rank)
-        r = _Rank(rank=rank, pid=hello.pid, host=hello.host, repairable=hello.device_repairable, groups=groups,
+        r = Rank(rank=rank, pid=hello.pid, host=hello.host, repairable=hello.device_repairable, groups=groups,
                   step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock())
         r.update(hello.status)
         self.ranks[rank] = r
@@ -210,7 +140,7 @@ class ControllerCore:
             self._to(ControllerState.NORMAL)
             log.info("all %d ranks registered", self.world_size)
 
-    def _joined(self, r: _Rank) -> None:
+    def _joined(self, r: Rank) -> None:
         """A replacement process registered: it waits for commands."""
         r.stopped = True
         phase = self._current_phase()
@@ -224,109 +154,6 @@ class ControllerCore:
             self._exiting.add(r.rank)
             self._send(r.rank, self._command(exit=pb.Exit(code=EXIT_UNRECOVERABLE,
                                                           reason="no recovery is waiting for this process")))
-
-    # ------------------------------------------------------------ agents
-    def on_agent(self, node: str, hello: pb.AgentHello) -> None:
-        self.agents.hello(node, hello)
-
-    def on_agent_lost(self, node: str) -> None:
-        self.agents.lost(node)
-
-    def on_agent_event(self, node: str, event: pb.AgentEvent) -> None:
-        """A node agent answered a start order."""
-        ep = self.episode
-        phase = self._current_phase()
-        if phase is not None and phase.name == "respawn" and ep.starts is not None:
-            starts, growing = ep.starts, False
-        elif self._grow is not None and ep is None:
-            starts, growing = self._grow, True
-        else:
-            starts, growing = None, False
-        if starts is None or starts.orders.get(event.rank) != event.order or event.rank in starts.started:
-            log.debug("ignoring stale agent event for rank %d from %s", event.rank, node)
-            return
-        if not event.ok:
-            why = f"node agent {node} could not start rank {event.rank}: {event.message}"
-            self._grow_failed(why) if growing else self._plan_failed(why)
-            return
-        starts.started[event.rank] = event.pid
-        starts.store = starts.store or event.join_store
-        for other in self.agents.started(event.rank, node):
-            self._send_agent(other, self.agents.order(restarts_left=self.agents.restarts_left))
-        log.warning("rank %d restarted as pid %d by %s (%d process restarts left)", event.rank, event.pid, node,
-                    self.agents.restarts_left)
-        self._order_starts(starts)
-        if not starts.done:
-            return
-        if growing:
-            self._begin_grow()
-        else:
-            ep.join_store, ep.started = starts.store, set(starts.started)
-            phase.waiting.clear()
-            self._next_phase()
-
-    def _order_starts(self, starts: _Starts) -> None:
-        """Order the first start, or, once its store is known, the rest."""
-        for rank, node in sorted(starts.placement.items()):
-            if rank in starts.orders:
-                continue
-            order = self.agents.order(start=pb.StartReplacement(
-                rank=rank, generation=starts.generation, step=starts.step, join_store=starts.store))
-            starts.orders[rank] = order.id
-            self._send_agent(node, order)
-            if not starts.store:
-                return
-
-    # ------------------------------------------------------------ scaling back up
-    def _grow_back(self) -> None:
-        """After elastic-training dropped ranks: start new processes for them
-        while the others train (restart budget and agents permitting); the
-        job takes them back at a step boundary once all of them run."""
-        ranks = sorted(self.dropped)
-        homes = {r: self.agents.home(r) for r in ranks}
-        if not ranks or self._grow is not None:
-            return
-        if self.agents.restarts_left < len(ranks) or None in homes.values():
-            log.warning("elastic-training goes on with %d ranks: no restart left or no agent to start ranks %s "
-                        "again", self.world_size - len(ranks), ranks[:16])
-            return
-        self.generation += 1
-        self._grow = _Starts(placement=homes, generation=self.generation, step=-1)
-        log.warning("starting new processes for ranks %s to scale back up", ranks[:16])
-        self._order_starts(self._grow)
-
-    def _begin_grow(self) -> None:
-        """Every new process runs: pause the others at their next step
-        boundary (no collective is released), then take the new ones in."""
-        self._epoch += 1
-        reached = max((r.reached for r in self.ranks.values()), default=0)
-        ep = self.episode = _Episode(self._epoch, [], self._wall(), reached, grow=True, starts=self._grow,
-                                     join_store=self._grow.store, started=set(self._grow.started))
-        self._to(ControllerState.ABNORMAL)
-        limit = max((r.step_time_s for r in self.ranks.values() if r.alive), default=0.0)
-        ep.escalate_at = self._clock() + max(2.0, 3 * limit)
-        self._stop_all("scaling back up at a step boundary", at_boundary=True)
-
-    def _grow_plan(self) -> Plan | None:
-        """The plan that takes the new processes in, or None when the
-        others are not consistent at one step."""
-        ep = self.episode
-        live = [r for r in self.ranks.values() if r.alive and r.rank not in ep.started]
-        lock = max((r.step for r in live if r.stopped and r.data is DataStatus.UPDATED), default=None)
-        usable = frozenset(r.rank for r in live if r.stopped and r.data is DataStatus.UPDATED and r.step == lock)
-        targets = sorted(ep.started) + [r.rank for r in live if r.rank not in usable]
-        transfers, missing = choose_sources({r.rank: r.groups for r in self.ranks.values()}, targets, usable)
-        if lock is None or missing or len(usable) < len(live):
-            return None
-        return Plan(strategy=Strategy.ELASTIC_TRAINING, step=lock, participants=tuple(sorted(r.rank for r in live)),
-                    transfers=tuple(transfers), replacements=dict(ep.starts.placement))
-
-    def _grow_failed(self, why: str) -> None:
-        log.warning("scaling back up abandoned: %s", why)
-        grow, self._grow = self._grow, None
-        for rank, node in grow.placement.items():
-            if rank in grow.started:
-                self._kill_new(rank, node)
 
     def _group(self, g: pb.ReplicaGroup) -> ReplicaGroup:
         """Parse a group, reusing the object when many ranks send the same one."""
@@ -414,9 +241,11 @@ class ControllerCore:
         self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank,
                           message=f"pid {r.pid} on {r.host} disconnected", detected_at=self._wall()))
 
-    def on_process_exit(self, rank: int, pid: int, code: int, reason: str = "") -> None:
+    def on_process_exit(self, rank: int, pid: int, code: int, reason: str = "", last_running: float = 0.0) -> None:
         """A node agent saw the rank's process exit with ``code`` (or ended
-        it, for ``reason``: a process found stopped is a hang)."""
+        it, for ``reason``: a process found stopped is a hang); it last saw
+        it running at ``last_running`` (unix time, 0 if unknown), so the
+        fault came after that."""
         r = self.ranks.get(rank)
         ep = self.episode
         grow = self._grow
@@ -437,7 +266,7 @@ class ControllerCore:
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         kind = FaultKind.HANG if reason else FaultKind.PROCESS_LOST
         self._fault(Fault(kind=kind, rank=rank, message=f"pid {pid} {reason + '; ' if reason else ''}{how}",
-                          detected_at=self._wall()))
+                          occurred_at=last_running or None, detected_at=self._wall()))
 
     def tick(self) -> None:
         """Check heartbeats and deadlines; call a few times a second."""
@@ -481,7 +310,7 @@ class ControllerCore:
             late = sorted(phase.waiting)
             self._plan_failed(f"{phase.name} did not finish within {phase.timeout_s:g} s on ranks {late[:16]}")
 
-    def _silence_limit(self, r: _Rank) -> float:
+    def _silence_limit(self, r: Rank) -> float:
         """How long a rank may go without a message: the missed-heartbeat
         limit, stretched so that a pause of the whole process up to five of
         its steps (a long garbage collection holds every thread) is not
@@ -513,17 +342,17 @@ class ControllerCore:
         }
 
     # --------------------------------------------------------------- faults
-    def _lose(self, r: _Rank) -> None:
+    def _lose(self, r: Rank) -> None:
         r.alive = False
         if self.episode is not None:
             self.episode.unstopped.discard(r.rank)
 
-    def _mark_stopped(self, r: _Rank) -> None:
+    def _mark_stopped(self, r: Rank) -> None:
         r.stopped = True
         self.episode.unstopped.discard(r.rank)
         self._check_prelock()
 
-    def _fault(self, fault: Fault, stopped: _Rank | None = None) -> None:
+    def _fault(self, fault: Fault, stopped: Rank | None = None) -> None:
         log.warning("fault: %s", fault.describe())
         if self.state in (ControllerState.EXITED, ControllerState.FINISHED):
             return
@@ -531,7 +360,7 @@ class ControllerCore:
         if ep is None:
             self._epoch += 1
             reached = max((r.reached for r in self.ranks.values()), default=0)
-            self.episode = _Episode(self._epoch, [fault], fault.detected_at, reached)
+            self.episode = Episode(self._epoch, [fault], fault.detected_at, reached)
             self._to(ControllerState.ABNORMAL)
             if stopped is not None:
                 stopped.stopped = True
@@ -597,9 +426,9 @@ class ControllerCore:
         cmd = self._command(**action)
         return dict.fromkeys(ranks, cmd)
 
-    def _phases(self, plan: Plan, layout) -> list[_Phase]:
+    def _phases(self, plan: Plan, layout) -> list[Phase]:
         cfg, everyone = self.config, list(plan.participants)
-        exit_phase = _Phase("exit", 0, lambda: self._to_all(
+        exit_phase = Phase("exit", 0, lambda: self._to_all(
             everyone, exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason)))
         if plan.strategy in (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.RECOVER,
                              Strategy.ELASTIC_TRAINING):
@@ -619,15 +448,15 @@ class ControllerCore:
                     step=plan.step, shards=self.episode.shards, history_json=json.dumps(history)))}
 
             return [
-                _Phase("save", cfg.save_timeout_s, lambda: {
+                Phase("save", cfg.save_timeout_s, lambda: {
                     r: self._command(save=pb.Save(step=plan.step, kinds=k)) for r, k in kinds.items()}),
-                _Phase("finalize", cfg.handler_timeout_s, finalize),
+                Phase("finalize", cfg.handler_timeout_s, finalize),
                 exit_phase,
             ]
         self._record()
         return [exit_phase]
 
-    def _repair_phases(self, plan: Plan) -> list[_Phase]:
+    def _repair_phases(self, plan: Plan) -> list[Phase]:
         """retry: clean, rebuild, repair, rollback, resume. With new
         processes (recover-in-place, recover) the agents start them first and
         the rebuild becomes a join: the survivors meet them on the store
@@ -647,23 +476,23 @@ class ControllerCore:
             faulty, healthy = self._command(clean=pb.Clean(uce=True)), self._command(clean=pb.Clean(uce=False))
             return {r: faulty if r in uce else healthy for r in everyone}
 
-        phases = [_Phase("clean", cfg.handler_timeout_s, clean)]
+        phases = [Phase("clean", cfg.handler_timeout_s, clean)]
         if new:
             if not self.episode.grow:  # growing back: they run already
-                phases.append(_Phase("respawn", cfg.restart_timeout_s, dict))
-            phases.append(_Phase("join", cfg.restart_timeout_s, lambda: self._to_all(everyone, rebuild=pb.Rebuild(
+                phases.append(Phase("respawn", cfg.restart_timeout_s, dict))
+            phases.append(Phase("join", cfg.restart_timeout_s, lambda: self._to_all(everyone, rebuild=pb.Rebuild(
                 generation=generation, join_store=self.episode.join_store)), also_wait=tuple(new)))
         else:
             excluded = sorted(set(range(self.world_size)) - set(everyone))
-            phases.append(_Phase("rebuild", cfg.handler_timeout_s, lambda: self._to_all(
+            phases.append(Phase("rebuild", cfg.handler_timeout_s, lambda: self._to_all(
                 everyone, rebuild=pb.Rebuild(generation=generation, excluded=excluded))))
         if plan.transfers:
             transfers = [pb.Transfer(src=t.src, dst=t.dst, kind=t.kind) for t in plan.transfers]
-            phases.append(_Phase("repair", cfg.handler_timeout_s, lambda: self._to_all(
+            phases.append(Phase("repair", cfg.handler_timeout_s, lambda: self._to_all(
                 involved, repair=pb.Repair(step=plan.step, transfers=transfers))))
-        phases.append(_Phase("rollback", cfg.handler_timeout_s, lambda: self._to_all(
+        phases.append(Phase("rollback", cfg.handler_timeout_s, lambda: self._to_all(
             after, rollback=pb.Rollback(step=plan.step))))
-        phases.append(_Phase("resume", 0, lambda: self._to_all(after, resume=pb.Resume(
+        phases.append(Phase("resume", 0, lambda: self._to_all(after, resume=pb.Resume(
             step=plan.step, record_json=json.dumps(self._record().to_dict()) if self.episode.faults else "",
             pids_json=json.dumps({str(k): v for k, v in self._pids.items()}) if new else "",
             replicas=len(after)))))
@@ -671,33 +500,7 @@ class ControllerCore:
             self._drop(set(range(self.world_size)) - set(after))
         return phases
 
-    def _drop(self, ranks: set[int]) -> None:
-        """The job goes on without ``ranks`` (elastic-training): it finishes
-        when the others do, and their agents do not count them as failed."""
-        for rank in sorted(ranks - self.dropped):
-            home = self.agents.home(rank)
-            if home is not None:
-                self._send_agent(home, self.agents.order(dropped=rank))
-        self.dropped |= ranks
-
-    def _kill_new(self, rank: int, node: str) -> None:
-        """End a new process that will not join; a rank elastic-training
-        dropped stays dropped for its agent."""
-        self._send_agent(node, self.agents.order(kill=rank))
-        if rank in self.dropped:
-            self._send_agent(node, self.agents.order(dropped=rank))
-
-    def _respawn(self, phase: _Phase, plan: Plan) -> None:
-        """Order each replacement's agent to start it (and tell a rank's old
-        agent, when the rank moves to another node, not to count it)."""
-        for rank, node in sorted(plan.replacements.items()):
-            home = self.agents.home(rank)
-            if home is not None and home != node:
-                self._send_agent(home, self.agents.order(moved=rank))
-        self.episode.starts = _Starts(placement=dict(plan.replacements), generation=self.generation, step=plan.step)
-        self._order_starts(self.episode.starts)
-
-    def _current_phase(self) -> _Phase | None:
+    def _current_phase(self) -> Phase | None:
         ep = self.episode
         if ep is None or not ep.phases or self.state not in (ControllerState.RECOVERING, ControllerState.DUMPING):
             return None
@@ -778,7 +581,7 @@ class ControllerCore:
         return ep.record
 
     # --------------------------------------------------------------- helpers
-    def _known(self, rank: int) -> _Rank:
+    def _known(self, rank: int) -> Rank:
         r = self.ranks.get(rank)
         if r is None:
             raise ProtocolError(f"message from unregistered rank {rank}")

@@ -288,7 +288,8 @@ class _Service:
         await self._authorize(context)
         if isinstance(request, Refused):
             await self._refuse(context, request.code, request.reason)
-        self.core.on_process_exit(request.rank, request.pid, request.exit_code, request.reason[:2000])
+        self.core.on_process_exit(request.rank, request.pid, request.exit_code, request.reason[:2000],
+                                  request.last_running)
         return pb.Ack()
 
     async def get_status(self, request, context) -> pb.JobStatus:
@@ -377,10 +378,11 @@ class Controller(LoopThread):
             except Exception:
                 log.exception("controller tick failed")
 
-    def report_process_exit(self, rank: int, pid: int, code: int, reason: str = "") -> None:
+    def report_process_exit(self, rank: int, pid: int, code: int, reason: str = "", last_running: float = 0.0) -> None:
         """Tell the controller a worker process exited (from a node agent);
-        ``reason`` when the agent ended it (a stopped process, say)."""
-        self._call(lambda: self._core.on_process_exit(rank, pid, code, reason))
+        ``reason`` when the agent ended it (a stopped process, say);
+        ``last_running``: when the agent last saw it running."""
+        self._call(lambda: self._core.on_process_exit(rank, pid, code, reason, last_running))
 
     def snapshot(self) -> dict:
         return self._call(lambda: json.loads(json.dumps(self._core.snapshot())))

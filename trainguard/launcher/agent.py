@@ -81,6 +81,8 @@ class TrainguardAgent(LocalElasticAgent):
         self._failed_at: float | None = None
         self._reported: set[int] = set()
         self._stopped_since: dict[int, float] = {}
+        self._running_at: dict[int, float] = {}  # pid -> unix time of the last check that found it running
+        self._last_poll = 0.0  # unix time of the previous monitoring pass
         self.last_status: dict | None = None
 
     # ----------------------------------------------------------- controller
@@ -177,7 +179,7 @@ class TrainguardAgent(LocalElasticAgent):
                 # Report before killing: the kill also breaks the rank's
                 # session, which alone would read as a plain lost process.
                 self._reported.add(procs[rank].pid)
-                self._report(rank, procs[rank].pid, -9, reason)
+                self._report(rank, procs[rank].pid, -9, reason, self._running_at.get(procs[rank].pid, 0.0))
                 procs[rank].kill()
                 codes[rank] = procs[rank].wait()
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
@@ -186,7 +188,8 @@ class TrainguardAgent(LocalElasticAgent):
             pid = procs[rank].pid
             if pid not in self._reported:
                 self._reported.add(pid)
-                self._report(rank, pid, code)
+                self._report(rank, pid, code, last_running=self._last_poll)
+        self._last_poll = time.time()
         if not failed:
             self._failed_at = None
         if running:
@@ -234,6 +237,8 @@ class TrainguardAgent(LocalElasticAgent):
             self._stopped_since.pop(pid, None)
             return ""
         now = time.monotonic()
+        if pid not in self._stopped_since:
+            self._running_at[pid] = self._last_poll  # the last check that found it running
         since = self._stopped_since.setdefault(pid, now)
         return f"found stopped (state T) for {now - since:.1f} s; killed by its agent" \
             if now - since >= STOPPED_CONFIRM_S else ""
@@ -242,13 +247,13 @@ class TrainguardAgent(LocalElasticAgent):
         c = self._config
         return c.prelock_timeout_s + c.save_timeout_s + 2 * c.handler_timeout_s + 30
 
-    def _report(self, rank: int, pid: int, code: int, reason: str = "") -> None:
+    def _report(self, rank: int, pid: int, code: int, reason: str = "", last_running: float = 0.0) -> None:
         log.warning("worker rank %d (pid %d) %s%s", rank, pid, f"{reason}: " if reason else "",
                     f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
         try:
             if self.controller is not None:
-                self.controller.report_process_exit(rank, pid, code, reason)
+                self.controller.report_process_exit(rank, pid, code, reason, last_running)
             elif self._client is not None:
-                self._client.report_process_exit(rank, pid, code, reason)
+                self._client.report_process_exit(rank, pid, code, reason, last_running)
         except Exception as e:  # the controller also notices through the broken session
             log.warning("could not report the exit of rank %d to the controller: %s", rank, e)

@@ -139,16 +139,20 @@ class Replacements:
         return None
 
     def ready(self) -> list[pb.AgentEvent]:
-        """Answers for new processes that reached their rendezvous (the first
-        key in their store: they sit in ``init_process_group``, waiting for the
-        others) or died first. Until then the others need not wait for them."""
+        """Answers for started processes: at once when a recovery waits for
+        them; when scaling back up, once they reached their rendezvous (the
+        first key in their store: they sit in ``init_process_group``, waiting
+        for the others), so the others train meanwhile. A process that died
+        first is answered as a failure."""
         events = []
         for rank, (order, handler, store, address, deadline) in list(self._starting.items()):
             code = handler.proc.poll()
             if code is not None:
                 events.append(pb.AgentEvent(rank=rank, order=order.id, ok=False,
                                             message=f"pid {handler.proc.pid} exited with code {code} before it joined"))
-            elif store is None or store.num_keys() > 0 or time.monotonic() > deadline:
+            elif store is None or order.start.step >= 0 or store.num_keys() > 0 or time.monotonic() > deadline:
+                # A recovery's survivors wait anyway: they may meet it at once.
+                # Scaling back up (step -1) pauses the others only when it is there.
                 events.append(pb.AgentEvent(rank=rank, order=order.id, ok=True, pid=handler.proc.pid,
                                             join_store=address))
             else:

@@ -320,16 +320,18 @@ class ControllerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class ProcessExit(_message.Message):
-    __slots__ = ("rank", "pid", "exit_code", "reason")
+    __slots__ = ("rank", "pid", "exit_code", "reason", "last_running")
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_RUNNING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     exit_code: int
     reason: str
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    last_running: float
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., last_running: _Optional[float] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()
