@@ -4,7 +4,8 @@ waiting to become a restarted rank.
 Starting a worker from nothing costs seconds before the script's first line
 runs (the interpreter, then ``import torch``: ~2 s on a small CPU box, more
 with CUDA libraries). The node agent keeps one standby per node while a
-restart strategy is enabled; when a rank must be started again it hands the
+restart strategy is enabled (torch, ``torch._dynamo`` and trainguard
+imported); when a rank must be started again it hands the
 standby the rank's environment and command line on stdin, and the standby
 runs the script as ``python -u script.py args`` (or ``-m module``) would.
 The agent then starts the next standby.
@@ -42,8 +43,10 @@ def command_for(entrypoint: str, args: tuple) -> tuple[list[str], bool] | None:
 
 
 def main() -> int:
-    # The expensive part, done before anyone waits for it.
+    # The expensive part, done before anyone waits for it. DDP's constructor
+    # imports torch._dynamo (~1 s on a small CPU box), so that too.
     import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401
 
