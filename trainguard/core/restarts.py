@@ -54,7 +54,10 @@ class Restarts:
             return
         if not event.ok:
             why = f"node agent {node} could not start rank {event.rank}: {event.message}"
-            self._grow_failed(why) if growing else self._plan_failed(why)
+            if growing:
+                self._grow_failed(why)
+            else:
+                self._plan_failed(why)
             return
         starts.started[event.rank] = event.pid
         starts.store = starts.store or event.join_store
