@@ -191,15 +191,9 @@ class Guard:
         (repair from a replica, roll back to ``step``) before training."""
         log.warning("rank %d (pid %d) joins the running job at step %d", self.rank, os.getpid(), step)
         self.processor.watchdog.disarm()
-        try:
-            outcome = recover(self.processor, self._handlers, injector=self.injector)
-        except ControllerLostError:
-            raise
+        outcome = recover(self.processor, self._handlers, injector=self.injector)
         if not outcome.resume:
-            log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
-            self.close(finished=False)
-            self._exit_code = outcome.exit_code
-            raise SystemExit(outcome.exit_code)
+            self._leave(outcome)
 
     # --------------------------------------------------------------- setup
     def _connect(self, *, joining: bool = False) -> Processor:
@@ -341,10 +335,14 @@ class Guard:
         except ControllerLostError as lost:
             raise error from lost
         if not outcome.resume:
-            log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
-            self.close(finished=False)
-            self._exit_code = outcome.exit_code
-            raise SystemExit(outcome.exit_code)
+            self._leave(outcome)
+
+    def _leave(self, outcome) -> None:
+        """The controller said exit: say so, close, and leave with its code."""
+        log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
+        self.close(finished=False)
+        self._exit_code = outcome.exit_code
+        raise SystemExit(outcome.exit_code)
 
     def _exit_now(self) -> None:
         """At interpreter exit after the controller's exit command (the
