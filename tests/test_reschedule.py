@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -104,27 +107,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_nodes(tmp: Path, name: str, *, fault: str, strategies: str, steps: int = STEPS) -> tuple[list, dict]:
-    """Two ``--nnodes 2`` agents on loopback, one rank each, one spare slot each."""
+def run_two_nodes(tmp: Path, name: str, *, fault: str, strategies: str, steps: int = STEPS,
+                  lose_node_after_s: float = 0.0, env_extra: dict | None = None) -> tuple[list, dict]:
+    """Two ``--nnodes 2`` agents on loopback, one rank each, one spare slot
+    each; ``lose_node_after_s``: SIGKILL the second agent and its worker then
+    (the node is lost)."""
     ckpt, report = tmp / f"{name}-ckpt", tmp / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env.update(TRAINGUARD_HEARTBEAT_INTERVAL_S="0.5", TRAINGUARD_PRELOCK_TIMEOUT_S="20", PYTHONUNBUFFERED="1",
-               TRAINGUARD_FAULT=fault, TRAINGUARD_STRATEGIES=strategies)
+               TRAINGUARD_FAULT=fault, TRAINGUARD_STRATEGIES=strategies, **(env_extra or {}))
     endpoint = f"127.0.0.1:{_free_port()}"
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", name, "--monitor-interval", "0.1",
            "--max-restarts", "3", "--spare-slots", "1",
            str(WORKERS / "tiny_train.py"), str(steps), str(report), str(ckpt)]
-    nodes = [subprocess.Popen(cmd + [], env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    nodes = [subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
+    logs: list[list[str]] = [[], []]
+    readers = [threading.Thread(target=lambda n=n, out=out: out.extend(n.stdout), daemon=True)
+               for n, out in zip(nodes, logs)]
+    for reader in readers:
+        reader.start()
+    if lose_node_after_s:
+        # Counted from the moment training runs (every rank registered); the
+        # node lost is the one without the controller (node 0 hosts it).
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(
+                "ranks registered" in line for log in logs for line in list(log)):
+            time.sleep(0.05)
+        time.sleep(lose_node_after_s)
+        victim = next(n for n, log in zip(nodes, logs) if not any("controller listening" in x for x in list(log)))
+        workers = subprocess.run(["pgrep", "-P", str(victim.pid)], capture_output=True, text=True).stdout.split()
+        for pid in [victim.pid, *map(int, workers)]:
+            os.kill(pid, signal.SIGKILL)
     outs = []
-    for node in nodes:
+    for node, reader, log in zip(nodes, readers, logs):
         try:
-            outs.append((node.wait(timeout=240), node.stdout.read()))
+            code = node.wait(timeout=240)
         except subprocess.TimeoutExpired:
             for n in nodes:
                 n.kill()
             raise
+        reader.join(timeout=10)
+        outs.append((code, "".join(log)))
     return outs, (json.loads(report.read_text()) if report.exists() else None)
 
 
@@ -175,3 +200,22 @@ def test_elastic_training_scales_back_up_when_a_new_process_runs(job_runner, tmp
     hashes = {json.loads((tmp_path / f"grow.json.rank{r}").read_text())["final_state_sha256"] for r in (1, 2)}
     assert hashes == {report["final_state_sha256"]}  # all three replicas identical again
     assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 1 and len(report["pids"]["2"]) == 2
+
+
+def test_recover_takes_the_ranks_of_a_lost_node_elsewhere(tmp_path):
+    """The whole second node goes away (agent and worker killed): the first
+    node's agent starts rank 1 in its spare slot, and still ends cleanly
+    (it does not wait 5 minutes at torch's exit barrier for the lost one)."""
+    env = {"TINY_STEP_SLEEP": "0.3"}
+    outs, reference = run_two_nodes(tmp_path, "whole", fault="", strategies="recover,dump", steps=20, env_extra=env)
+    assert [rc for rc, _ in outs] == [0, 0], "\n".join(log[-4000:] for _, log in outs)
+    outs, report = run_two_nodes(tmp_path, "lost", fault="", strategies="recover,dump", steps=20, env_extra=env,
+                                 lose_node_after_s=2)
+    (survivor,) = [out for out in outs if "controller listening" in out[1]]
+    assert survivor[0] == 0, survivor[1][-4000:]
+    (record,) = report["recoveries"]
+    assert (record["rank"], record["strategy"], record["lost_steps"]) == (1, "recover", 0)
+    assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 2
+    assert report["steps_completed"] == 20
+    assert report["final_state_sha256"] == reference["final_state_sha256"]
+    assert "are gone; waiting at most" in survivor[1]

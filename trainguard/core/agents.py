@@ -37,6 +37,7 @@ class AgentTable:
         self.restarts_left = max_restarts
         self._agents: dict[str, _Agent] = {}
         self._next_order = 1
+        self.gone: list[str] = []  # agents whose relay stream ended while the job ran
 
     def hello(self, node: str, hello: pb.AgentHello) -> None:
         self._agents[node] = _Agent(node, set(hello.ranks), hello.spare)
@@ -44,6 +45,7 @@ class AgentTable:
 
     def lost(self, node: str) -> None:
         if self._agents.pop(node, None) is not None:
+            self.gone.append(node)
             log.warning("node agent %s is gone: its ranks cannot be restarted on its node", node)
 
     def home(self, rank: int) -> str | None:

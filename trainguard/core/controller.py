@@ -334,6 +334,7 @@ class ControllerCore(Restarts):
             },
             "pids": {str(k): v for k, v in self._pids.items()},
             "recoveries": [rec.to_dict() for rec in self.records],
+            "agents_gone": list(self.agents.gone),
             "episode": None if self.episode is None else {
                 "faults": [f.describe() for f in self.episode.faults],
                 "plan": self.episode.plan.strategy.value if self.episode.plan else None,

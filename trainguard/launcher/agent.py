@@ -52,6 +52,8 @@ _WORKER_STORE_KEY = "trainguard/worker_store_port"
 _TOKEN_KEY = "trainguard/token"
 #: A worker seen stopped this long is killed as hung.
 STOPPED_CONFIRM_S = 0.3
+#: How long the agent waits for the others at exit once a node agent was lost.
+EXIT_BARRIER_AFTER_LOSS_S = 10
 
 
 def process_state(pid: int) -> str:
@@ -204,6 +206,21 @@ class TrainguardAgent(LocalElasticAgent):
                 return RunResult(state=WorkerState.HEALTHY)
             log.error("ranks %s still running %.0f s after a failure; stopping them", running, now - self._failed_at)
         return super()._monitor_workers(worker_group)
+
+    def _exit_barrier(self) -> None:
+        """torch's wait for every node's agent at the end. A node agent the
+        controller saw go away (its node was lost; its ranks were recovered
+        elsewhere) will never arrive: wait briefly instead of 5 minutes."""
+        if self.controller is not None:
+            try:
+                gone = self.controller.snapshot().get("agents_gone", [])
+            except Exception:  # a stopped controller: keep torch's wait
+                gone = []
+            if gone:
+                log.warning("node agents %s are gone; waiting at most %d s for the others at exit",
+                            gone[:8], EXIT_BARRIER_AFTER_LOSS_S)
+                self._exit_barrier_timeout = min(self._exit_barrier_timeout, EXIT_BARRIER_AFTER_LOSS_S)
+        super()._exit_barrier()
 
     def _wants_standby(self) -> bool:
         restarts = {Strategy.RECOVER_IN_PLACE, Strategy.RECOVER} & set(self._config.strategies)
