@@ -116,7 +116,17 @@ def run_two_nodes(tmp: Path, name: str, *, fault: str, strategies: str, steps: i
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env.update(TRAINGUARD_HEARTBEAT_INTERVAL_S="0.5", TRAINGUARD_PRELOCK_TIMEOUT_S="20", PYTHONUNBUFFERED="1",
                TRAINGUARD_FAULT=fault, TRAINGUARD_STRATEGIES=strategies, **(env_extra or {}))
-    endpoint = f"127.0.0.1:{_free_port()}"
+    port = _free_port()
+    endpoint = f"127.0.0.1:{port}"
+    rendezvous = None
+    if lose_node_after_s:
+        # torch's c10d rendezvous store lives in whichever agent bound the
+        # endpoint first, and dies with it; served from here, both agents
+        # are its clients and either node may be lost (on a cluster: an
+        # endpoint outside the workers' nodes, or etcd).
+        import torch.distributed as dist
+
+        rendezvous = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", name, "--monitor-interval", "0.1",
            "--max-restarts", "3", "--spare-slots", "1",
@@ -150,6 +160,7 @@ def run_two_nodes(tmp: Path, name: str, *, fault: str, strategies: str, steps: i
             raise
         reader.join(timeout=10)
         outs.append((code, "".join(log)))
+    del rendezvous
     return outs, (json.loads(report.read_text()) if report.exists() else None)
 
 
