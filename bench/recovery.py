@@ -97,21 +97,22 @@ def run_one(mode: str, fault_step: int, steps: int, save_every: int, size: dict,
     }
 
 
-def main() -> None:
-    args = common.parser(__doc__.splitlines()[0]).parse_args()
-    k = 4 if args.quick else 10
-    positions = [k + k // 2] if args.quick else [k + 2, k + 5, k + 8]
-    size = {"batch": 4, "image": 16} if args.quick else {"batch": 8, "image": 32}
-    rows = []
+def run_positions(quick: bool, **fault) -> tuple[list[dict], dict, int, dict]:
+    """Both modes at each fault position of a K-step checkpoint interval
+    (``fault``: run_one's keywords). A launch that fails outright is retried
+    up to three times, and counted. Returns rows, failures, K and size."""
+    k = 4 if quick else 10
+    positions = [k + k // 2] if quick else [k + 2, k + 5, k + 8]
+    size = {"batch": 4, "image": 16} if quick else {"batch": 8, "image": 32}
+    rows, failures = [], {"baseline": 0, "trainguard": 0}
     with tempfile.TemporaryDirectory() as tmp:
-        failures = {"baseline": 0, "trainguard": 0}
         for fault_step in positions:
             for mode in ("plain", "guard"):
-                for attempt in range(3):  # a launch that fails outright is retried, and counted
+                for attempt in range(3):
                     run_dir = Path(tmp) / f"{mode}-{fault_step}-{attempt}"
                     run_dir.mkdir()
                     try:
-                        rows.append(run_one(mode, fault_step, fault_step + 2, k, size, run_dir))
+                        rows.append(run_one(mode, fault_step, fault_step + 2, k, size, run_dir, **fault))
                         break
                     except LaunchFailed as e:
                         failures["baseline" if mode == "plain" else "trainguard"] += 1
@@ -119,6 +120,12 @@ def main() -> None:
                 else:
                     raise RuntimeError(f"{mode} failed three times at fault step {fault_step}")
                 print(rows[-1], file=sys.stderr)
+    return rows, failures, k, size
+
+
+def main() -> None:
+    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    rows, failures, k, size = run_positions(args.quick)
     base = [r for r in rows if r["mode"] == "baseline"]
     ours = [r for r in rows if r["mode"] == "trainguard"]
     mean = lambda rs, key: statistics.mean(r[key] for r in rs)  # noqa: E731

@@ -27,38 +27,19 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from recovery import NPROC, LaunchFailed, run_one  # noqa: E402
+from recovery import NPROC, run_positions  # noqa: E402
 
 
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
-    k = 4 if args.quick else 10
-    positions = [k + k // 2] if args.quick else [k + 2, k + 5, k + 8]
-    size = {"batch": 4, "image": 16} if args.quick else {"batch": 8, "image": 32}
-    rows, failures = [], {"baseline": 0, "trainguard": 0}
-    with tempfile.TemporaryDirectory() as tmp:
-        for fault_step in positions:
-            for mode in ("plain", "guard"):
-                for attempt in range(3):  # a launch that fails outright is retried, and counted
-                    run_dir = Path(tmp) / f"{mode}-{fault_step}-{attempt}"
-                    run_dir.mkdir()
-                    try:
-                        row = run_one(mode, fault_step, fault_step + 2, k, size, run_dir, fault="crash",
-                                      strategies="recover-in-place,dump", launcher_args=("--max-restarts", "1"))
-                        break
-                    except LaunchFailed as e:
-                        failures["baseline" if mode == "plain" else "trainguard"] += 1
-                        print(f"launch failed, retrying: {str(e)[-1500:]}", file=sys.stderr)
-                else:
-                    raise RuntimeError(f"{mode} failed three times at fault step {fault_step}")
-                row["rank0_kept_pid"] = not row.pop("restarted")
-                rows.append(row)
-                print(row, file=sys.stderr)
+    rows, failures, k, size = run_positions(args.quick, fault="crash", strategies="recover-in-place,dump",
+                                            launcher_args=("--max-restarts", "1"))
+    for row in rows:
+        row["rank0_kept_pid"] = not row.pop("restarted")
     base = [r for r in rows if r["mode"] == "baseline"]
     ours = [r for r in rows if r["mode"] == "trainguard"]
     mean = lambda rs, key: statistics.mean(r[key] for r in rs)  # noqa: E731

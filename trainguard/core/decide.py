@@ -26,6 +26,7 @@ from .api import (
     RankState,
     Severity,
     Strategy,
+    Transfer,
 )
 from .config import ControllerConfig
 from .replicas import Layout, choose_savers, choose_sources
@@ -112,6 +113,21 @@ def _corrupted(view: JobView) -> str | None:
     return None
 
 
+def _repairs(view: JobView, new: Sequence[int] = ()) -> tuple[Transfer, ...] | str:
+    """The state copies that bring ``new`` ranks and every live rank not at
+    the locked step up to it, or why none can: a live rank did not stop, or
+    no consistent replica holds some state."""
+    stuck = [r for r in view.live if not view.ranks[r].stopped]
+    if stuck:
+        return f"ranks {stuck} did not stop at a consistent step"
+    targets = list(new) + [r for r in view.live if r not in view.usable]
+    transfers, missing = choose_sources(view.layout, targets, view.usable)
+    if missing:
+        rank, kind = missing[0]
+        return f"no consistent replica at step {view.lock} to repair rank {rank} (state kind {kind}) from"
+    return tuple(transfers)
+
+
 def plan_retry(view: JobView) -> Plan | str:
     for f in view.faults:
         if not f.kind.in_process:
@@ -123,15 +139,10 @@ def plan_retry(view: JobView) -> Plan | str:
         state = view.ranks.get(f.rank)
         if f.kind is FaultKind.UCE and f.corrupts_state and state is not None and not state.device_repairable:
             return f"{f.describe()}; this rank's device cannot be repaired in-process"
-    stuck = [r for r in view.live if not view.ranks[r].stopped]
-    if stuck:
-        return f"ranks {stuck} did not stop at a consistent step"
-    targets = [r for r in view.live if r not in view.usable]
-    transfers, missing = choose_sources(view.layout, targets, view.usable)
-    if missing:
-        rank, kind = missing[0]
-        return f"no consistent replica at step {view.lock} to repair rank {rank} (state kind {kind}) from"
-    return Plan(strategy=Strategy.RETRY, step=view.lock, participants=view.live, transfers=tuple(transfers))
+    transfers = _repairs(view)
+    if isinstance(transfers, str):
+        return transfers
+    return Plan(strategy=Strategy.RETRY, step=view.lock, participants=view.live, transfers=transfers)
 
 
 def plan_dump(view: JobView) -> Plan | str:
@@ -191,15 +202,10 @@ def _restart(view: JobView, strategy: Strategy) -> Plan | str:
                 return f"no other node agent has a spare slot for rank {r} (trainguard run --spare-slots)"
             spare[node] -= 1
             placement[r] = node
-    stuck = [r for r in view.live if not view.ranks[r].stopped]
-    if stuck:
-        return f"ranks {stuck} did not stop at a consistent step"
-    targets = lost + [r for r in view.live if r not in view.usable]
-    transfers, missing = choose_sources(view.layout, targets, view.usable)
-    if missing:
-        rank, kind = missing[0]
-        return f"no consistent replica at step {view.lock} to repair rank {rank} (state kind {kind}) from"
-    return Plan(strategy=strategy, step=view.lock, participants=view.live, transfers=tuple(transfers),
+    transfers = _repairs(view, new=lost)
+    if isinstance(transfers, str):
+        return transfers
+    return Plan(strategy=strategy, step=view.lock, participants=view.live, transfers=transfers,
                 replacements=placement)
 
 
@@ -227,16 +233,10 @@ def plan_elastic(view: JobView) -> Plan | str:
         return f"ranks {partial[:8]} hold part of the state (sharded): dropping a rank would lose its shard"
     if not view.live:
         return "no rank is left to train"
-    stuck = [r for r in view.live if not view.ranks[r].stopped]
-    if stuck:
-        return f"ranks {stuck} did not stop at a consistent step"
-    targets = [r for r in view.live if r not in view.usable]
-    transfers, missing = choose_sources(view.layout, targets, view.usable)
-    if missing:
-        rank, kind = missing[0]
-        return f"no consistent replica at step {view.lock} to repair rank {rank} (state kind {kind}) from"
-    return Plan(strategy=Strategy.ELASTIC_TRAINING, step=view.lock, participants=view.live,
-                transfers=tuple(transfers))
+    transfers = _repairs(view)
+    if isinstance(transfers, str):
+        return transfers
+    return Plan(strategy=Strategy.ELASTIC_TRAINING, step=view.lock, participants=view.live, transfers=transfers)
 
 
 #: Strategy -> planner. A planner returns a Plan, or why it cannot work.

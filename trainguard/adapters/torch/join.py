@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -30,6 +29,8 @@ import torch.distributed as dist
 from torch.distributed.utils import _sync_params_and_buffers, _verify_param_shape_across_processes
 
 from trainguard.core import ForceStop, RecoveryError
+
+from .process_group import run_cancellable
 
 if TYPE_CHECKING:
     from .guard import Guard
@@ -91,32 +92,26 @@ def meet(guard: "Guard", generation: int, address: str, cancelled: Callable[[], 
     """
     host, _, port = address.rpartition(":")
     timeout = guard.process_group.timeout
-    done: dict[str, Any] = {}
 
-    def run() -> None:
-        try:
-            client = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-            # What init_process_group keeps as the default group's store,
-            # and the Guard builds its own group on.
-            store = dist.PrefixStore("0/", dist.PrefixStore("default_pg", client))
-            default = _default_group(store, guard.rank, guard.world_size, timeout, guard.device.torch_device)
-            if guard.ddp is not None:
-                _mirror_ddp(guard.ddp, default)
-            done["store"], done["default"] = store, default
-        except Exception as e:  # surfaced on the training thread below
-            done["error"] = e
+    def build() -> tuple[Any, dist.ProcessGroup]:
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        # What init_process_group keeps as the default group's store, and
+        # the Guard builds its own group on.
+        store = dist.PrefixStore("0/", dist.PrefixStore("default_pg", client))
+        default = _default_group(store, guard.rank, guard.world_size, timeout, guard.device.torch_device)
+        if guard.ddp is not None:
+            _mirror_ddp(guard.ddp, default)
+        return store, default
 
-    thread = threading.Thread(target=run, name=f"trainguard-join-{generation}", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.05)
-        if cancelled() and thread.is_alive():
-            raise ForceStop(f"join of generation {generation} abandoned")
-    if "error" in done:
-        raise RecoveryError(f"could not meet the new process on {address}: {done['error']}") from done["error"]
+    try:
+        store, default = run_cancellable(build, cancelled, f"join of generation {generation}")
+    except ForceStop:
+        raise
+    except Exception as e:
+        raise RecoveryError(f"could not meet the new process on {address}: {e}") from e
     # Kept alive: the new process's default group talks to it.
-    guard.joined_default_group = done["default"]
+    guard.joined_default_group = default
     if tuple(ranks) != guard.process_group.members:
-        guard.regroup(ranks, generation, cancelled, store=done["store"])
+        guard.regroup(ranks, generation, cancelled, store=store)
     else:
-        guard.process_group.rebuild(generation, cancelled=cancelled, store=done["store"])
+        guard.process_group.rebuild(generation, cancelled=cancelled, store=store)

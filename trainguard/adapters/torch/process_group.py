@@ -30,7 +30,7 @@ import torch._C._distributed_c10d as c10d
 
 from trainguard.core import ForceStop
 
-__all__ = ["AbortableProcessGroup", "GroupRef", "allreduce_hook"]
+__all__ = ["AbortableProcessGroup", "GroupRef", "allreduce_hook", "run_cancellable"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -197,25 +197,11 @@ class AbortableProcessGroup(dist.ProcessGroup):
         for work in list(self._pending):
             work.finish(error=ForceStop("process group rebuilt"))
         self._black_hole = False
-        built: dict[str, Any] = {}
         if store is not None:
             self._store = store
-
-        def build() -> None:
-            try:
-                built["pg"] = self._build(generation)
-            except Exception as e:  # surfaced on the training thread below
-                built["error"] = e
-
-        thread = threading.Thread(target=build, name=f"trainguard-pg-build-{generation}", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.05)
-            if cancelled() and thread.is_alive():
-                raise ForceStop(f"rebuild of process group generation {generation} abandoned")
-        if "error" in built:
-            raise built["error"]
-        old, self._inner = self._inner, built["pg"]
+        built = run_cancellable(lambda: self._build(generation), cancelled,
+                                f"rebuild of process group generation {generation}")
+        old, self._inner = self._inner, built
         if old is not None:
             self._retire(old)
         self.generation = generation
@@ -323,6 +309,32 @@ class GroupRef:
 
     def __init__(self, group: AbortableProcessGroup) -> None:
         self.group = group
+
+
+def run_cancellable(fn: Callable[[], Any], cancelled: Callable[[], bool], what: str) -> Any:
+    """``fn()`` on a helper thread (a backend build blocks until every peer
+    arrives), abandoned when ``cancelled()`` turns true (a new STOP).
+
+    Raises:
+        ForceStop: cancelled before ``fn`` returned; ``fn``'s own error.
+    """
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = fn()
+        except Exception as e:  # surfaced on the calling thread below
+            done["error"] = e
+
+    thread = threading.Thread(target=run, name="trainguard-pg-build", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+        if cancelled() and thread.is_alive():
+            raise ForceStop(f"{what} abandoned")
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 def allreduce_hook(state, bucket):  # no annotations: DDP compares them to real types
