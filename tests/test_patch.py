@@ -314,11 +314,6 @@ def test_python_option_finds_the_installed_torch(installed, capsys):
     assert f"file:    {installed}" in out and f"torch:   {VERSION}" in out and "state:   not patched" in out
 
 
-def test_msrun_is_not_available_yet(capsys):
-    assert cli.main(["msrun", "--check"]) == 2
-    assert "not available yet (MindSpore adapter, issue 4)" in capsys.readouterr().err
-
-
 def test_help_lists_the_targets(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])

@@ -1,6 +1,7 @@
 """The ``trainguard`` command.
 
-* ``trainguard run [torchrun flags] SCRIPT [ARGS]`` -- launch a protected job.
+* ``trainguard run [torchrun flags] SCRIPT [ARGS]`` -- launch a protected job;
+  ``trainguard run --framework mindspore [msrun flags] SCRIPT [ARGS]`` -- the same with msrun.
 * ``trainguard status [--controller HOST:PORT]`` -- a running job's state.
 * ``trainguard ckpt list|verify DIR`` -- the checkpoints in a directory and
   whether each passes verification.
@@ -20,6 +21,7 @@ __all__ = ["main"]
 USAGE = """usage: trainguard {run,status,ckpt} ...
 
   run     launch a training script like torchrun, protected by trainguard
+          (--framework mindspore: like msrun, with msrun's flags)
   status  show a running job's controller state
   ckpt    list or verify checkpoints in a directory
 """
@@ -67,12 +69,27 @@ def _ckpt(argv: Sequence[str]) -> int:
     return 1 if bad else 0
 
 
+def _framework(argv: list[str]) -> tuple[str, list[str]]:
+    """``--framework NAME`` / ``--framework=NAME`` at the front of ``run``'s arguments."""
+    first = argv[0]
+    name, rest = (first.partition("=")[2], argv[1:]) if "=" in first else (argv[1] if len(argv) > 1 else "", argv[2:])
+    if name not in ("torch", "mindspore"):
+        raise SystemExit(f"trainguard run: --framework must be torch or mindspore, got {name!r}")
+    return name, rest
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "run" and rest and rest[0].startswith("--framework"):
+        framework, rest = _framework(rest)
+        if framework == "mindspore":
+            from trainguard.launcher.msrun import main as msrun_main
+
+            return msrun_main(rest)
     if command == "run":
         from trainguard.launcher.run import main as run_main
 

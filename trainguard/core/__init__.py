@@ -27,7 +27,7 @@ from .api import (
     TrainguardError,
     TransitionError,
 )
-from .checkpoint import MEGATRON, TORCH, CheckpointStore, FileInfo
+from .checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo
 from .classify import Classifier
 from .config import ControllerConfig, ProcessorConfig, check_env, parse_strategies
 from .decide import decide
@@ -40,7 +40,7 @@ from .server import Controller
 __all__ = [
     "EXIT_AFTER_DUMP", "EXIT_HUNG", "EXIT_UNRECOVERABLE", "CheckpointError", "CheckpointStore", "Classifier", "ConfigError",
     "Controller", "ControllerConfig", "ControllerLostError", "ControllerState", "DataStatus", "Fault",
-    "FaultInjector", "FaultKind", "FaultSpec", "FileInfo", "ForceStop", "Handlers", "MEGATRON", "Outcome",
+    "FaultInjector", "FaultKind", "FaultSpec", "FileInfo", "ForceStop", "Handlers", "MEGATRON", "MINDSPORE", "Outcome",
     "Plan", "Processor", "ProcessorConfig", "ProtocolError", "RankState", "RecoveryError", "ReplicaGroup",
     "RunStatus", "Severity", "Strategy", "TORCH", "Transfer", "TrainguardError", "TransitionError",
     "check_env", "choose_savers", "choose_sources", "decide", "parse_strategies", "recover", "report_left_step",

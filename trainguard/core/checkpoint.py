@@ -1,7 +1,9 @@
 """Checkpoint directories that a reader never sees half-written.
 
 A checkpoint is a directory named by its step in the framework's habit
-(:data:`TORCH`: ``step_00000123``; :data:`MEGATRON`: ``iter_0000123``). It
+(:data:`TORCH`: ``step_00000123``; :data:`MEGATRON`: ``iter_0000123``;
+:data:`MINDSPORE`: ``tft_saved_checkpoints-step_123``, files under
+``rank_{r}/``). It
 is written as ``<name>_tmp``; every file's size and SHA-256 are recorded as
 it is written; one rank then verifies every file, writes ``manifest.json``,
 renames the directory to its final name and, last, rewrites the tracker file
@@ -33,6 +35,7 @@ from .api import CheckpointError
 __all__ = [
     "FORMAT",
     "MEGATRON",
+    "MINDSPORE",
     "TORCH",
     "CheckpointStore",
     "FileInfo",
@@ -95,6 +98,9 @@ class Naming:
 
 TORCH = Naming("step_{:08d}", "latest_step.txt", r"step_(\d{8,})")
 MEGATRON = Naming("iter_{:07d}", "latest_checkpointed_iteration.txt", r"iter_(\d{7,})")
+#: MindSpore TFT's dying-gasp directories (``tft_saved_checkpoints-step_{n}``);
+#: MindSpore itself keeps no tracker, trainguard writes one beside them.
+MINDSPORE = Naming("tft_saved_checkpoints-step_{}", "latest_tft_step.txt", r"tft_saved_checkpoints-step_(\d+)")
 
 
 @dataclass(frozen=True)
@@ -177,12 +183,8 @@ class CheckpointStore:
         Raises:
             CheckpointError: the file could not be written (disk full, ...).
         """
-        if "/" in name or name in ("", ".", "..", MANIFEST):
-            raise CheckpointError(f"invalid checkpoint file name {name!r}")
-        directory = self.tmp_path(step)
-        path = directory / name
+        path = self._file(step, name)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as raw:
                 writer = _HashingWriter(raw)
                 write(writer)
@@ -191,6 +193,31 @@ class CheckpointStore:
         except OSError as e:
             raise _io_error(f"writing {path}", e) from None
         return FileInfo(name, writer.bytes, writer.hash.hexdigest())
+
+    def write_path(self, step: int, name: str, write: Callable[[Path], None]) -> FileInfo:
+        """Like :meth:`write`, for writers that take a path (a framework's own
+        save function); the file is synced and hashed afterwards."""
+        path = self._file(step, name)
+        try:
+            write(path)
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+            return FileInfo(name, path.stat().st_size, sha256_of(path))
+        except OSError as e:
+            raise _io_error(f"writing {path}", e) from None
+
+    def _file(self, step: int, name: str) -> Path:
+        """The path of ``name`` (``file`` or ``subdir/file``) in ``step``'s
+        temporary directory, with its directory created."""
+        parts = name.split("/")
+        if not 1 <= len(parts) <= 2 or any(p in ("", ".", "..") for p in parts) or name == MANIFEST:
+            raise CheckpointError(f"invalid checkpoint file name {name!r}")
+        path = self.tmp_path(step) / name
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _io_error(f"creating {path.parent}", e) from None
+        return path
 
     def finalize(self, step: int, files: Sequence[FileInfo], *, layout: Mapping | None = None,
                  meta: Mapping | None = None) -> Path:

@@ -2,6 +2,9 @@
 
 * ``adapters-patch torchrun`` -- edit the installed ``torch/distributed/run.py``
   so plain ``torchrun`` launches through ``trainguard run``;
+* ``adapters-patch msrun`` -- edit the installed
+  ``mindspore/parallel/cluster/process_entity/_api.py`` so plain ``msrun``
+  hands its workers to trainguard (through MindSpore's own taskd hook);
 * ``--check`` says what would be done and whether it would succeed;
 * ``--revert`` restores the original file byte for byte;
 * ``--python PATH`` targets the environment of another interpreter.
@@ -17,13 +20,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from . import core, torchrun
+from . import core, msrun, torchrun
 from .core import Located, PatchError, Target
 
 __all__ = ["main"]
 
-TARGETS: dict[str, Target] = {t.name: t for t in (torchrun.TARGET,)}
-NOT_YET: dict[str, str] = {"msrun": "not available yet (MindSpore adapter, issue 4)"}
+TARGETS: dict[str, Target] = {t.name: t for t in (torchrun.TARGET, msrun.TARGET)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,8 +47,6 @@ def parser() -> argparse.ArgumentParser:
                                 f"installs); needs --{t.package}-version")
         s.add_argument(f"--{t.package}-version", dest="version", metavar="VERSION",
                        help=f"the {t.package} version the --file belongs to")
-    for name, why in NOT_YET.items():
-        sub.add_parser(name, help=why)  # listed in --help; main() answers before parsing its flags
     return p
 
 
@@ -63,22 +63,23 @@ def _locate(target: Target, args: argparse.Namespace) -> Located:
     return Located(args.file.resolve(), args.version)
 
 
-def _row(label: str, value: object) -> None:
-    print(f"  {label + ':':<9}{value}")
+def _row(target: Target, label: str, value: object) -> None:
+    width = len(max("action", target.package, key=len)) + 3  # the longest label, its colon and a space
+    print(f"  {label + ':':<{width}}{value}")
 
 
 def _run(target: Target, args: argparse.Namespace) -> int:
     found = _locate(target, args)
     if args.check:
         print(f"adapters-patch {target.name}{' --revert' if args.revert else ''} --check (changes nothing)")
-        _row("file", found.path)
-        _row(target.package, f"{found.version} (supported: {target.supported})")
+        _row(target, "file", found.path)
+        _row(target, target.package, f"{found.version} (supported: {target.supported})")
     try:
         data = found.path.read_bytes()
     except OSError as e:
         raise PatchError(f"cannot read {found.path}: {e.strerror or e}") from None
     if args.check:
-        _row("state", core.state(data))
+        _row(target, "state", core.state(data))
     core.check_version(target, found.version)
     plan = (core.plan_revert if args.revert else core.plan_apply)(target, found.path, data,
                                                                    core.read_backup(found.path))
@@ -88,7 +89,7 @@ def _run(target: Target, args: argparse.Namespace) -> int:
         print(f"adapters-patch {target.name}: warning: trainguard is not installed in that environment; until "
               f"it is, the patched launcher warns and runs as before", file=sys.stderr)
     if args.check:
-        _row("action", plan.action)
+        _row(target, "action", plan.action)
         return 0
     core.execute(plan)
     print(f"{found.path}: {plan.action}" if plan.new is None else f"{found.path}: done: {plan.action}")
@@ -97,9 +98,6 @@ def _run(target: Target, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] and argv[0] in NOT_YET:
-        print(f"adapters-patch {argv[0]}: {NOT_YET[argv[0]]}", file=sys.stderr)
-        return 2
     args = parser().parse_args(argv)
     target = TARGETS[args.target]
     try:

@@ -1,0 +1,61 @@
+"""A small MindSpore data-parallel job under trainguard's Guard, for the
+fault tests (launched by msrun).
+
+    ms_train.py STEPS REPORT CHECKPOINT_DIR [SAVE_EVERY]
+
+Batches are a function of (step, rank); rank 0 writes the Guard's report.
+"""
+
+import json
+import sys
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn
+from mindspore.communication import get_rank, init
+
+from trainguard.mindspore import Guard
+
+steps, report, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+save_every = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+ms.set_context(mode=ms.PYNATIVE_MODE)
+ms.set_device("CPU")
+init()
+ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+ms.set_seed(0)
+rng = np.random.default_rng(0)
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Dense(16, 32, weight_init=Tensor(rng.standard_normal((32, 16), np.float32) * 0.2),
+                            bias_init="zeros")
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Dense(32, 4, weight_init=Tensor(rng.standard_normal((4, 32), np.float32) * 0.2),
+                            bias_init="zeros")
+
+    def construct(self, x):
+        return self.fc2(nn.ReLU()(self.bn(self.fc1(x))))
+
+
+net = Net()
+loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+guard = Guard(net, nn.Momentum(net.trainable_params(), 0.05, 0.9), checkpoint_dir=ckpt, save_every=save_every)
+grad_fn = ms.value_and_grad(nn.WithLossCell(net, loss_fn), None, guard.optimizer.parameters)
+rank = get_rank()
+for step in guard.steps(steps):
+    with guard.protect():
+        data = np.random.default_rng(1000 * step + rank)
+        x = Tensor(data.standard_normal((8, 16)).astype(np.float32))
+        y = Tensor(data.integers(0, 4, 8).astype(np.int32))
+        loss, grads = grad_fn(x, y)
+        guard.optimizer(grads)
+out = guard.report()
+guard.close()
+if rank == 0:
+    with open(report, "w") as f:
+        json.dump(out, f)
+print(f"rank {rank} done at step {out['steps_completed']}", flush=True)
+if __import__("os").environ.get("MS_TRAIN_DUMP"):
+    np.savez(f"{__import__('os').environ['MS_TRAIN_DUMP']}_{rank}.npz", **guard.state.arrays())

@@ -1,0 +1,410 @@
+"""``Guard``: protect a MindSpore training loop (PyNative mode).
+
+::
+
+    init()                                        # mindspore.communication, launched by msrun
+    guard = Guard(net, nn.Momentum(net.trainable_params(), 0.1, 0.9), checkpoint_dir="ckpt")
+    grad_fn = ms.value_and_grad(nn.WithLossCell(net, loss_fn), None, guard.optimizer.parameters)
+    for step in guard.steps(1000):                # resumes where the checkpoint left off
+        with guard.protect():                     # a fault here is recovered, not raised
+            loss, grads = grad_fn(*batch(step))
+            guard.optimizer(grads)                # reduce gradients, check replicas, update
+    guard.close()
+
+The update is collective: every replica all-reduces a health flag before
+it (see :mod:`.optimizer`), and all of them apply it or none does. A rank
+that fails in a step replays the collectives its peers wait in with a flag of
+0 ("drain"), so every replica leaves the step at the same point with its
+state at the last completed step; the controller then repairs the failed
+rank from a replica (``retry``) or has a healthy replica save it (``dump``).
+Launched with ``msrun`` after ``adapters-patch msrun`` or with ``trainguard
+run --framework mindspore`` the guard reaches the job's controller;
+otherwise it still checkpoints and resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from trainguard.core import (
+    MINDSPORE,
+    CheckpointStore,
+    Classifier,
+    ConfigError,
+    ControllerLostError,
+    DataStatus,
+    FaultInjector,
+    FaultKind,
+    ForceStop,
+    Processor,
+    ProcessorConfig,
+    ReplicaGroup,
+    recover,
+    report_left_step,
+)
+from trainguard.core import logs
+
+from .handlers import MindSporeHandlers, load_checkpoint
+from .optimizer import OptTFTWrapper
+from .state import ModelState
+
+__all__ = ["Guard"]
+
+log = logging.getLogger("trainguard.mindspore")
+
+# Where a rank is in its step, for the drain: which collectives its peers may wait in.
+_COMPUTE, _REDUCED, _UPDATING = "compute", "reduced", "updating"
+#: How long a replica that skipped an update waits for the controller's STOP
+#: before it reports the skip as a communication fault of its own.
+STOP_WAIT_S = 30.0
+
+
+class CommunicationBroken(RuntimeError):
+    """A collective failed or timed out: MindSpore's communicator may hold
+    half a collective, so this process must not run another one."""
+
+
+class Guard:
+    """Fault tolerance for one MindSpore training loop.
+
+    Args:
+        network: the model (an ``nn.Cell``).
+        optimizer: an ``nn.Optimizer`` or an :class:`OptTFTWrapper` of one;
+            use :attr:`optimizer` (the wrapper) in the loop.
+        checkpoint_dir: where periodic and dying-gasp checkpoints go
+            (MindSpore TFT's layout); the newest complete one is loaded at start.
+        save_every: periodic checkpoint interval in steps (0: none).
+        keep: complete checkpoints kept (0: all).
+        steps_per_epoch: for ``epoch_num`` inside checkpoints (0: one epoch).
+        reduce_gradients: all-reduce (mean) the gradients across the replicas
+            in the wrapper; ``False`` when something else does (``Model``'s
+            ``TrainOneStepCell``): pass its ``grad_reducer`` as ``reducer``.
+        replicas: this rank's replica groups (default: pure data parallel).
+        processor, injector, classifier: collaborators, from the environment
+            when omitted.
+    """
+
+    def __init__(
+        self,
+        network: nn.Cell,
+        optimizer: nn.Optimizer | OptTFTWrapper,
+        *,
+        checkpoint_dir: str | os.PathLike | None = None,
+        save_every: int = 0,
+        keep: int = 2,
+        steps_per_epoch: int = 0,
+        reduce_gradients: bool = True,
+        reducer: nn.Cell | None = None,
+        replicas: Sequence[ReplicaGroup] | None = None,
+        processor: Processor | None = None,
+        injector: FaultInjector | None = None,
+        classifier: Classifier | None = None,
+    ) -> None:
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            raise ConfigError("trainguard's MindSpore Guard needs PyNative mode (ms.set_context(mode=ms.PYNATIVE_MODE)); "
+                              "graph mode is not supported yet")
+        if save_every < 0 or (save_every and checkpoint_dir is None):
+            raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
+        self.rank, self.world_size = _rank_and_size()
+        logs.setup(f"rank {self.rank}")
+        self.optimizer = optimizer if isinstance(optimizer, OptTFTWrapper) else OptTFTWrapper(optimizer)
+        if self.optimizer.guard is not None:
+            raise ConfigError("this optimizer wrapper already belongs to another Guard")
+        self.network = network
+        self.state = ModelState(network, self.optimizer.opt)
+        self.groups = tuple(replicas) if replicas else (_data_parallel_group(self.world_size),)
+        self.store = CheckpointStore(checkpoint_dir, MINDSPORE, keep=keep) if checkpoint_dir is not None else None
+        self.save_every, self.steps_per_epoch = save_every, steps_per_epoch
+        self.classifier = classifier or _classifier()
+        self._allreduce = ops.AllReduce() if self.world_size > 1 else None
+        if reducer is None and reduce_gradients and self.world_size > 1:
+            reducer = nn.DistributedGradReducer(self.optimizer.parameters, mean=True, degree=self.world_size)
+        self.reducer, self._reduce = reducer, reduce_gradients and reducer is not None
+        self.records: list[dict] = []
+        self.history: dict = {"records": [], "pids": {}}
+        self._handlers = MindSporeHandlers(self)
+        self._step = 0
+        self._phase = _COMPUTE
+        self._updated = self._skipped = self._entered = False
+        self.comm_broken = ""  # why this process must not run collectives any more
+        self._in_collective = False  # for the hang watchdog: waiting on peers is not a hang of ours
+        self._step_started = 0.0
+
+        self.pids = {r: int(p) for r, p in enumerate(self.all_gather_ints([os.getpid()]))}
+        self._step = self._load()
+        self.state.commit(self._step)
+        log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
+        self.injector = injector or FaultInjector.from_env(self.rank, log_path=log_path)
+        self.processor = processor or self._connect()
+        self.processor.watchdog.in_collective = lambda: self._in_collective
+        self._hooks = []
+        if self.injector.wants("forward"):
+            self._hooks.append(network.register_forward_pre_hook(
+                lambda cell, inputs: self.injector.strike("forward", self._step)))
+        self.optimizer.guard = self
+
+    # --------------------------------------------------------------- setup
+    def _connect(self) -> Processor:
+        config = ProcessorConfig.from_env(rank=self.rank, world_size=self.world_size)
+        if config is None:
+            if self.rank == 0:
+                log.warning("no trainguard controller in this job (TRAINGUARD_CONTROLLER unset): checkpoints "
+                            "work, but faults will not be recovered; launch with msrun after "
+                            "`adapters-patch msrun`, or `trainguard run --framework mindspore`")
+            processor = Processor(None, rank=self.rank)
+            processor.step = self._step
+            return processor
+        processor = Processor(config)
+        processor.connect(step=self._step, replicas=self.groups, device=ms.get_context("device_target").lower(),
+                          device_repairable=True)
+        return processor
+
+    # ------------------------------------------------------- collectives
+    def all_gather_ints(self, values: Sequence[int]) -> list[int]:
+        """Every rank's ``values``, concatenated in rank order."""
+        mine = Tensor(np.asarray(values, np.int64))
+        if self.world_size == 1:
+            return [int(v) for v in values]
+        return [int(v) for v in self._collective(lambda: ops.AllGather()(mine).asnumpy())]
+
+    def _collective(self, fn):
+        """Run a collective; a failure means the communicator is no longer
+        usable by this process (MindSpore cannot abort one cleanly)."""
+        if self.comm_broken:
+            raise CommunicationBroken(f"rank {self.rank}: {self.comm_broken}")
+        self._in_collective = True
+        try:
+            return fn()
+        except RuntimeError as e:
+            self.comm_broken = f"a collective failed ({str(e).splitlines()[0]})"
+            raise CommunicationBroken(f"rank {self.rank}: {self.comm_broken}: {e}") from e
+        finally:
+            self._in_collective = False
+
+    def _vote(self, healthy: bool) -> bool:
+        """All-reduce the health flag: True when every replica may update."""
+        if self.world_size == 1:
+            return healthy
+        flag = Tensor(np.array([1.0 if healthy else 0.0], np.float32))  # CPU AllReduce takes floats only
+        total = self._collective(lambda: int(self._allreduce(flag).asnumpy()[0]))
+        return total == self.world_size
+
+    # ----------------------------------------------------------- the loop
+    @property
+    def step(self) -> int:
+        """Completed steps."""
+        return self._step
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the number of completed steps until ``total`` are done.
+
+        There is no stop at the step boundary: a stop requested by the
+        controller is voted on inside the next update, so every replica
+        leaves the same step."""
+        while self._step < total:
+            self._entered = False
+            yield self._step
+            if not self._entered:
+                raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
+
+    def protect(self) -> "_Protected":
+        """Context manager around one step's body; see the module docstring."""
+        return _Protected(self)
+
+    def _begin(self) -> None:
+        self._entered = True
+        self._updated = self._skipped = False
+        self._phase = _COMPUTE
+        self._step_started = time.perf_counter()
+        self.injector.strike("gc", self._step)  # a pause only: nothing raised in __enter__
+
+    def update(self, gradients):
+        """The wrapper's body: reduce, vote, update (called by :class:`OptTFTWrapper`)."""
+        self.injector.strike("backward", self._step)
+        if self._reduce:
+            gradients = self._collective(lambda: self.reducer(gradients))
+        self._phase = _REDUCED
+        if not self._vote(not self.processor.stop_event.is_set()):
+            self._skipped = True
+            return False
+        self._phase = _UPDATING
+        self.processor.start_update()
+        result = self.optimizer.opt(gradients)
+        self.injector.strike("optimizer", self._step)
+        self._updated = True
+        return result
+
+    def _commit(self) -> None:
+        if self._skipped:
+            # A peer failed or was stopped: the controller's STOP follows its report.
+            self.processor.stop_event.wait(STOP_WAIT_S)
+            raise ForceStop("a replica could not finish this step")
+        if not self._updated:
+            raise ConfigError("the step ended without calling guard.optimizer(grads)")
+        self.processor.end_update(self._step + 1)
+        self._step += 1
+        self._phase = _COMPUTE
+        self.state.commit(self._step)
+        self.injector.after_step(self._step, time.perf_counter() - self._step_started)
+        if self.save_every and self._step % self.save_every == 0:
+            self.save()
+
+    def _drain(self) -> None:
+        """Release the peers of a rank that failed in a step: replay the
+        collectives they wait in, with a flag of 0, so they skip the update."""
+        if self.world_size == 1 or self.comm_broken:
+            return
+        phase = self._phase
+        if phase == _UPDATING:  # the peers updated and went on into the next step
+            phase = _COMPUTE
+        if phase == _COMPUTE and self.reducer is not None:
+            zeros = tuple(ops.zeros_like(p) for p in self.optimizer.parameters)
+            self._collective(lambda: self.reducer(zeros))
+        self._vote(False)
+        self._phase = _REDUCED
+        log.warning("rank %d released its peers from step %d", self.rank, self._step + 1)
+
+    def _handle(self, error: BaseException) -> None:
+        """Report why the step was left, release the peers, then carry out
+        the controller's recovery."""
+        phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
+        own = report_left_step(self.processor, error, self.classifier, phase=phase)
+        if own:
+            log.error("rank %d fault at step %d: %s", self.rank, self._step, error)
+            try:
+                self._drain()
+            except CommunicationBroken as e:
+                log.error("rank %d could not release its peers: %s", self.rank, e)
+        try:
+            outcome = recover(self.processor, self._handlers, injector=self.injector)
+        except ControllerLostError as lost:
+            raise error from lost
+        if not outcome.resume:
+            self._leave(outcome)
+
+    def _leave(self, outcome) -> None:
+        log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
+        self.close(finished=False)
+        logging.shutdown()
+        os._exit(outcome.exit_code)  # MindSpore's communicator may hold a peer's half collective
+
+    def rolled_back(self, step: int) -> None:
+        self._step = step
+        self._updated = self._skipped = False
+        self._phase = _COMPUTE
+        self.processor.step = step
+        if self.processor.data is not DataStatus.UPDATED:
+            self.processor.end_update(step)
+        self.state.commit(step)
+
+    # --------------------------------------------------------- checkpoints
+    def save(self) -> None:
+        """Save a checkpoint at the current step (every rank calls this; the
+        lowest rank of each shard writes it and finalises)."""
+        if self.store is None:
+            raise ConfigError("no checkpoint_dir was given to the Guard")
+        self.injector.strike("save", self._step)
+        copies = self.groups[0].copies(self.rank)
+        if self.rank == min(copies):
+            shard = self._handlers.write(self._step)
+            self._handlers.finalize_files(self._step, [shard], copies, self.merged_history({}))
+
+    def _load(self) -> int:
+        found = self.store.latest() if self.store is not None else None
+        step = found.step if found is not None else 0
+        steps = self.all_gather_ints([step])
+        if len(set(steps)) != 1:
+            raise ConfigError(f"ranks disagree on the newest complete checkpoint: {steps}")
+        if found is None:
+            return 0
+        self.history = load_checkpoint(found, self.rank, self.state)
+        if self.rank == 0:
+            log.info("resumed from %s at step %d", found.path, found.step)
+        return found.step
+
+    def merged_history(self, controller: dict) -> dict:
+        """Records and PIDs of every launch so far, for a checkpoint."""
+        pids = {k: list(v) for k, v in self.history.get("pids", {}).items()}
+        for rank, pid in self.pids.items():
+            seen = pids.setdefault(str(rank), [])
+            if pid not in seen:
+                seen.append(pid)
+        for rank, more in controller.get("pids", {}).items():
+            seen = pids.setdefault(str(rank), [])
+            seen.extend(p for p in more if p not in seen)
+        records = list(self.history.get("records", [])) + self.records + list(controller.get("records", []))
+        return {"records": records, "pids": pids}
+
+    # ------------------------------------------------------------- report
+    def report(self) -> dict:
+        """Steps, lost steps, PIDs per rank, recoveries and a hash of the state."""
+        history = self.merged_history({})
+        return {
+            "steps_completed": self._step,
+            "lost_steps": sum(max(0, r.get("lost_steps", 0)) for r in history["records"]),
+            "pids": {int(k): v for k, v in sorted(history["pids"].items(), key=lambda kv: int(kv[0]))},
+            "recoveries": history["records"],
+            "final_state_sha256": self.state.sha256(),
+        }
+
+    def close(self, *, finished: bool = True) -> None:
+        """Say goodbye to the controller and detach from the optimizer."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.optimizer.guard = None
+        self.processor.close(finished=finished)
+
+
+class _Protected:
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+
+    def __enter__(self) -> "_Protected":
+        self.guard._begin()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            try:
+                self.guard._commit()
+            except Exception as e:  # a skipped update, a failed periodic save
+                self.guard._handle(e)
+            return False
+        if not isinstance(exc, Exception):
+            return False
+        self.guard._handle(exc)
+        return True
+
+
+def _rank_and_size() -> tuple[int, int]:
+    from mindspore.communication import GlobalComm, get_group_size, get_rank
+
+    if not GlobalComm.INITED:
+        return 0, 1
+    return get_rank(), get_group_size()
+
+
+def _data_parallel_group(world_size: int) -> ReplicaGroup:
+    mode = ms.get_auto_parallel_context("parallel_mode")
+    if mode not in ("stand_alone", "data_parallel"):
+        raise ConfigError(f"parallel_mode {mode!r} shards parameters; pass `replicas=` describing which ranks hold "
+                          f"copies of each shard (trainguard derives it only for data parallel)")
+    return ReplicaGroup.full(range(world_size))
+
+
+def _classifier() -> Classifier:
+    """The core's rules plus MindSpore's own error texts."""
+    c = Classifier()
+    c.register(r"UCEError|HBM_MULTI_BIT_ECC", FaultKind.UCE, None)
+    c.register(r"HCCEError|SuspectRemoteError", FaultKind.COMM)
+    c.register(r"CommunicationBroken|Launch kernel failed, name:.*(AllReduce|AllGather|Broadcast)", FaultKind.COMM)
+    return c

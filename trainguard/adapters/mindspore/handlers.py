@@ -1,0 +1,169 @@
+"""The MindSpore adapter's recovery handlers and its checkpoint files.
+
+Repair copies every parameter (weights, BatchNorm statistics, optimizer
+slots) from a replica with MindSpore's ``Broadcast`` over the job's world
+group, one flat buffer per dtype. Checkpoints use MindSpore TFT's layout::
+
+    <dir>/tft_saved_checkpoints-step_{n}_tmp/rank_{r}/ttp_rank_{r}-{epoch}_{step_in_epoch}.ckpt
+
+written with ``mindspore.save_checkpoint`` (with ``epoch_num``, ``step_num``,
+``global_step`` and ``loss_scale`` appended), verified, and renamed without
+``_tmp`` by one rank, which writes trainguard's manifest inside.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+
+from trainguard.core import CheckpointError, RecoveryError, Transfer
+from trainguard.core.checkpoint import FileInfo, SavedShard, Verified
+from trainguard.core.recovery import Handlers
+
+from .state import ModelState
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+__all__ = ["MindSporeHandlers", "load_checkpoint", "shard_name"]
+
+log = logging.getLogger("trainguard.mindspore")
+
+
+
+def shard_name(rank: int, step: int, steps_per_epoch: int) -> str:
+    epoch, in_epoch = divmod(step, steps_per_epoch) if steps_per_epoch else (0, step)
+    return f"rank_{rank}/ttp_rank_{rank}-{epoch}_{in_epoch}.ckpt"
+
+
+class MindSporeHandlers(Handlers):
+    """Recovery commands carried out on one :class:`~.guard.Guard`'s objects."""
+
+    def __init__(self, guard: "Guard") -> None:
+        self.guard = guard
+        self._repaired = False
+
+    def clean(self, uce: bool) -> int:
+        g = self.guard
+        g.state.restore_buffers()  # the abandoned step's forward moved BatchNorm statistics
+        self._repaired = False
+        return 0
+
+    def rebuild(self, generation: int, ranks: Sequence[int], join_store: str = "") -> None:
+        g = self.guard
+        if g.comm_broken:
+            raise RecoveryError(f"rank {g.rank} cannot communicate any more ({g.comm_broken}); MindSpore's "
+                                f"communicator cannot be rebuilt in the process")
+        if join_store or sorted(ranks) != list(range(g.world_size)):
+            raise RecoveryError("the MindSpore adapter cannot change the group's members (new or dropped ranks)")
+        # Nothing to rebuild: every collective of the left step was completed (drained).
+
+    def repair(self, step: int, transfers: Sequence[Transfer]) -> None:
+        g = self.guard
+        if any(t.kind != 0 for t in transfers):
+            raise RecoveryError("the MindSpore adapter holds dense state only")
+        receivers = {t.dst: t.src for t in transfers}
+        for src in sorted({t.src for t in transfers}):
+            if g.rank == src and g.state.snapshot_step != step:
+                raise RecoveryError(f"rank {g.rank} is at step {g.state.snapshot_step}, cannot serve step {step}")
+            if receivers.get(g.rank) == src:
+                g.processor.begin_copy()
+            got = broadcast_state(g, g.state, src)  # every rank takes part in the broadcast
+            if receivers.get(g.rank) == src:
+                g.state.load_arrays(got, source=f"rank {src}'s state")
+                g.processor.end_copy(step)
+                self._repaired = True
+                log.info("rank %d took its state at step %d from rank %d", g.rank, step, src)
+
+    def rollback(self, step: int) -> None:
+        g = self.guard
+        if not self._repaired and g.state.snapshot_step != step:
+            raise RecoveryError(f"rank {g.rank} committed step {g.state.snapshot_step} and was not repaired; "
+                                f"it cannot roll back to step {step}")
+        g.rolled_back(step)
+
+    def save(self, step: int, kind: int) -> Sequence[FileInfo]:
+        g = self.guard
+        if kind != 0:
+            raise CheckpointError(f"the MindSpore adapter holds dense state only, not kind {kind}")
+        if g.store is None:
+            raise CheckpointError("no checkpoint_dir was given to the Guard, so there is nowhere to save")
+        if g.state.snapshot_step != step:
+            raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}")
+        g.state.restore_buffers()
+        return [self.write(step)]
+
+    def write(self, step: int) -> FileInfo:
+        """Write this rank's state at ``step`` under the temporary name."""
+        g = self.guard
+        params = [{"name": name, "data": Tensor(a)} for name, a in g.state.arrays().items()]
+        epoch = step // g.steps_per_epoch if g.steps_per_epoch else 0
+        extra = {"epoch_num": epoch, "step_num": step, "global_step": step, "loss_scale": 1.0}
+        extra = {k: v for k, v in extra.items() if k not in g.state.params}  # the optimizer's own global_step wins
+        return g.store.write_path(step, shard_name(g.rank, step, g.steps_per_epoch),
+                                  lambda path: ms.save_checkpoint(params, str(path), append_dict=extra))
+
+    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
+        g = self.guard
+        g.store.finalize(step, [f for s in shards for f in s.files],
+                         layout={"world_size": g.world_size, "shards": [s.describe() for s in shards]},
+                         meta={"history": g.merged_history(history), "finalised_by": g.rank})
+
+    def finalize_files(self, step: int, files: Sequence[FileInfo], copies: Sequence[int], history: dict) -> None:
+        """Finalise a checkpoint this rank wrote alone (a periodic save of one shard)."""
+        shard = SavedShard(kind=0, copies=tuple(copies), full=len(copies) == self.guard.world_size,
+                           rank=self.guard.rank, files=tuple(files))
+        self.guard.store.finalize(step, list(files), layout={"world_size": self.guard.world_size,
+                                                            "shards": [shard.describe()]},
+                                  meta={"history": history, "finalised_by": self.guard.rank})
+
+    def resumed(self, step: int, record: dict, pids: dict | None = None, replicas: int = 0) -> None:
+        g = self.guard
+        if record:
+            g.records.append(record)
+        for rank, seen in (pids or {}).items():
+            known = g.history.setdefault("pids", {}).setdefault(rank, [])
+            known.extend(p for p in seen if p not in known)
+
+
+def broadcast_state(guard: "Guard", state: ModelState, root: int) -> dict[str, np.ndarray]:
+    """Every parameter of ``root``'s state, on every rank, in one broadcast.
+
+    The arrays' bytes travel as one float32 buffer (MindSpore's CPU
+    collectives take floats only); a broadcast copies bytes and computes
+    nothing, so integers and every float bit pattern arrive unchanged."""
+    arrays = state.arrays()
+    blob = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
+    blob += b"\0" * (-len(blob) % 4)
+    flat = np.frombuffer(blob, np.float32) if guard.rank == root else np.zeros(len(blob) // 4, np.float32)
+    got = guard._collective(lambda: ops.Broadcast(root)((Tensor(flat),))[0].asnumpy()).tobytes()
+    out, offset = {}, 0
+    for name, a in arrays.items():
+        out[name] = np.frombuffer(got, a.dtype, a.size, offset).reshape(a.shape).copy()
+        offset += a.nbytes
+    return out
+
+
+def load_checkpoint(found: Verified, rank: int, state: ModelState) -> dict:
+    """Load ``rank``'s shard of a verified checkpoint into ``state``; return
+    the job's history stored with it."""
+    shards = found.manifest.get("layout", {}).get("shards", [])
+    mine = next((s for s in shards if s["kind"] == 0 and (s["full"] or rank in s["copies"])), None)
+    if mine is None:
+        raise CheckpointError(f"{found.path} holds no shard for rank {rank} (saved with world size "
+                              f"{found.manifest.get('layout', {}).get('world_size')})")
+    path = found.file(mine["files"][0])
+    try:
+        loaded = ms.load_checkpoint(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path} could not be loaded: {e}") from None
+    arrays = {k: v.asnumpy() for k, v in loaded.items() if k in state.params}
+    try:
+        state.load_arrays(arrays, source=str(path))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    return found.manifest.get("meta", {}).get("history", {"records": [], "pids": {}})

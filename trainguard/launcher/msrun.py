@@ -1,0 +1,208 @@
+"""msrun with a controller: trainguard as msrun's process-control plugin.
+
+MindSpore's msrun hands its workers to a plugin when one registers in
+``_ProcessManager._check_taskd`` (MindCluster TaskD's hook): msrun still
+starts its scheduler, then calls ``handler.start()`` instead of starting and
+joining the workers itself. ``adapters-patch msrun`` inserts a call to
+:func:`attach` there; ``trainguard run --framework mindspore`` builds msrun's
+process manager with msrun's own parser and attaches the same way.
+
+:class:`MsrunPlugin` starts the job's controller (on the master node), points
+the workers at it (``TRAINGUARD_CONTROLLER``/``TOKEN``/``JOB_ID``), starts
+them through msrun's own ``start_workers`` (the ``START_ALL_WORKER`` role),
+watches them through ``monitor_rank_status`` (``MONITOR``) and reports every
+unexpected exit to the controller at once, so a lost process is known in
+well under a second. It ends the way ``trainguard run`` does: 0 when training
+finished, 75 after a dying-gasp checkpoint, 1 otherwise.
+
+The strategies come from ``TRAINGUARD_STRATEGIES`` or, when it is unset,
+from MindSpore's ``MS_ENABLE_TFT``: ``UCE:1`` -> ``retry``, ``ARF:1`` ->
+``recover-in-place`` (not available for MindSpore yet: the controller
+falls back), ``TTP:1`` -> ``dump``; ``exit`` always last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from trainguard.core import EXIT_AFTER_DUMP, Controller, ControllerConfig, TrainguardError, check_env, logs
+from trainguard.core.client import ControllerClient
+from trainguard.core.rpc import new_token
+
+__all__ = ["MsrunPlugin", "attach", "main", "strategies_from_env"]
+
+log = logging.getLogger("trainguard.launcher")
+
+POLL_S = 0.1
+#: Exit codes a rank ends with on the controller's own order.
+_ORDERED = (0, EXIT_AFTER_DUMP)
+
+
+def strategies_from_env(environ=os.environ) -> str | None:
+    """The recover strategies a job asked for, in TaskD's words."""
+    if environ.get("TRAINGUARD_STRATEGIES"):
+        return environ["TRAINGUARD_STRATEGIES"]
+    tft = environ.get("MS_ENABLE_TFT", "").replace("{", "").replace("}", "").replace(" ", "")
+    switches = {k: v for k, _, v in (item.partition(":") for item in tft.split(",") if item)}
+    if not any(switches.get(k) == "1" for k in ("TTP", "UCE", "ARF")):
+        return None
+    chosen = [s for k, s in (("UCE", "retry"), ("ARF", "recover-in-place"), ("TTP", "dump")) if switches.get(k) == "1"]
+    if "ARF" in chosen or switches.get("ARF") == "1":  # ARF implies TTP, as in MindSpore
+        chosen = [s for s in chosen if s != "dump"] + ["dump"]
+    return ",".join(chosen + ["exit"])
+
+
+def attach(manager: Any, *, force: bool = False) -> bool:
+    """Take over ``manager``'s workers (msrun's ``_ProcessManager``) when
+    the job asks for fault tolerance (``force``: always)."""
+    strategies = strategies_from_env()
+    if strategies is None and not force:
+        return False
+    manager.handler = MsrunPlugin(manager, strategies)
+    manager.enable_mindx = True
+    return True
+
+
+class MsrunPlugin:
+    """One node's msrun, driven by trainguard (``handler.start()`` in msrun)."""
+
+    def __init__(self, manager: Any, strategies: str | None) -> None:
+        check_env()
+        self.manager = manager
+        self.nodes = max(1, manager.worker_num // max(1, manager.local_worker_num))
+        self.config = ControllerConfig.from_env(strategies=strategies, job_id=os.environ.get("TRAINGUARD_JOB_ID")
+                                                or f"msrun-{manager.master_port}")
+        self.controller: Controller | None = None
+        self.client: ControllerClient | None = None
+        self._reported: set[int] = set()
+        self.last_status: dict | None = None
+
+    def start(self) -> None:
+        """msrun's entry: run the job, then leave msrun with its exit code."""
+        logs.setup("msrun")
+        try:
+            code = self.run()
+        except TrainguardError as e:
+            print(f"trainguard msrun: {e}", file=sys.stderr)
+            code = 2
+        sys.exit(code)
+
+    def run(self) -> int:
+        self._start_controller()
+        try:
+            self.manager.start_workers()
+            self._watch()
+        finally:
+            self._stop()
+        return self._summary()
+
+    # ------------------------------------------------------------ control
+    def _start_controller(self) -> None:
+        m = self.manager
+        token = os.environ.get("TRAINGUARD_TOKEN")
+        if self.nodes > 1 and not (token and self.config.port):
+            raise TrainguardError("a multi-node msrun job needs the same TRAINGUARD_TOKEN and TRAINGUARD_PORT on "
+                                  "every node (and TRAINGUARD_HOST on the master: an address the others reach)")
+        token = token or new_token()
+        if m.is_master:
+            self.controller = Controller(self.config, m.worker_num, token=token)
+            address = self.controller.start()
+        else:
+            address = f"{m.master_addr}:{self.config.port}"
+            self.client = ControllerClient(address, token)
+        os.environ.update(TRAINGUARD_CONTROLLER=address, TRAINGUARD_TOKEN=token,
+                          TRAINGUARD_JOB_ID=self.config.job_id)
+        log.info("trainguard controls msrun's %d local workers (controller %s, strategies %s)",
+                 m.local_worker_num, address, ",".join(s.value for s in self.config.strategies))
+
+    def _global_rank(self, local_rank: int) -> int:
+        m = self.manager
+        return local_rank if m.node_rank < 0 else m.node_rank * m.local_worker_num + local_rank
+
+    def _watch(self) -> None:
+        """Poll every worker (msrun's MONITOR role) until all have exited;
+        report each unexpected exit the moment it is seen."""
+        last_running = time.time()
+        while True:
+            status = self.manager.monitor_rank_status([-1])
+            running = 0
+            for local_rank, s in status.items():
+                code, pid = s.get("status"), s.get("pid")
+                if code is None:
+                    running += 1
+                elif pid not in self._reported and code not in _ORDERED:
+                    self._reported.add(pid)
+                    self._report(self._global_rank(local_rank), pid, code, last_running)
+            if not running:
+                return
+            last_running = time.time()
+            time.sleep(POLL_S)
+
+    def _report(self, rank: int, pid: int, code: int, last_running: float) -> None:
+        log.warning("worker rank %d (pid %d) %s", rank, pid,
+                    f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        try:
+            if self.controller is not None:
+                self.controller.report_process_exit(rank, pid, code, "", last_running)
+            elif self.client is not None:
+                self.client.report_process_exit(rank, pid, code, "", last_running)
+        except Exception as e:  # the controller also notices through the broken session
+            log.warning("could not report the exit of rank %d to the controller: %s", rank, e)
+
+    def _stop(self) -> None:
+        if self.controller is not None:
+            try:
+                self.last_status = self.controller.snapshot()
+            except Exception:  # a controller that already stopped has nothing more to say
+                pass
+            self.controller.stop()
+        if self.client is not None:
+            self.client.close()
+        scheduler = self.manager.msn_process
+        if scheduler is not None and scheduler.poll() is None:
+            try:  # it waits for nodes that will never unregister (killed ones)
+                scheduler.wait(timeout=5)
+            except Exception:
+                scheduler.kill()
+                scheduler.wait()
+
+    def _summary(self) -> int:
+        records = (self.last_status or {}).get("recoveries", [])
+        for r in records:
+            log.warning("recovery: %s on rank %d at step %d -> %s (recover %s s, lost %d steps): %s",
+                        r["fault"], r["rank"], r["step"], r["strategy"], r["recover_s"], r["lost_steps"], r["reason"])
+        codes = {s.get("global_rank", r): s.get("status") for r, s in self.manager.monitor_rank_status([-1]).items()}
+        if all(c == 0 for c in codes.values()):
+            return 0
+        if records and records[-1]["strategy"] == "dump":
+            print(f"trainguard: the job saved a dying-gasp checkpoint at step {records[-1]['step']} and stopped "
+                  f"({records[-1]['reason']}); relaunch the same command to resume from it.", file=sys.stderr)
+            return EXIT_AFTER_DUMP
+        for rank, code in sorted(codes.items()):
+            if code:
+                print(f"trainguard: rank {rank} failed with exit code {code}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str]) -> int:
+    """``trainguard run --framework mindspore [msrun flags] SCRIPT [ARGS]``."""
+    from mindspore.parallel.cluster.process_entity._api import _ProcessManager
+    from mindspore.parallel.cluster.run import get_args
+
+    saved = sys.argv
+    sys.argv = ["trainguard run --framework mindspore", *argv]
+    try:
+        args = get_args()  # msrun's own parser, which reads sys.argv
+    finally:
+        sys.argv = saved
+    manager = _ProcessManager(args)
+    attach(manager, force=True)
+    try:
+        manager.run()  # ends in MsrunPlugin.start -> sys.exit
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
