@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -43,16 +44,16 @@ _ORDERED = (0, EXIT_AFTER_DUMP)
 
 
 def strategies_from_env(environ=os.environ) -> str | None:
-    """The recover strategies a job asked for, in TaskD's words."""
+    """The recover strategies a job asked for, in TaskD's words (``None``: none)."""
     if environ.get("TRAINGUARD_STRATEGIES"):
         return environ["TRAINGUARD_STRATEGIES"]
-    tft = environ.get("MS_ENABLE_TFT", "").replace("{", "").replace("}", "").replace(" ", "")
-    switches = {k: v for k, _, v in (item.partition(":") for item in tft.split(",") if item)}
-    if not any(switches.get(k) == "1" for k in ("TTP", "UCE", "ARF")):
+    items = re.split(r"[,\s]+", environ.get("MS_ENABLE_TFT", "").strip().strip("{}"))
+    on = {key.strip() for key, _, value in (i.partition(":") for i in items) if value.strip() == "1"}
+    if not on & {"TTP", "UCE", "ARF"}:
         return None
-    chosen = [s for k, s in (("UCE", "retry"), ("ARF", "recover-in-place"), ("TTP", "dump")) if switches.get(k) == "1"]
-    if "ARF" in chosen or switches.get("ARF") == "1":  # ARF implies TTP, as in MindSpore
-        chosen = [s for s in chosen if s != "dump"] + ["dump"]
+    if "ARF" in on:  # as in MindSpore: process-level rescheduling turns the dying gasp on
+        on.add("TTP")
+    chosen = [s for key, s in (("UCE", "retry"), ("ARF", "recover-in-place"), ("TTP", "dump")) if key in on]
     return ",".join(chosen + ["exit"])
 
 
@@ -64,6 +65,11 @@ def attach(manager: Any, *, force: bool = False) -> bool:
         return False
     manager.handler = MsrunPlugin(manager, strategies)
     manager.enable_mindx = True
+    # msrun starts its scheduler and workers as `python SCRIPT`: make that the
+    # launcher's own interpreter, the one trainguard and MindSpore are in.
+    here = os.path.dirname(sys.executable)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != here:
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     return True
 
 
@@ -162,6 +168,7 @@ class MsrunPlugin:
             self.controller.stop()
         if self.client is not None:
             self.client.close()
+        self.manager.kill_tail_log_processes()  # `tail -f` of each worker log (--join=True) would outlive msrun
         scheduler = self.manager.msn_process
         if scheduler is not None and scheduler.poll() is None:
             try:  # it waits for nodes that will never unregister (killed ones)
