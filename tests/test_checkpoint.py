@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from trainguard.core import CheckpointError, CheckpointStore, MEGATRON
+from trainguard.core import MINDSPORE, CheckpointError, CheckpointStore, MEGATRON
 
 
 def save(store, step, payload=b"x" * 1000, files=("shard_k0_r0.pt", "shard_k0_r1.pt")):
@@ -102,9 +102,23 @@ def test_same_step_is_replaced_and_older_tmp_dirs_are_cleaned(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest_step.txt", "step_00000004", "step_00000006"]
 
 
-def test_invalid_names_are_refused(tmp_path):
+@pytest.mark.parametrize("name", ["../escape", "a/../b", "a/b/c", "/abs", "", "manifest.json", "rank_0/"])
+def test_invalid_names_are_refused(tmp_path, name):
     with pytest.raises(CheckpointError, match="invalid checkpoint file name"):
-        CheckpointStore(tmp_path).write(1, "../escape", lambda f: None)
+        CheckpointStore(tmp_path).write(1, name, lambda f: None)
+
+
+def test_mindspore_layout_keeps_files_under_rank_directories(tmp_path):
+    """MindSpore TFT's layout: a rank directory per saver; a file written by a
+    framework's own save function (by path) is hashed like any other."""
+    store = CheckpointStore(tmp_path, MINDSPORE)
+    info = store.write_path(7, "rank_0/ttp_rank_0-0_7.ckpt", lambda path: path.write_bytes(b"weights"))
+    assert (tmp_path / "tft_saved_checkpoints-step_7_tmp" / "rank_0" / "ttp_rank_0-0_7.ckpt").is_file()
+    store.finalize(7, [info])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest_tft_step.txt", "tft_saved_checkpoints-step_7"]
+    assert store.latest().step == 7
+    (tmp_path / "tft_saved_checkpoints-step_7" / "rank_0" / "ttp_rank_0-0_7.ckpt").write_bytes(b"weightz")
+    assert store.latest() is None  # the corrupted file fails its checksum
 
 
 def test_manifest_records_sizes_and_checksums(tmp_path):
