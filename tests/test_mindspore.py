@@ -196,3 +196,13 @@ def test_a_killed_worker_is_restarted_alone_with_recover_in_place(tmp_path, base
     assert [(x["fault"], x["strategy"]) for x in job.report["recoveries"]] == [("process_lost", "recover-in-place")]
     assert len(job.report["pids"]["0"]) == 1 and len(job.report["pids"]["1"]) == 2, job
     assert job.report["final_state_sha256"] == baseline.report["final_state_sha256"], job
+
+
+@needs_mindspore
+@pytest.mark.timeout(300)
+def test_a_frozen_worker_is_killed_by_the_msrun_plugin_and_the_job_dumps(tmp_path):
+    job = run_ms(tmp_path, "frozen", fault="stop:rank=1,step=3,phase=backward")
+    assert job.rc == 75, job
+    assert "found stopped (state T)" in job.log and "killed by its agent" in job.log, job
+    assert "dying-gasp checkpoint at step 3" in job.log, job
+    assert (job.ckpt / "tft_saved_checkpoints-step_3" / "manifest.json").is_file(), job

@@ -41,6 +41,7 @@ from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.rpc import new_token
 
+from .frozen import FrozenWatch
 from .restart import Replacements
 
 __all__ = ["TrainguardAgent"]
@@ -51,18 +52,8 @@ _ADDRESS_KEY = "trainguard/controller"
 _WORKER_STORE_KEY = "trainguard/worker_store_port"
 _TOKEN_KEY = "trainguard/token"
 #: A worker seen stopped this long is killed as hung.
-STOPPED_CONFIRM_S = 0.3
 #: How long the agent waits for the others at exit once a node agent was lost.
 EXIT_BARRIER_AFTER_LOSS_S = 10
-
-
-def process_state(pid: int) -> str:
-    """The one-letter state of a process (``R``, ``S``, ``T``...; ``""`` if gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 class TrainguardAgent(LocalElasticAgent):
@@ -82,9 +73,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._worker_store: dist.TCPStore | None = None
         self._failed_at: float | None = None
         self._reported: set[int] = set()
-        self._stopped_since: dict[int, float] = {}
-        self._running_at: dict[int, float] = {}  # pid -> unix time of the last check that found it running
-        self._last_poll = 0.0  # unix time of the previous monitoring pass
+        self._frozen = FrozenWatch()
         self.last_status: dict | None = None
 
     # ----------------------------------------------------------- controller
@@ -176,12 +165,12 @@ class TrainguardAgent(LocalElasticAgent):
         procs = self.replacements.processes()  # global rank -> Popen, moved ranks left out
         codes = {rank: p.poll() for rank, p in procs.items()}
         for rank in [r for r, c in codes.items() if c is None]:
-            reason = self._stopped(procs[rank].pid)
+            reason = self._frozen.stopped(procs[rank].pid)
             if reason:
                 # Report before killing: the kill also breaks the rank's
                 # session, which alone would read as a plain lost process.
                 self._reported.add(procs[rank].pid)
-                self._report(rank, procs[rank].pid, -9, reason, self._running_at.get(procs[rank].pid, 0.0))
+                self._report(rank, procs[rank].pid, -9, reason, self._frozen.running_at.get(procs[rank].pid, 0.0))
                 procs[rank].kill()
                 codes[rank] = procs[rank].wait()
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
@@ -190,8 +179,8 @@ class TrainguardAgent(LocalElasticAgent):
             pid = procs[rank].pid
             if pid not in self._reported:
                 self._reported.add(pid)
-                self._report(rank, pid, code, last_running=self._last_poll)
-        self._last_poll = time.time()
+                self._report(rank, pid, code, last_running=self._frozen.last_poll)
+        self._frozen.last_poll = time.time()
         if not failed:
             self._failed_at = None
         if running:
@@ -247,18 +236,6 @@ class TrainguardAgent(LocalElasticAgent):
                 self.replacements.release(order.dropped)
             elif action == "restarts_left":
                 self._remaining_restarts = min(self._remaining_restarts, order.restarts_left)
-
-    def _stopped(self, pid: int) -> str:
-        """Why the worker counts as hung (found stopped twice), else ``""``."""
-        if process_state(pid) != "T":  # not "t": a debugger or py-spy attached for a moment
-            self._stopped_since.pop(pid, None)
-            return ""
-        now = time.monotonic()
-        if pid not in self._stopped_since:
-            self._running_at[pid] = self._last_poll  # the last check that found it running
-        since = self._stopped_since.setdefault(pid, now)
-        return f"found stopped (state T) for {now - since:.1f} s; killed by its agent" \
-            if now - since >= STOPPED_CONFIRM_S else ""
 
     def _grace_s(self) -> float:
         c = self._config

@@ -34,6 +34,8 @@ from trainguard.core import EXIT_AFTER_DUMP, Controller, ControllerConfig, Train
 from trainguard.core.client import ControllerClient
 from trainguard.core.rpc import new_token
 
+from .frozen import FrozenWatch
+
 __all__ = ["MsrunPlugin", "attach", "main", "strategies_from_env"]
 
 log = logging.getLogger("trainguard.launcher")
@@ -131,31 +133,39 @@ class MsrunPlugin:
 
     def _watch(self) -> None:
         """Poll every worker (msrun's MONITOR role) until all have exited;
-        report each unexpected exit the moment it is seen."""
-        last_running = time.time()
+        report each unexpected exit the moment it is seen, and kill (the
+        KILL_WORKER role) and report a worker found frozen."""
+        frozen = FrozenWatch()
         while True:
             status = self.manager.monitor_rank_status([-1])
             running = 0
             for local_rank, s in status.items():
-                code, pid = s.get("status"), s.get("pid")
+                code, pid, rank = s.get("status"), s.get("pid"), self._global_rank(local_rank)
                 if code is None:
-                    running += 1
+                    reason = frozen.stopped(pid)
+                    if not reason:
+                        running += 1
+                        continue
+                    # Report before killing: the kill also ends the rank's session.
+                    self._reported.add(pid)
+                    self._report(rank, pid, -9, frozen.running_at.get(pid, 0.0), reason)
+                    self.manager.kill_workers([pid])
                 elif pid not in self._reported and code not in _ORDERED:
                     self._reported.add(pid)
-                    self._report(self._global_rank(local_rank), pid, code, last_running)
+                    self._report(rank, pid, code, frozen.last_poll)
             if not running:
                 return
-            last_running = time.time()
+            frozen.last_poll = time.time()
             time.sleep(POLL_S)
 
-    def _report(self, rank: int, pid: int, code: int, last_running: float) -> None:
-        log.warning("worker rank %d (pid %d) %s", rank, pid,
+    def _report(self, rank: int, pid: int, code: int, last_running: float, reason: str = "") -> None:
+        log.warning("worker rank %d (pid %d) %s%s", rank, pid, f"{reason}: " if reason else "",
                     f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
         try:
             if self.controller is not None:
-                self.controller.report_process_exit(rank, pid, code, "", last_running)
+                self.controller.report_process_exit(rank, pid, code, reason, last_running)
             elif self.client is not None:
-                self.client.report_process_exit(rank, pid, code, "", last_running)
+                self.client.report_process_exit(rank, pid, code, reason, last_running)
         except Exception as e:  # the controller also notices through the broken session
             log.warning("could not report the exit of rank %d to the controller: %s", rank, e)
 
