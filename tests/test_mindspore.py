@@ -108,13 +108,13 @@ def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identic
     assert "dying-gasp checkpoint at step 3" in first.log, first
     entries = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
     assert entries == ["latest_tft_step.txt", "tft_saved_checkpoints-step_3"], entries  # one, finalised
-    shard = ckpt / "tft_saved_checkpoints-step_3" / "rank_0" / "ttp_rank_0-0_3.ckpt"
+    shard = ckpt / "tft_saved_checkpoints-step_3" / "rank_0" / "ttp_rank_0-1_3.ckpt"  # epoch 1, its step 3
     assert shard.is_file(), first
     keys = subprocess.run([sys.executable, "-c", "import sys, mindspore as ms; d = ms.load_checkpoint(sys.argv[1]); "
                            "print(int(d['step_num'].asnumpy()), int(d['epoch_num'].asnumpy()), "
                            "int(d['global_step'].asnumpy()[0]))", str(shard)],
                           capture_output=True, text=True, timeout=120)
-    assert keys.stdout.split() == ["3", "0", "3"], keys.stdout + keys.stderr
+    assert keys.stdout.split() == ["3", "1", "3"], keys.stdout + keys.stderr
 
     again = run_ms(tmp_path, "crash", fault="crash:rank=1,step=3,phase=backward", ckpt=ckpt)
     assert again.rc == 0 and again.report is not None, again

@@ -10,7 +10,7 @@ process manager with msrun's own parser and attaches the same way.
 :class:`MsrunPlugin` starts the job's controller (on the master node), points
 the workers at it (``TRAINGUARD_CONTROLLER``/``TOKEN``/``JOB_ID``), starts
 them through msrun's own ``start_workers`` (the ``START_ALL_WORKER`` role),
-watches them through ``monitor_rank_status`` (``MONITOR``) and reports every
+watches their processes (the ``MONITOR`` role) and reports every
 unexpected exit to the controller at once, so a lost process is known in
 well under a second. It ends the way ``trainguard run`` does: 0 when training
 finished, 75 after a dying-gasp checkpoint, 1 otherwise.
@@ -137,10 +137,9 @@ class MsrunPlugin:
         KILL_WORKER role) and report a worker found frozen."""
         frozen = FrozenWatch()
         while True:
-            status = self.manager.monitor_rank_status([-1])
             running = 0
-            for local_rank, s in status.items():
-                code, pid, rank = s.get("status"), s.get("pid"), self._global_rank(local_rank)
+            for local_rank, code, pid in self._workers():
+                rank = self._global_rank(local_rank)
                 if code is None:
                     reason = frozen.stopped(pid)
                     if not reason:
@@ -157,6 +156,14 @@ class MsrunPlugin:
                 return
             frozen.last_poll = time.time()
             time.sleep(POLL_S)
+
+    def _workers(self) -> list[tuple[int, int | None, int]]:
+        """``(local rank, exit code or None, pid)`` of every worker msrun started.
+
+        From msrun's own Popen objects: its ``monitor_rank_status`` (the
+        MONITOR role) answers 300 instead of the exit code once a worker was
+        reaped, so a deliberate exit (75 after a dump) would look like a crash."""
+        return [(local, p.poll(), p.pid) for local, p in sorted(self.manager.proc_rank_map.items())]
 
     def _report(self, rank: int, pid: int, code: int, last_running: float, reason: str = "") -> None:
         log.warning("worker rank %d (pid %d) %s%s", rank, pid, f"{reason}: " if reason else "",
@@ -192,7 +199,7 @@ class MsrunPlugin:
         for r in records:
             log.warning("recovery: %s on rank %d at step %d -> %s (recover %s s, lost %d steps): %s",
                         r["fault"], r["rank"], r["step"], r["strategy"], r["recover_s"], r["lost_steps"], r["reason"])
-        codes = {s.get("global_rank", r): s.get("status") for r, s in self.manager.monitor_rank_status([-1]).items()}
+        codes = {self._global_rank(local): code for local, code, _ in self._workers()}
         if all(c == 0 for c in codes.values()):
             return 0
         if records and records[-1]["strategy"] == "dump":

@@ -6,6 +6,9 @@ group, one flat buffer per dtype. Checkpoints use MindSpore TFT's layout::
 
     <dir>/tft_saved_checkpoints-step_{n}_tmp/rank_{r}/ttp_rank_{r}-{epoch}_{step_in_epoch}.ckpt
 
+(epoch and step in it counted from 1, as MindSpore does; MindSpore 2.10's own
+TFT names the directory ``ttp_saved_checkpoints-step_{n}``)
+
 written with ``mindspore.save_checkpoint`` (with ``epoch_num``, ``step_num``,
 ``global_step`` and ``loss_scale`` appended), verified, and renamed without
 ``_tmp`` by one rank, which writes trainguard's manifest inside.
@@ -35,8 +38,16 @@ log = logging.getLogger("trainguard.mindspore")
 
 
 
+def epoch_and_step(step: int, steps_per_epoch: int) -> tuple[int, int]:
+    """MindSpore's numbering of the step that completed update ``step``:
+    the (1-based) epoch it belongs to and its (1-based) place in it."""
+    if not steps_per_epoch or step == 0:
+        return 1, step
+    return (step - 1) // steps_per_epoch + 1, (step - 1) % steps_per_epoch + 1
+
+
 def shard_name(rank: int, step: int, steps_per_epoch: int) -> str:
-    epoch, in_epoch = divmod(step, steps_per_epoch) if steps_per_epoch else (0, step)
+    epoch, in_epoch = epoch_and_step(step, steps_per_epoch)
     return f"rank_{rank}/ttp_rank_{rank}-{epoch}_{in_epoch}.ckpt"
 
 
@@ -101,8 +112,8 @@ class MindSporeHandlers(Handlers):
         """Write this rank's state at ``step`` under the temporary name."""
         g = self.guard
         params = [{"name": name, "data": Tensor(a)} for name, a in g.state.arrays().items()]
-        epoch = step // g.steps_per_epoch if g.steps_per_epoch else 0
-        extra = {"epoch_num": epoch, "step_num": step, "global_step": step, "loss_scale": 1.0}
+        extra = {"epoch_num": epoch_and_step(step, g.steps_per_epoch)[0], "step_num": step, "global_step": step,
+                 "loss_scale": 1.0}
         extra = {k: v for k, v in extra.items() if k not in g.state.params}  # the optimizer's own global_step wins
         return g.store.write_path(step, shard_name(g.rank, step, g.steps_per_epoch),
                                   lambda path: ms.save_checkpoint(params, str(path), append_dict=extra))

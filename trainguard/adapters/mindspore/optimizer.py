@@ -25,15 +25,16 @@ if TYPE_CHECKING:
 __all__ = ["OptTFTWrapper"]
 
 
-class OptTFTWrapper(nn.Cell):
+class OptTFTWrapper(nn.Optimizer):
     """Wrap ``opt`` (an ``nn.Optimizer``); use the wrapper where the
     optimizer was used (``Model(..., optimizer=wrapper)`` or a hand-written
-    loop's update call)."""
+    loop's update call). An ``nn.Optimizer`` itself, as MindSpore's
+    wrapper, because ``Model`` accepts nothing else."""
 
     def __init__(self, opt: nn.Optimizer) -> None:
         if not isinstance(opt, nn.Optimizer):
             raise TypeError(f"OptTFTWrapper wraps a mindspore.nn.Optimizer, got {type(opt).__name__}")
-        super().__init__(auto_prefix=False)
+        super().__init__(opt.learning_rate, opt.parameters)
         self.opt = opt
         # What TrainOneStepCell and Model read from an optimizer.
         self.parameters = opt.parameters

@@ -1,0 +1,157 @@
+"""``Model.train`` under trainguard's ``TrainFaultTolerance`` callback
+(2 msrun workers, CPU): a device memory error retried in place, a killed
+worker dumped and the relaunch resumed mid-epoch, each ending bit-identical
+to a fault-free run; and what is refused.
+
+MindSpore is never imported into the test process: every job is a subprocess."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import WORKERS, _assert_no_stray_processes
+
+if importlib.util.find_spec("mindspore") is None:  # find_spec does not import it
+    pytest.skip("mindspore is not installed", allow_module_level=True)
+
+SCRIPT = WORKERS / "ms_model_train.py"
+EPOCHS = 3  # of 2 batches: 6 steps; a fault at step 3 lands in epoch 1, batch 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class MsJob:
+    rc: int
+    log: str
+    report: dict | None
+    ckpt: Path
+
+    def __str__(self) -> str:  # shown when an assertion about the job fails
+        return f"rc={self.rc}\n{self.log[-6000:]}"
+
+
+def run_model_train(tmp: Path, name: str, *, fault: str | None = None, ckpt: Path | None = None) -> MsJob:
+    """``trainguard run --framework mindspore`` of the worker, 2 processes."""
+    ckpt = ckpt or tmp / f"{name}-ckpt"
+    report, logs = tmp / f"{name}.json", tmp / f"{name}-logs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MS_"))}
+    # The survivor of a killed worker leaves its collective after this long (MindSpore's default is ~30 s).
+    env.update({"TRAINGUARD_STRATEGIES": "retry,dump,exit", "TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5",
+                "MS_CPU_COMM_OP_TIMEOUT": "10", "PYTHONUNBUFFERED": "1"})
+    if fault:
+        env["TRAINGUARD_FAULT"] = fault
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--framework", "mindspore", "--worker_num=2",
+           "--local_worker_num=2", f"--master_port={free_port()}", "--join=True", f"--log_dir={logs}",
+           str(SCRIPT), str(EPOCHS), str(report), str(ckpt)]
+    proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=200)
+    worker_logs = "".join(f"\n--- {p.name}\n" + "\n".join(
+        line for line in p.read_text(errors="replace").splitlines() if "trainguard" in line or "Error" in line)
+        for p in sorted(logs.glob("worker_*.log")))
+    data = json.loads(report.read_text()) if report.exists() else None
+    return MsJob(proc.returncode, proc.stdout + proc.stderr + worker_logs, data, ckpt)
+
+
+def run_alone(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python ARGS``: one MindSpore process, no launcher."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MS_"))}
+    return subprocess.run([sys.executable, *args], env=env, cwd=tmp, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> MsJob:
+    tmp = tmp_path_factory.mktemp("ms-model-baseline")
+    job = run_model_train(tmp, "baseline")
+    assert job.rc == 0 and job.report is not None, job
+    assert job.report["steps_completed"] == 2 * EPOCHS and job.report["recoveries"] == [], job
+    _assert_no_stray_processes(tmp)
+    return job
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("check, message", [
+    ("sink", "dataset_sink_mode=True needs sink_size=1 (got 2, 2 steps a sink)"),
+    ("unwrapped", "TrainFaultTolerance needs the Model's optimizer wrapped: Model(net, loss_fn, "
+                  "optimizer=OptTFTWrapper(opt))"),
+    ("graph", "needs PyNative mode"),
+])
+def test_refused_before_training(tmp_path, check, message):
+    done = run_alone(tmp_path, str(SCRIPT), str(EPOCHS), str(tmp_path / "r.json"), str(tmp_path / "ckpt"), check)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stdout.startswith("ConfigError: ") and message in done.stdout, done.stdout
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.timeout(240)
+def test_model_train_wrapped_once_and_callback_api(tmp_path):
+    done = run_alone(tmp_path, "-c", """
+import importlib
+from mindspore.train import Model
+original = Model.train
+import trainguard.mindspore as tg
+from trainguard.adapters.mindspore import callback
+from trainguard.core import ConfigError
+wrapped = Model.train
+assert wrapped is not original and wrapped.__wrapped__ is original and wrapped.__name__ == "train"
+callback.wrap_model_train()
+importlib.reload(importlib.import_module("trainguard.adapters.mindspore"))
+assert Model.train is wrapped, "wrapped twice"
+old = tg.TFTRegister(0, "127.0.0.1", 8000, "ckpt")
+assert isinstance(old, tg.TrainFaultTolerance) and old.ckpt_save_path == "ckpt"
+try:
+    tg.TrainFaultTolerance(ckpt_save_fn=lambda cb_params, append_dict: None)
+except ConfigError as e:
+    assert "ckpt_save_fn is not supported yet" in str(e)
+else:
+    raise AssertionError("ckpt_save_fn accepted")
+callback.unwrap_model_train()
+assert Model.train is original
+print("ok")
+""")
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.timeout(240)
+def test_device_error_is_retried_inside_model_train(tmp_path, baseline):
+    job = run_model_train(tmp_path, "uce", fault="uce:rank=1,step=3,phase=forward")
+    assert job.rc == 0 and job.report is not None, job
+    r = job.report
+    assert r["steps_completed"] == 2 * EPOCHS and r["lost_steps"] == 0, job
+    assert [(x["fault"], x["rank"], x["step"], x["strategy"]) for x in r["recoveries"]] == [("uce", 1, 3, "retry")]
+    assert all(len(pids) == 1 for pids in r["pids"].values()), r["pids"]  # the same processes throughout
+    assert r["final_state_sha256"] == baseline.report["final_state_sha256"], job
+    assert "Model.train starts at epoch 1, batch 1 (step 3)" in job.log
+    _assert_no_stray_processes(tmp_path)
+
+
+@pytest.mark.timeout(240)
+def test_killed_worker_is_dumped_and_the_relaunch_resumes_mid_epoch(tmp_path, baseline):
+    ckpt = tmp_path / "ckpt"
+    job = run_model_train(tmp_path, "crash", fault="crash:rank=1,step=3,phase=backward", ckpt=ckpt)
+    assert job.rc == 75, job
+    saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("tft_saved_checkpoints"))
+    assert saved == ["tft_saved_checkpoints-step_3"], job
+
+    again = run_model_train(tmp_path, "relaunch", ckpt=ckpt)
+    assert again.rc == 0 and again.report is not None, again
+    r = again.report
+    assert r["steps_completed"] == 2 * EPOCHS and r["lost_steps"] == 0, again
+    assert [(x["fault"], x["step"], x["strategy"]) for x in r["recoveries"]] == [("process_lost", 3, "dump")]
+    assert all(len(pids) == 2 for pids in r["pids"].values()), r["pids"]  # first launch, relaunch
+    # Step 3 is epoch 1, batch 1 of the shuffled data: anything else trains other batches.
+    assert "Model.train starts at epoch 1, batch 1 (step 3)" in again.log
+    assert r["final_state_sha256"] == baseline.report["final_state_sha256"], again
+    _assert_no_stray_processes(tmp_path)

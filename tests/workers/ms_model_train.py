@@ -1,0 +1,74 @@
+"""A small MindSpore data-parallel job trained with ``Model.train`` and
+trainguard's ``TrainFaultTolerance`` callback, for the fault tests.
+
+    ms_model_train.py EPOCHS REPORT CHECKPOINT_DIR [CHECK]
+
+Each rank's data is its own (seeded by rank), shuffled with a fixed seed,
+two batches an epoch, so a resumed run must skip to the right epoch, the
+right batch and that epoch's shuffle order. Rank 0 writes the Guard's report.
+CHECK (``sink``, ``unwrapped``, ``graph``) runs one refused configuration in
+a single process and prints the error.
+"""
+
+import json
+import sys
+
+import mindspore as ms
+import mindspore.dataset as ds
+import numpy as np
+from mindspore import Tensor, nn
+from mindspore.train import Model
+
+from trainguard.core import ConfigError
+from trainguard.mindspore import OptTFTWrapper, TrainFaultTolerance
+
+epochs, report, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+check = sys.argv[4] if len(sys.argv) > 4 else ""
+ms.set_context(mode=ms.GRAPH_MODE if check == "graph" else ms.PYNATIVE_MODE)
+ms.set_device("CPU")
+rank = 0
+if not check:
+    from mindspore.communication import get_rank, init
+
+    init()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    rank = get_rank()
+ms.set_seed(0)
+ds.config.set_seed(0)
+rng = np.random.default_rng(0)
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Dense(16, 32, weight_init=Tensor(rng.standard_normal((32, 16), np.float32) * 0.2),
+                            bias_init="zeros")
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Dense(32, 4, weight_init=Tensor(rng.standard_normal((4, 32), np.float32) * 0.2),
+                            bias_init="zeros")
+
+    def construct(self, x):
+        return self.fc2(nn.ReLU()(self.bn(self.fc1(x))))
+
+
+data = np.random.default_rng(100 + rank)
+x = data.standard_normal((16, 16)).astype(np.float32)
+y = data.integers(0, 4, 16).astype(np.int32)
+dataset = ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=True).batch(8)  # 2 batches an epoch
+
+net = Net()
+momentum = nn.Momentum(net.trainable_params(), 0.05, 0.9)
+model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+              optimizer=momentum if check == "unwrapped" else OptTFTWrapper(momentum))
+callback = TrainFaultTolerance(ckpt)
+try:
+    model.train(epochs, dataset, callbacks=[callback], dataset_sink_mode=check == "sink",
+                sink_size=2 if check == "sink" else -1)
+except ConfigError as e:
+    print(f"ConfigError: {e}", flush=True)
+    sys.exit(3)
+out = callback.guard.report()
+if rank == 0:
+    with open(report, "w") as f:
+        json.dump(out, f)
+print(f"rank {rank} done at step {out['steps_completed']}", flush=True)

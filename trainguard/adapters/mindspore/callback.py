@@ -1,0 +1,232 @@
+"""``TrainFaultTolerance``: trainguard for ``Model.train`` (PyNative mode).
+
+::
+
+    model = Model(net, loss_fn, optimizer=OptTFTWrapper(nn.Momentum(net.trainable_params(), 0.1, 0.9)))
+    model.train(epochs, dataset, callbacks=[TrainFaultTolerance("ckpt")], dataset_sink_mode=False)
+
+The callback plays the role of MindSpore's class of that name: its step
+hooks are the Guard's (``on_train_step_begin`` starts a step,
+``on_train_step_end`` commits it), and the :class:`OptTFTWrapper` inside
+``Model``'s ``TrainOneStepCell`` runs the collective health vote before the
+update. A fault inside ``Model.train`` ends it, so importing this adapter
+wraps ``Model.train`` the way MindSpore's own ``_handle_tft`` decorator
+wraps ``Model._train``: when a ``TrainFaultTolerance`` is among the
+callbacks, the wrapper builds the :class:`~.guard.Guard` before the first
+step, starts training where the Guard's checkpoint left off, and on a fault
+has the Guard recover, then calls ``Model.train`` again from the recovered
+step. Without the callback ``Model.train`` is untouched.
+
+Refused (``ConfigError``) before training: ``dataset_sink_mode=True`` with
+more than one step a sink (MindSpore's TFT rule), graph mode (the Guard's),
+an optimizer not wrapped in :class:`OptTFTWrapper`, loss scaling that skips
+overflowing steps, several processes without data parallelism, and
+``ckpt_save_fn``. ``Model.fit`` is refused in ``on_train_begin``.
+
+Where a step's batch comes from: step ``s`` of the Guard trains the batch at
+global position ``initial_step + s`` of the data (epochs of
+``dataset.get_dataset_size()`` batches). A resumed call starts at epoch
+``position // batches_per_epoch`` with ``dataset.set_init_step(position)``.
+MindSpore's ``_calc_cb_initial_step`` passes only the position inside the
+epoch, which skips the right batches but replays the first epoch's shuffle
+order; the global position makes the dataset replay the resumed epoch's own
+order too (checked against an uninterrupted run, shuffled data included).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+
+import mindspore as ms
+from mindspore import nn
+from mindspore.train import Callback, Model
+
+from trainguard.core import ConfigError
+
+from .guard import Guard, _rank_and_size
+from .optimizer import OptTFTWrapper
+
+__all__ = ["TFTRegister", "TrainFaultTolerance", "unwrap_model_train", "wrap_model_train"]
+
+log = logging.getLogger("trainguard.mindspore")
+
+#: Set on the wrapper of ``Model.train``, so wrapping twice is a no-op.
+_MARK = "__trainguard_wrapped__"
+
+
+class TrainFaultTolerance(Callback):
+    """Protect ``Model.train`` with trainguard (the role of MindSpore's
+    ``TrainFaultTolerance``).
+
+    Args:
+        ckpt_save_path: where dying-gasp checkpoints go (MindSpore TFT's
+            layout) and where training resumes from; ``None``: recovery in
+            place only (``retry``), nothing to save to.
+        ckpt_save_fn: MindSpore's custom writer ``fn(cb_params, append_dict)``;
+            not supported yet (trainguard writes, verifies and resumes from
+            its own files).
+        initial_step: steps trained before this run, when you resumed the
+            weights yourself: step numbers and the data position count on
+            from it (instead of ``Model.train``'s ``initial_epoch``).
+
+    Raises:
+        ConfigError: ``ckpt_save_fn`` given, or ``initial_step`` negative.
+    """
+
+    def __init__(self, ckpt_save_path: str | os.PathLike | None = None, ckpt_save_fn=None,
+                 initial_step: int = 0) -> None:
+        super().__init__()
+        if ckpt_save_fn is not None:
+            raise ConfigError("ckpt_save_fn is not supported yet: trainguard writes the dying-gasp checkpoint "
+                              "itself (into ckpt_save_path), verifies it and resumes from it")
+        if not isinstance(initial_step, int) or initial_step < 0:
+            raise ConfigError(f"initial_step must be an int >= 0, got {initial_step!r}")
+        self.ckpt_save_path = ckpt_save_path
+        self.initial_step = initial_step
+        #: The Guard of the running (or last) ``Model.train``; its ``report()`` stays valid after training.
+        self.guard: Guard | None = None
+        self._training = False  # between on_train_begin and on_train_end: a fault there is recovered
+        self._resume_at: int | None = None  # the data position a resumed call starts at
+
+    def _attach(self, model: Model, steps_per_epoch: int) -> Guard:
+        """Build the Guard for ``model`` (before the first step)."""
+        optimizer = model._optimizer
+        if not isinstance(optimizer, OptTFTWrapper):
+            raise ConfigError(f"TrainFaultTolerance needs the Model's optimizer wrapped: Model(net, loss_fn, "
+                              f"optimizer=OptTFTWrapper(opt)) with OptTFTWrapper from trainguard.mindspore; got "
+                              f"{type(optimizer).__name__}")
+        train_network = model._train_network
+        if isinstance(train_network, nn.TrainOneStepWithLossScaleCell):
+            # It all-reduces an overflow flag the drain does not replay, and skips the update on overflow.
+            raise ConfigError("TrainFaultTolerance does not support loss scaling that skips overflowing steps "
+                              "(Model's TrainOneStepWithLossScaleCell) yet")
+        reducer = getattr(train_network, "grad_reducer", None)
+        reducer = reducer if isinstance(reducer, nn.DistributedGradReducer) else None
+        if reducer is None and _rank_and_size()[1] > 1:
+            raise ConfigError("TrainFaultTolerance protects data-parallel training: with more than one process, "
+                              "set ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL) so "
+                              "Model's TrainOneStepCell all-reduces the gradients")
+        self.guard = Guard(model._network, optimizer, checkpoint_dir=self.ckpt_save_path,
+                           steps_per_epoch=steps_per_epoch, reduce_gradients=False, reducer=reducer)
+        return self.guard
+
+    # MindSpore's callback hooks.
+    def on_train_begin(self, run_context) -> None:
+        if self.guard is None:
+            raise ConfigError("TrainFaultTolerance protects Model.train (import trainguard.mindspore before "
+                              "calling it); Model.fit and other loops are not supported")
+        self._training = True
+        if self._resume_at is not None:
+            run_context.original_args().cur_step_num = self._resume_at
+
+    def on_train_step_begin(self, run_context) -> None:
+        self.guard._begin()
+
+    def on_train_step_end(self, run_context) -> None:
+        self.guard._commit()
+
+    def on_train_end(self, run_context) -> None:
+        self._training = False
+
+
+class TFTRegister(TrainFaultTolerance):
+    """MindSpore's older name for :class:`TrainFaultTolerance`; the
+    controller's address is accepted and ignored (trainguard's launcher runs
+    the controller)."""
+
+    def __init__(self, ctrl_rank_id: int, ctrl_ip: str, ctrl_port: int,
+                 ckpt_save_path: str | os.PathLike | None = None) -> None:
+        log.info("TFTRegister: ctrl_rank_id=%s, ctrl_ip=%s, ctrl_port=%s are ignored: trainguard's launcher runs "
+                 "the controller", ctrl_rank_id, ctrl_ip, ctrl_port)
+        super().__init__(ckpt_save_path)
+
+
+# ------------------------------------------------------------ Model.train
+def wrap_model_train() -> None:
+    """Wrap ``mindspore.train.Model.train`` (once; see the module docstring)."""
+    if getattr(Model.train, _MARK, False):
+        return
+    original = Model.train
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def train(self, *args, **kwargs):
+        arguments = signature.bind(self, *args, **kwargs)
+        arguments.apply_defaults()
+        callback = _find_callback(arguments.arguments["callbacks"])
+        if callback is None:
+            return original(self, *args, **kwargs)
+        call = dict(arguments.arguments)
+        del call["self"]
+        return _train_protected(original, self, callback, call)
+
+    setattr(train, _MARK, True)
+    Model.train = train
+
+
+def unwrap_model_train() -> None:
+    """Put back the ``Model.train`` that :func:`wrap_model_train` wrapped."""
+    if getattr(Model.train, _MARK, False):
+        Model.train = Model.train.__wrapped__
+
+
+def _find_callback(callbacks) -> TrainFaultTolerance | None:
+    if callbacks is None:
+        return None
+    found = [c for c in (callbacks if isinstance(callbacks, (list, tuple)) else [callbacks])
+             if isinstance(c, TrainFaultTolerance)]
+    if len(found) > 1:
+        raise ConfigError("Model.train got more than one TrainFaultTolerance callback")
+    return found[0] if found else None
+
+
+def _train_protected(original, model: Model, callback: TrainFaultTolerance, call: dict) -> None:
+    """``original(model, **call)`` under a Guard, called again after each
+    recovery from the Guard's step; returns when training finished."""
+    dataset = call["train_dataset"]
+    batches = dataset.get_dataset_size()
+    sink_size = batches if call["sink_size"] == -1 else call["sink_size"]
+    if call["dataset_sink_mode"] and sink_size > 1:
+        raise ConfigError(f"TrainFaultTolerance protects one step per sink only: dataset_sink_mode=True needs "
+                          f"sink_size=1 (got {call['sink_size']}, {sink_size} steps a sink), as MindSpore's TFT; "
+                          f"or use dataset_sink_mode=False")
+    # Model's steps per epoch: one per sink where it sinks (not on CPU, which falls back to feeding).
+    sinks = call["dataset_sink_mode"] and ms.get_context("device_target") != "CPU"
+    per_epoch = 1 if sinks else batches
+    start = call["initial_epoch"] * per_epoch  # the user's own starting position
+    if callback.initial_step and call["initial_epoch"] and callback.initial_step // per_epoch != call["initial_epoch"]:
+        raise ConfigError(f"initial_step={callback.initial_step} is in epoch {callback.initial_step // per_epoch} "
+                          f"of {per_epoch} steps, but Model.train got initial_epoch={call['initial_epoch']}")
+    base = callback.initial_step or start
+    guard = callback._attach(model, per_epoch)
+    user_init_step = dataset.get_init_step()
+    try:
+        while True:
+            position = base + guard.step
+            callback._training, callback._resume_at = False, None
+            if position != start:
+                call["initial_epoch"] = position // per_epoch
+                if call["initial_epoch"] >= call["epoch"]:
+                    log.warning("nothing left to train: step %d is past epoch %d", position, call["epoch"])
+                    break
+                dataset.set_init_step(position)
+                callback._resume_at = position
+                if guard.rank == 0:
+                    log.warning("Model.train starts at epoch %d, batch %d (step %d)", call["initial_epoch"],
+                                position % per_epoch, position)
+            try:
+                original(model, **call)
+                break
+            except Exception as e:
+                if not callback._training:
+                    raise
+                guard._handle(e)  # returns when training resumes at guard.step; otherwise exits the process
+    except BaseException:
+        guard.close(finished=False)
+        raise
+    finally:
+        dataset.set_init_step(user_init_step)
+    guard.close()
