@@ -8,71 +8,15 @@ subprocess (``trainguard run --framework mindspore`` or ``msrun``)."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import socket
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from conftest import WORKERS
+from ms_jobs import STEPS, MsJob, run_ms
 from trainguard.launcher.msrun import strategies_from_env
 
 needs_mindspore = pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore")
-STEPS = 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class MsJob:
-    rc: int
-    log: str
-    report: dict | None
-    ckpt: Path
-
-    def __str__(self) -> str:
-        return f"rc={self.rc}\n{self.log[-6000:]}"
-
-
-def run_ms(tmp: Path, name: str, *, fault: str | None = None, strategies: str | None = "retry,dump,exit",
-           ckpt: Path | None = None, launcher: str = "trainguard", env: dict | None = None,
-           script: Path = WORKERS / "ms_train.py", args: list[str] | None = None) -> MsJob:
-    ckpt = ckpt or tmp / f"{name}-ckpt"
-    report = tmp / f"{name}.json"
-    report.unlink(missing_ok=True)
-    logs = tmp / f"{name}-logs"
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MS_"))}
-    # The survivors of a killed worker leave their collective after this long (MindSpore's default is ~30 s).
-    full_env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "MS_CPU_COMM_OP_TIMEOUT": "10",
-                     "PYTHONUNBUFFERED": "1",
-                     # as in an activated environment: plain msrun starts `python` from PATH
-                     "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
-    if fault:
-        full_env["TRAINGUARD_FAULT"] = fault
-    if strategies:
-        full_env["TRAINGUARD_STRATEGIES"] = strategies
-    full_env.update(env or {})
-    msrun_flags = ["--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}", "--join=True",
-                   f"--log_dir={logs}"]
-    if launcher == "trainguard":
-        cmd = [sys.executable, "-m", "trainguard.cli", "run", "--framework", "mindspore", *msrun_flags]
-    else:
-        cmd = [str(Path(sys.executable).parent / "msrun"), *msrun_flags]
-    cmd += [str(script), *(args or [str(STEPS), str(report), str(ckpt)])]
-    proc = subprocess.run(cmd, env=full_env, cwd=tmp, capture_output=True, text=True, timeout=200)
-    worker_logs = "".join(f"\n--- {p.name}\n" + "\n".join(
-        line for line in p.read_text(errors="replace").splitlines() if "trainguard" in line or "Error" in line)
-        for p in sorted(logs.glob("worker_*.log")))
-    data = json.loads(report.read_text()) if report.exists() else None
-    return MsJob(proc.returncode, proc.stdout + proc.stderr + worker_logs, data, ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,15 @@ MindSpore is never imported into the test process: every job is a subprocess."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from conftest import WORKERS, _assert_no_stray_processes
+from ms_jobs import MsJob, run_ms
 
 if importlib.util.find_spec("mindspore") is None:  # find_spec does not import it
     pytest.skip("mindspore is not installed", allow_module_level=True)
@@ -27,42 +25,9 @@ SCRIPT = WORKERS / "ms_model_train.py"
 EPOCHS = 3  # of 2 batches: 6 steps; a fault at step 3 lands in epoch 1, batch 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class MsJob:
-    rc: int
-    log: str
-    report: dict | None
-    ckpt: Path
-
-    def __str__(self) -> str:  # shown when an assertion about the job fails
-        return f"rc={self.rc}\n{self.log[-6000:]}"
-
-
 def run_model_train(tmp: Path, name: str, *, fault: str | None = None, ckpt: Path | None = None) -> MsJob:
     """``trainguard run --framework mindspore`` of the worker, 2 processes."""
-    ckpt = ckpt or tmp / f"{name}-ckpt"
-    report, logs = tmp / f"{name}.json", tmp / f"{name}-logs"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MS_"))}
-    # The survivor of a killed worker leaves its collective after this long (MindSpore's default is ~30 s).
-    env.update({"TRAINGUARD_STRATEGIES": "retry,dump,exit", "TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5",
-                "MS_CPU_COMM_OP_TIMEOUT": "10", "PYTHONUNBUFFERED": "1"})
-    if fault:
-        env["TRAINGUARD_FAULT"] = fault
-    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--framework", "mindspore", "--worker_num=2",
-           "--local_worker_num=2", f"--master_port={free_port()}", "--join=True", f"--log_dir={logs}",
-           str(SCRIPT), str(EPOCHS), str(report), str(ckpt)]
-    proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=200)
-    worker_logs = "".join(f"\n--- {p.name}\n" + "\n".join(
-        line for line in p.read_text(errors="replace").splitlines() if "trainguard" in line or "Error" in line)
-        for p in sorted(logs.glob("worker_*.log")))
-    data = json.loads(report.read_text()) if report.exists() else None
-    return MsJob(proc.returncode, proc.stdout + proc.stderr + worker_logs, data, ckpt)
+    return run_ms(tmp, name, fault=fault, ckpt=ckpt, script=SCRIPT, steps=EPOCHS)
 
 
 def run_alone(tmp: Path, *args: str) -> subprocess.CompletedProcess:

@@ -30,7 +30,8 @@ import sys
 import time
 from typing import Any
 
-from trainguard.core import EXIT_AFTER_DUMP, Controller, ControllerConfig, TrainguardError, check_env, logs
+from trainguard.core import (EXIT_AFTER_DUMP, Controller, ControllerConfig, ControllerState, TrainguardError,
+                             check_env, logs)
 from trainguard.core.client import ControllerClient
 from trainguard.core.rpc import new_token
 
@@ -41,6 +42,14 @@ __all__ = ["MsrunPlugin", "attach", "main", "strategies_from_env"]
 log = logging.getLogger("trainguard.launcher")
 
 POLL_S = 0.1
+#: After the controller ended the job, how long workers get to leave before
+#: they are killed (a processor forces its own exit 10 s after the command).
+STRAGGLER_GRACE_S = 15.0
+#: MindSpore's CPU collective timeout trainguard sets when the job does not:
+#: how long the survivors of a killed worker stay inside a collective. It
+#: must stay below the controller's prelock timeout (30 s by default), or
+#: they answer the stop too late to save a dying-gasp checkpoint.
+COMM_TIMEOUT_S = 15
 #: Exit codes a rank ends with on the controller's own order.
 _ORDERED = (0, EXIT_AFTER_DUMP)
 
@@ -124,6 +133,11 @@ class MsrunPlugin:
             self.client = ControllerClient(address, token)
         os.environ.update(TRAINGUARD_CONTROLLER=address, TRAINGUARD_TOKEN=token,
                           TRAINGUARD_JOB_ID=self.config.job_id)
+        comm_timeout = os.environ.setdefault("MS_CPU_COMM_OP_TIMEOUT", str(COMM_TIMEOUT_S))
+        if float(comm_timeout) >= self.config.prelock_timeout_s:
+            log.warning("MS_CPU_COMM_OP_TIMEOUT=%s s is not below the prelock timeout (%g s): the survivors of a lost "
+                        "worker would answer the stop too late for a dying-gasp save; raise "
+                        "TRAINGUARD_PRELOCK_TIMEOUT_S above it", comm_timeout, self.config.prelock_timeout_s)
         log.info("trainguard controls msrun's %d local workers (controller %s, strategies %s)",
                  m.local_worker_num, address, ",".join(s.value for s in self.config.strategies))
 
@@ -136,6 +150,7 @@ class MsrunPlugin:
         report each unexpected exit the moment it is seen, and kill (the
         KILL_WORKER role) and report a worker found frozen."""
         frozen = FrozenWatch()
+        self._exited_at: float | None = None
         while True:
             running = 0
             for local_rank, code, pid in self._workers():
@@ -154,8 +169,25 @@ class MsrunPlugin:
                     self._report(rank, pid, code, frozen.last_poll)
             if not running:
                 return
+            self._end_stragglers()
             frozen.last_poll = time.time()
             time.sleep(POLL_S)
+
+    def _end_stragglers(self) -> None:
+        """Once the controller ended the job, kill the workers that did not
+        leave: a rank still inside a collective when the exit command went
+        out never received it."""
+        if self.controller is None or not self._reported:
+            return
+        if self._exited_at is None:
+            if self.controller.state is not ControllerState.EXITED:
+                return
+            self._exited_at = time.monotonic()
+        if time.monotonic() - self._exited_at < STRAGGLER_GRACE_S:
+            return
+        left = [pid for _, code, pid in self._workers() if code is None]
+        log.warning("the job ended %.0f s ago; killing workers that did not leave: %s", STRAGGLER_GRACE_S, left)
+        self.manager.kill_workers(left)
 
     def _workers(self) -> list[tuple[int, int | None, int]]:
         """``(local rank, exit code or None, pid)`` of every worker msrun started.

@@ -51,6 +51,7 @@ from trainguard.core import (
     report_left_step,
 )
 from trainguard.core import logs
+from trainguard.core.history import JobHistory, Protected
 
 from .handlers import MindSporeHandlers, load_checkpoint
 from .optimizer import OptTFTWrapper
@@ -72,7 +73,7 @@ class CommunicationBroken(RuntimeError):
     half a collective, so this process must not run another one."""
 
 
-class Guard:
+class Guard(JobHistory):
     """Fault tolerance for one MindSpore training loop.
 
     Args:
@@ -215,9 +216,9 @@ class Guard:
             if not self._entered:
                 raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
 
-    def protect(self) -> "_Protected":
+    def protect(self) -> Protected:
         """Context manager around one step's body; see the module docstring."""
-        return _Protected(self)
+        return Protected(self)
 
     def _begin(self) -> None:
         self._entered = True
@@ -330,30 +331,10 @@ class Guard:
             log.info("resumed from %s at step %d", found.path, found.step)
         return found.step
 
-    def merged_history(self, controller: dict) -> dict:
-        """Records and PIDs of every launch so far, for a checkpoint."""
-        pids = {k: list(v) for k, v in self.history.get("pids", {}).items()}
-        for rank, pid in self.pids.items():
-            seen = pids.setdefault(str(rank), [])
-            if pid not in seen:
-                seen.append(pid)
-        for rank, more in controller.get("pids", {}).items():
-            seen = pids.setdefault(str(rank), [])
-            seen.extend(p for p in more if p not in seen)
-        records = list(self.history.get("records", [])) + self.records + list(controller.get("records", []))
-        return {"records": records, "pids": pids}
-
     # ------------------------------------------------------------- report
     def report(self) -> dict:
         """Steps, lost steps, PIDs per rank, recoveries and a hash of the state."""
-        history = self.merged_history({})
-        return {
-            "steps_completed": self._step,
-            "lost_steps": sum(max(0, r.get("lost_steps", 0)) for r in history["records"]),
-            "pids": {int(k): v for k, v in sorted(history["pids"].items(), key=lambda kv: int(kv[0]))},
-            "recoveries": history["records"],
-            "final_state_sha256": self.state.sha256(),
-        }
+        return {"steps_completed": self._step, **self.history_report(), "final_state_sha256": self.state.sha256()}
 
     def close(self, *, finished: bool = True) -> None:
         """Say goodbye to the controller and detach from the optimizer."""
@@ -362,27 +343,6 @@ class Guard:
         self._hooks.clear()
         self.optimizer.guard = None
         self.processor.close(finished=finished)
-
-
-class _Protected:
-    def __init__(self, guard: Guard) -> None:
-        self.guard = guard
-
-    def __enter__(self) -> "_Protected":
-        self.guard._begin()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None:
-            try:
-                self.guard._commit()
-            except Exception as e:  # a skipped update, a failed periodic save
-                self.guard._handle(e)
-            return False
-        if not isinstance(exc, Exception):
-            return False
-        self.guard._handle(exc)
-        return True
 
 
 def _rank_and_size() -> tuple[int, int]:

@@ -133,12 +133,7 @@ class MindSporeHandlers(Handlers):
                                   meta={"history": history, "finalised_by": self.guard.rank})
 
     def resumed(self, step: int, record: dict, pids: dict | None = None, replicas: int = 0) -> None:
-        g = self.guard
-        if record:
-            g.records.append(record)
-        for rank, seen in (pids or {}).items():
-            known = g.history.setdefault("pids", {}).setdefault(rank, [])
-            known.extend(p for p in seen if p not in known)
+        self.guard.record_resume(record, pids)
 
 
 def broadcast_state(guard: "Guard", state: ModelState, root: int) -> dict[str, np.ndarray]:

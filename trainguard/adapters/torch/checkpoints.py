@@ -16,6 +16,7 @@ import torch
 
 from trainguard.core import CheckpointError
 from trainguard.core.checkpoint import FileInfo, SavedShard
+from trainguard.core.history import JobHistory
 
 from .handlers import read_shard, shard_name
 
@@ -24,7 +25,7 @@ __all__ = ["Checkpoints"]
 log = logging.getLogger("trainguard.torch")
 
 
-class Checkpoints:
+class Checkpoints(JobHistory):
     """Saving and loading checkpoints for a :class:`~.guard.Guard` (a mix-in)."""
 
     def write_shard(self, step: int):
@@ -86,16 +87,3 @@ class Checkpoints:
         if self.rank == 0:
             log.info("resumed from %s at step %d", found.path, found.step)
         return found.step
-
-    def merged_history(self, controller: dict) -> dict:
-        """Records and PIDs of every launch so far, for a checkpoint."""
-        pids = {k: list(v) for k, v in self.history.get("pids", {}).items()}
-        for rank, pid in self.pids.items():
-            seen = pids.setdefault(str(rank), [])
-            if pid not in seen:
-                seen.append(pid)
-        for rank, more in controller.get("pids", {}).items():
-            seen = pids.setdefault(str(rank), [])
-            seen.extend(p for p in more if p not in seen)
-        records = list(self.history.get("records", [])) + self.records + list(controller.get("records", []))
-        return {"records": records, "pids": pids}

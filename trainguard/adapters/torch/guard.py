@@ -55,6 +55,7 @@ from trainguard.core import (
     report_left_step,
 )
 from trainguard.core import logs
+from trainguard.core.history import Protected
 
 from .checkpoints import Checkpoints
 from .device import for_module
@@ -289,9 +290,9 @@ class Guard(Checkpoints):
             if not self._entered:
                 raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
 
-    def protect(self) -> "_Protected":
+    def protect(self) -> Protected:
         """Context manager around one step's body; see the module docstring."""
-        return _Protected(self)
+        return Protected(self)
 
     def _begin(self) -> None:
         self.injector.strike("gc", self._step)
@@ -396,12 +397,9 @@ class Guard(Checkpoints):
     def report(self) -> dict:
         """What happened so far: steps, lost steps, PIDs per rank, recoveries,
         and a hash of model + optimizer state (equal on every replica)."""
-        history = self.merged_history({})
         return {
             "steps_completed": self._step,
-            "lost_steps": sum(max(0, r.get("lost_steps", 0)) for r in history["records"]),
-            "pids": {int(k): v for k, v in sorted(history["pids"].items(), key=lambda kv: int(kv[0]))},
-            "recoveries": history["records"],
+            **self.history_report(),
             "final_state_sha256": state_sha256(self.state.model_and_optimizer()),
             "replicas": list(self.replicas),
         }
@@ -412,27 +410,6 @@ class Guard(Checkpoints):
             hook.remove()
         self._hooks.clear()
         self.processor.close(finished=finished)
-
-
-class _Protected:
-    def __init__(self, guard: Guard) -> None:
-        self.guard = guard
-
-    def __enter__(self) -> "_Protected":
-        self.guard._begin()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None:
-            try:
-                self.guard._commit()
-            except Exception as e:  # a collective of the commit (buffer sync, periodic save) failed
-                self.guard._handle(e)
-            return False
-        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
-            return False
-        self.guard._handle(exc)
-        return True
 
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))

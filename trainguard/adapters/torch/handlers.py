@@ -107,13 +107,9 @@ class TorchHandlers(Handlers):
         self.guard.finalize_checkpoint(step, shards, self.guard.merged_history(history))
 
     def resumed(self, step: int, record: dict, pids: dict | None = None, replicas: int = 0) -> None:
-        if record:
-            self.guard.records.append(record)
+        self.guard.record_resume(record, pids)
         if replicas:
             self.guard.replicas_changed(step, replicas)
-        for rank, seen in (pids or {}).items():
-            known = self.guard.history.setdefault("pids", {}).setdefault(rank, [])
-            known.extend(p for p in seen if p not in known)
 
 
 def shard_name(copies: Sequence[int]) -> str:
