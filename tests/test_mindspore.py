@@ -71,7 +71,7 @@ def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identic
 
 @needs_mindspore
 @pytest.mark.timeout(120)
-def test_graph_mode_is_refused_with_the_reason(tmp_path):
+def test_graph_mode_is_refused_for_a_hand_written_loop_with_the_reason(tmp_path):
     script = tmp_path / "graph.py"
     script.write_text("import mindspore as ms\nfrom mindspore import nn\nfrom trainguard.mindspore import Guard\n"
                       "ms.set_context(mode=ms.GRAPH_MODE)\nnet = nn.Dense(2, 2)\n"
@@ -79,6 +79,7 @@ def test_graph_mode_is_refused_with_the_reason(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "ConfigError: trainguard's MindSpore Guard needs PyNative mode" in proc.stderr, proc.stderr
+    assert "in graph mode it protects Model.train with TrainFaultTolerance" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("env,expected", [

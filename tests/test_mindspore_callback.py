@@ -1,7 +1,8 @@
 """``Model.train`` under trainguard's ``TrainFaultTolerance`` callback
-(2 msrun workers, CPU): a device memory error retried in place, a killed
-worker dumped and the relaunch resumed mid-epoch, each ending bit-identical
-to a fault-free run; and what is refused.
+(2 msrun workers, CPU), in PyNative and in graph mode: a device memory error
+retried in place, a killed worker dumped and the relaunch resumed mid-epoch,
+each ending bit-identical to a fault-free run in the same mode; and what is
+refused.
 
 MindSpore is never imported into the test process: every job is a subprocess."""
 
@@ -25,9 +26,11 @@ SCRIPT = WORKERS / "ms_model_train.py"
 EPOCHS = 3  # of 2 batches: 6 steps; a fault at step 3 lands in epoch 1, batch 1
 
 
-def run_model_train(tmp: Path, name: str, *, fault: str | None = None, ckpt: Path | None = None) -> MsJob:
-    """``trainguard run --framework mindspore`` of the worker, 2 processes."""
-    return run_ms(tmp, name, fault=fault, ckpt=ckpt, script=SCRIPT, steps=EPOCHS)
+def run_model_train(tmp: Path, name: str, *, fault: str | None = None, ckpt: Path | None = None,
+                    mode: str = "pynative") -> MsJob:
+    """``trainguard run --framework mindspore`` of the worker, 2 processes,
+    in ``mode`` (``pynative`` or ``graph``)."""
+    return run_ms(tmp, name, fault=fault, ckpt=ckpt, script=SCRIPT, steps=EPOCHS, env={"TEST_MS_MODE": mode})
 
 
 def run_alone(tmp: Path, *args: str) -> subprocess.CompletedProcess:
@@ -46,12 +49,22 @@ def baseline(tmp_path_factory) -> MsJob:
     return job
 
 
+@pytest.fixture(scope="module")
+def graph_baseline(tmp_path_factory) -> MsJob:
+    tmp = tmp_path_factory.mktemp("ms-model-graph-baseline")
+    job = run_model_train(tmp, "baseline", mode="graph")
+    assert job.rc == 0 and job.report is not None, job
+    assert job.report["steps_completed"] == 2 * EPOCHS and job.report["recoveries"] == [], job
+    _assert_no_stray_processes(tmp)
+    return job
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("check, message", [
     ("sink", "dataset_sink_mode=True needs sink_size=1 (got 2, 2 steps a sink)"),
     ("unwrapped", "TrainFaultTolerance needs the Model's optimizer wrapped: Model(net, loss_fn, "
                   "optimizer=OptTFTWrapper(opt))"),
-    ("graph", "needs PyNative mode"),
+    ("graph-backward", "a backward fault cannot be injected in graph mode"),
 ])
 def test_refused_before_training(tmp_path, check, message):
     done = run_alone(tmp_path, str(SCRIPT), str(EPOCHS), str(tmp_path / "r.json"), str(tmp_path / "ckpt"), check)
@@ -119,4 +132,39 @@ def test_killed_worker_is_dumped_and_the_relaunch_resumes_mid_epoch(tmp_path, ba
     # Step 3 is epoch 1, batch 1 of the shuffled data: anything else trains other batches.
     assert "Model.train starts at epoch 1, batch 1 (step 3)" in again.log
     assert r["final_state_sha256"] == baseline.report["final_state_sha256"], again
+    _assert_no_stray_processes(tmp_path)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("phase, step", [("forward", 3), ("optimizer", 4)])
+def test_graph_mode_device_error_is_retried_inside_model_train(tmp_path, graph_baseline, phase, step):
+    # forward: struck at the step's start, before the compiled step; the drain replays it voting 0.
+    # optimizer: struck at the step's end, after every replica updated; the next step is the one skipped.
+    job = run_model_train(tmp_path, "uce", fault=f"uce:rank=1,step=3,phase={phase}", mode="graph")
+    assert job.rc == 0 and job.report is not None, job
+    r = job.report
+    assert r["steps_completed"] == 2 * EPOCHS and r["lost_steps"] == 0, job
+    assert [(x["fault"], x["rank"], x["step"], x["strategy"]) for x in r["recoveries"]] == [("uce", 1, step, "retry")]
+    assert all(len(pids) == 1 for pids in r["pids"].values()), r["pids"]
+    assert r["final_state_sha256"] == graph_baseline.report["final_state_sha256"], job
+    assert f"Model.train starts at epoch {step // 2}, batch {step % 2} (step {step})" in job.log
+    _assert_no_stray_processes(tmp_path)
+
+
+@pytest.mark.timeout(240)
+def test_graph_mode_killed_worker_is_dumped_and_the_relaunch_resumes(tmp_path, graph_baseline):
+    ckpt = tmp_path / "ckpt"
+    job = run_model_train(tmp_path, "crash", fault="crash:rank=1,step=3,phase=forward", ckpt=ckpt, mode="graph")
+    assert job.rc == 75, job  # rank 0 left its compiled step when the vote's all-reduce timed out
+    saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("tft_saved_checkpoints"))
+    assert saved == ["tft_saved_checkpoints-step_3"], job
+
+    again = run_model_train(tmp_path, "relaunch", ckpt=ckpt, mode="graph")
+    assert again.rc == 0 and again.report is not None, again
+    r = again.report
+    assert r["steps_completed"] == 2 * EPOCHS and r["lost_steps"] == 0, again
+    assert [(x["fault"], x["step"], x["strategy"]) for x in r["recoveries"]] == [("process_lost", 3, "dump")]
+    assert all(len(pids) == 2 for pids in r["pids"].values()), r["pids"]
+    assert "Model.train starts at epoch 1, batch 1 (step 3)" in again.log
+    assert r["final_state_sha256"] == graph_baseline.report["final_state_sha256"], again
     _assert_no_stray_processes(tmp_path)

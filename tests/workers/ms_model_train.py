@@ -6,11 +6,14 @@ trainguard's ``TrainFaultTolerance`` callback, for the fault tests.
 Each rank's data is its own (seeded by rank), shuffled with a fixed seed,
 two batches an epoch, so a resumed run must skip to the right epoch, the
 right batch and that epoch's shuffle order. Rank 0 writes the Guard's report.
-CHECK (``sink``, ``unwrapped``, ``graph``) runs one refused configuration in
-a single process and prints the error.
+``TEST_MS_MODE=graph`` in the environment trains in graph mode (default PyNative).
+CHECK (``sink``, ``unwrapped``, ``graph-backward``: a backward fault to inject
+in graph mode) runs one refused configuration in a single process and prints
+the error.
 """
 
 import json
+import os
 import sys
 
 import mindspore as ms
@@ -24,7 +27,10 @@ from trainguard.mindspore import OptTFTWrapper, TrainFaultTolerance
 
 epochs, report, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 check = sys.argv[4] if len(sys.argv) > 4 else ""
-ms.set_context(mode=ms.GRAPH_MODE if check == "graph" else ms.PYNATIVE_MODE)
+graph = os.environ.get("TEST_MS_MODE") == "graph" or check == "graph-backward"
+if check == "graph-backward":
+    os.environ["TRAINGUARD_FAULT"] = "uce:rank=0,step=1,phase=backward"
+ms.set_context(mode=ms.GRAPH_MODE if graph else ms.PYNATIVE_MODE)
 ms.set_device("CPU")
 rank = 0
 if not check:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
 import sys
 import time
 from typing import Any
@@ -68,6 +69,25 @@ def strategies_from_env(environ=os.environ) -> str | None:
     return ",".join(chosen + ["exit"])
 
 
+class _SafeSpawn:
+    """``subprocess`` for msrun's process manager in a launcher with threads.
+
+    msrun starts each worker with ``preexec_fn=os.setsid``: Python code that
+    runs in the child between fork and exec, which can deadlock in a process
+    with other threads (the controller's gRPC threads here; seen as a worker
+    that never started). ``start_new_session=True`` does the same ``setsid``
+    in C."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args: Any, preexec_fn: Any = None, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - subprocess's name
+        if preexec_fn is os.setsid:
+            preexec_fn, kwargs["start_new_session"] = None, True
+        return subprocess.Popen(*args, preexec_fn=preexec_fn, **kwargs)
+
+
 def attach(manager: Any, *, force: bool = False) -> bool:
     """Take over ``manager``'s workers (msrun's ``_ProcessManager``) when
     the job asks for fault tolerance (``force``: always)."""
@@ -76,6 +96,7 @@ def attach(manager: Any, *, force: bool = False) -> bool:
         return False
     manager.handler = MsrunPlugin(manager, strategies)
     manager.enable_mindx = True
+    sys.modules[type(manager).__module__].subprocess = _SafeSpawn()
     # msrun starts its scheduler and workers as `python SCRIPT`: make that the
     # launcher's own interpreter, the one trainguard and MindSpore are in.
     here = os.path.dirname(sys.executable)

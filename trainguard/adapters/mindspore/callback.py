@@ -1,4 +1,4 @@
-"""``TrainFaultTolerance``: trainguard for ``Model.train`` (PyNative mode).
+"""``TrainFaultTolerance``: trainguard for ``Model.train`` (PyNative or graph mode).
 
 ::
 
@@ -17,11 +17,17 @@ step, starts training where the Guard's checkpoint left off, and on a fault
 has the Guard recover, then calls ``Model.train`` again from the recovered
 step. Without the callback ``Model.train`` is untouched.
 
+In graph mode ``Model``'s train step (forward, gradients, their all-reduce
+and the wrapper's update) is one compiled graph, and the vote is compiled
+into it: ``on_train_step_begin`` sets this rank's health flag (and keeps the
+batch, which a drain replays the step on), ``on_train_step_end`` reads
+whether the step updated. See :mod:`.guard` for what that means for the
+update window and fault injection.
+
 Refused (``ConfigError``) before training: ``dataset_sink_mode=True`` with
-more than one step a sink (MindSpore's TFT rule), graph mode (the Guard's),
-an optimizer not wrapped in :class:`OptTFTWrapper`, loss scaling that skips
-overflowing steps, several processes without data parallelism, and
-``ckpt_save_fn``. ``Model.fit`` is refused in ``on_train_begin``.
+more than one step a sink (MindSpore's TFT rule), an optimizer not wrapped
+in :class:`OptTFTWrapper`, loss scaling that skips overflowing steps, several
+processes without data parallelism, and ``ckpt_save_fn``. ``Model.fit`` is refused in ``on_train_begin``.
 
 Where a step's batch comes from: step ``s`` of the Guard trains the batch at
 global position ``initial_step + s`` of the data (epochs of
@@ -109,8 +115,11 @@ class TrainFaultTolerance(Callback):
             raise ConfigError("TrainFaultTolerance protects data-parallel training: with more than one process, "
                               "set ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL) so "
                               "Model's TrainOneStepCell all-reduces the gradients")
+        # Graph mode: the drain replays the compiled step.
+        compiled = (lambda inputs: train_network(*inputs)) if ms.get_context("mode") != ms.PYNATIVE_MODE else None
         self.guard = Guard(model._network, optimizer, checkpoint_dir=self.ckpt_save_path,
-                           steps_per_epoch=steps_per_epoch, reduce_gradients=False, reducer=reducer)
+                           steps_per_epoch=steps_per_epoch, reduce_gradients=False, reducer=reducer,
+                           compiled_step=compiled)
         return self.guard
 
     # MindSpore's callback hooks.
@@ -123,9 +132,14 @@ class TrainFaultTolerance(Callback):
             run_context.original_args().cur_step_num = self._resume_at
 
     def on_train_step_begin(self, run_context) -> None:
-        self.guard._begin()
+        if self.guard._graph:
+            self.guard._begin_compiled(tuple(run_context.original_args().train_dataset_element))
+        else:
+            self.guard._begin()
 
     def on_train_step_end(self, run_context) -> None:
+        if self.guard._graph:
+            self.guard._end_compiled()
         self.guard._commit()
 
     def on_train_end(self, run_context) -> None:

@@ -1,4 +1,4 @@
-"""``Guard``: protect a MindSpore training loop (PyNative mode).
+"""``Guard``: protect a MindSpore training loop (PyNative mode; graph mode under ``Model.train``).
 
 ::
 
@@ -20,6 +20,17 @@ rank from a replica (``retry``) or has a healthy replica save it (``dump``).
 Launched with ``msrun`` after ``adapters-patch msrun`` or with ``trainguard
 run --framework mindspore`` the guard reaches the job's controller;
 otherwise it still checkpoints and resumes.
+
+Graph mode (only for ``Model.train`` with ``TrainFaultTolerance``, which
+passes ``compiled_step``): the train step is one compiled graph, with the
+vote compiled into the wrapper (:meth:`OptTFTWrapper.compile_vote`). The
+callback sets the health flag at the step's start and the Guard reads the
+vote's outcome at its end; the update window is reported to the controller
+only then (``start_update`` just before ``end_update``), since a running
+graph cannot call Python. The drain replays the whole compiled step with a
+health flag of 0 on the inputs of the step that failed. A fault can be
+injected only where Python runs: ``forward`` at the step's start,
+``optimizer`` at its end after an update; ``backward`` is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mindspore as ms
 import numpy as np
@@ -63,6 +74,8 @@ log = logging.getLogger("trainguard.mindspore")
 
 # Where a rank is in its step, for the drain: which collectives its peers may wait in.
 _COMPUTE, _REDUCED, _UPDATING = "compute", "reduced", "updating"
+#: Graph mode: the compiled step runs; a failure there may have left any of its collectives half done.
+_IN_GRAPH = "in graph"
 #: How long a replica that skipped an update waits for the controller's STOP
 #: before it reports the skip as a communication fault of its own.
 STOP_WAIT_S = 30.0
@@ -91,6 +104,13 @@ class Guard(JobHistory):
         replicas: this rank's replica groups (default: pure data parallel).
         processor, injector, classifier: collaborators, from the environment
             when omitted.
+        compiled_step: graph mode only (given by ``TrainFaultTolerance``):
+            ``compiled_step(inputs)`` runs the compiled train step on a
+            batch, which the drain replays.
+
+    Raises:
+        ConfigError: graph mode without ``compiled_step`` (a hand-written
+            loop), or a ``backward`` fault to inject in graph mode.
     """
 
     def __init__(
@@ -108,10 +128,13 @@ class Guard(JobHistory):
         processor: Processor | None = None,
         injector: FaultInjector | None = None,
         classifier: Classifier | None = None,
+        compiled_step: Callable[[tuple], object] | None = None,
     ) -> None:
-        if ms.get_context("mode") != ms.PYNATIVE_MODE:
-            raise ConfigError("trainguard's MindSpore Guard needs PyNative mode (ms.set_context(mode=ms.PYNATIVE_MODE)); "
-                              "graph mode is not supported yet")
+        self._graph = ms.get_context("mode") != ms.PYNATIVE_MODE
+        if self._graph and compiled_step is None:
+            raise ConfigError("trainguard's MindSpore Guard needs PyNative mode (ms.set_context(mode="
+                              "ms.PYNATIVE_MODE)) in a hand-written loop; in graph mode it protects Model.train "
+                              "with TrainFaultTolerance")
         if save_every < 0 or (save_every and checkpoint_dir is None):
             raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
         self.rank, self.world_size = _rank_and_size()
@@ -132,6 +155,8 @@ class Guard(JobHistory):
         self.records: list[dict] = []
         self.history: dict = {"records": [], "pids": {}}
         self._handlers = MindSporeHandlers(self)
+        self._run_compiled = compiled_step
+        self._inputs: tuple = ()  # graph mode: the running step's batch, replayed by the drain
         self._step = 0
         self._phase = _COMPUTE
         self._updated = self._skipped = self._entered = False
@@ -145,9 +170,15 @@ class Guard(JobHistory):
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
         self.injector = injector or FaultInjector.from_env(self.rank, log_path=log_path)
         self.processor = processor or self._connect()
-        self.processor.watchdog.in_collective = lambda: self._in_collective
+        # Graph mode: the compiled step holds the collectives; waiting in it for a peer is not a hang of ours.
+        self.processor.watchdog.in_collective = lambda: self._in_collective or self._phase == _IN_GRAPH
         self._hooks = []
-        if self.injector.wants("forward"):
+        if self._graph:
+            self.optimizer.compile_vote(self.world_size)
+            if self.injector.wants("backward"):
+                raise ConfigError("a backward fault cannot be injected in graph mode: forward, backward and the "
+                                  "update are one compiled graph (inject phase=forward or phase=optimizer)")
+        elif self.injector.wants("forward"):
             self._hooks.append(network.register_forward_pre_hook(
                 lambda cell, inputs: self.injector.strike("forward", self._step)))
         self.optimizer.guard = self
@@ -227,6 +258,27 @@ class Guard(JobHistory):
         self._step_started = time.perf_counter()
         self.injector.strike("gc", self._step)  # a pause only: nothing raised in __enter__
 
+    def _begin_compiled(self, inputs: tuple) -> None:
+        """Graph mode, before the compiled step runs on ``inputs``: strike a
+        ``forward`` fault, then set this rank's vote."""
+        self._begin()
+        self._inputs = inputs
+        self.injector.strike("forward", self._step)
+        self.optimizer.set_health(not self.processor.stop_event.is_set())
+        self._phase = _IN_GRAPH
+
+    def _end_compiled(self) -> None:
+        """Graph mode, after the compiled step: take the vote's outcome,
+        which :meth:`_commit` then commits (or skips)."""
+        self._phase = _REDUCED
+        if not self.optimizer.did_update():
+            self._skipped = True
+            return
+        self._phase = _UPDATING
+        self.processor.start_update()
+        self.injector.strike("optimizer", self._step)
+        self._updated = True
+
     def update(self, gradients):
         """The wrapper's body: reduce, vote, update (called by :class:`OptTFTWrapper`)."""
         self.injector.strike("backward", self._step)
@@ -266,6 +318,15 @@ class Guard(JobHistory):
         phase = self._phase
         if phase == _UPDATING:  # the peers updated and went on into the next step
             phase = _COMPUTE
+        if self._graph:
+            if phase == _COMPUTE:  # the peers wait in the compiled step: run it, voting 0
+                if not self._inputs:
+                    raise CommunicationBroken(f"rank {self.rank}: no batch seen yet to replay the compiled step")
+                self.optimizer.set_health(False)
+                self._collective(lambda: self._run_compiled(self._inputs))
+                self._phase = _REDUCED
+                log.warning("rank %d released its peers from step %d", self.rank, self._step + 1)
+            return
         if phase == _COMPUTE and self.reducer is not None:
             zeros = tuple(ops.zeros_like(p) for p in self.optimizer.parameters)
             self._collective(lambda: self.reducer(zeros))
@@ -277,6 +338,10 @@ class Guard(JobHistory):
         """Report why the step was left, release the peers, then carry out
         the controller's recovery."""
         phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
+        if self._phase == _IN_GRAPH and not self.comm_broken:
+            # Which of the graph's collectives ran is unknown: run none again (the controller dumps).
+            first = next((line for line in str(error).splitlines() if line.strip() and not line.startswith("-")), "")
+            self.comm_broken = f"the compiled step failed ({first or type(error).__name__})"
         own = report_left_step(self.processor, error, self.classifier, phase=phase)
         if own:
             log.error("rank %d fault at step %d: %s", self.rank, self._step, error)
@@ -341,6 +406,8 @@ class Guard(JobHistory):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self._graph:
+            self.optimizer.set_health(True)  # the vote stays compiled in: without a Guard every step updates
         self.optimizer.guard = None
         self.processor.close(finished=finished)
 
@@ -366,5 +433,6 @@ def _classifier() -> Classifier:
     c = Classifier()
     c.register(r"UCEError|HBM_MULTI_BIT_ECC", FaultKind.UCE, None)
     c.register(r"HCCEError|SuspectRemoteError", FaultKind.COMM)
-    c.register(r"CommunicationBroken|Launch kernel failed, name:.*(AllReduce|AllGather|Broadcast)", FaultKind.COMM)
+    # PyNative: "Launch kernel failed, name:...AllReduce"; a compiled graph: "Launch kernel failed: .../AllReduce-op0".
+    c.register(r"CommunicationBroken|Launch kernel failed(, name)?:.*(AllReduce|AllGather|Broadcast)", FaultKind.COMM)
     return c
