@@ -1,0 +1,130 @@
+"""The MindSpore ResNet-50 example as a user runs it: ``trainguard run
+--framework mindspore`` with 2 CPU workers, small settings to fit CI.
+
+A device memory error is retried in place and the job ends in the fault-free
+state with the same processes; ``guard=false`` (plain MindSpore under plain
+msrun, the benchmark's baseline) reaches that state too. MindSpore is never
+imported into the test process: every job is a subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import _assert_no_stray_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "resnet50" / "train_mindspore.py"
+STEPS = 4
+SMALL = [f"steps={STEPS}", "seed=1", "batch_size=2", "image_size=8", "save_every=0", "log_every=0"]
+#: The report's keys documented in examples/resnet50/README.md (as the torch example's).
+KEYS = {"final_state_sha256", "steps_completed", "lost_steps", "pids", "recoveries", "faults", "world_size",
+        "start_step", "wall_s", "step_time_s", "config"}
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore"),
+    pytest.mark.timeout(300),
+]
+
+
+@dataclass
+class Run:
+    rc: int
+    report: dict | None
+    log: str
+
+    def __str__(self) -> str:  # shown when an assertion about the run fails
+        return f"rc={self.rc}\n{self.log[-6000:]}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def example(tmp: Path, name: str, *, fault: str | None = None, guard: bool = True) -> Run:
+    """One launch of the example: ``trainguard run --framework mindspore``,
+    or plain msrun for ``guard=False``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    # msrun starts `python SCRIPT`: the test's interpreter, the one MindSpore is in.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if fault:
+        env["TRAINGUARD_FAULT"] = fault
+    launcher = ["-m", "trainguard.cli", "run", "--framework", "mindspore"] if guard else \
+        ["-m", "mindspore.parallel.cluster.run"]
+    cmd = [sys.executable, *launcher, "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}",
+           "--join=True", f"--log_dir={tmp / f'{name}-logs'}", str(SCRIPT), *SMALL, f"guard={guard}",
+           # absolute paths: the stray-process check finds the workers by them
+           f"report={tmp / f'{name}.json'}", f"checkpoint_dir={tmp / f'{name}-ckpt'}"]
+    log = tmp / f"{name}.log"
+    with open(log, "w") as out:  # msrun tails every worker log: a file, not a pipe
+        try:
+            rc = subprocess.run(cmd, env=env, cwd=tmp, stdout=out, stderr=subprocess.STDOUT, timeout=120).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1  # the timeout killed the launcher only: msrun starts workers in sessions of their own
+            _kill_processes_under(tmp)
+    report = tmp / f"{name}.json"
+    return Run(rc, json.loads(report.read_text()) if report.exists() else None, log.read_text(errors="replace"))
+
+
+def _kill_processes_under(tmp: Path) -> None:
+    """SIGKILL every process whose command line names ``tmp`` (this test's jobs)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if str(tmp) in cmdline and int(pid) != os.getpid():
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory) -> Run:
+    tmp = tmp_path_factory.mktemp("ms-example")
+    run = example(tmp, "ref")
+    _assert_no_stray_processes(tmp)
+    assert run.rc == 0 and run.report is not None, run
+    return run
+
+
+def test_a_retried_uce_ends_in_the_fault_free_state_with_the_same_processes(tmp_path, fault_free):
+    ref = fault_free.report
+    assert KEYS <= ref.keys(), sorted(KEYS - ref.keys())
+    assert ref["steps_completed"] == STEPS and ref["lost_steps"] == 0 and ref["recoveries"] == []
+    assert ref["world_size"] == 2 and ref["guard"] is True
+    assert sorted(ref["pids"]) == ["0", "1"] and all(len(p) == 1 for p in ref["pids"].values())
+
+    run = example(tmp_path, "uce", fault="uce:rank=1,step=2,phase=backward")
+    _assert_no_stray_processes(tmp_path)
+    assert run.rc == 0 and run.report is not None, run
+    uce = run.report
+    assert KEYS <= uce.keys(), sorted(KEYS - uce.keys())
+    assert uce["final_state_sha256"] == ref["final_state_sha256"], run
+    assert uce["steps_completed"] == STEPS and uce["lost_steps"] == 0, run
+    assert [r["strategy"] for r in uce["recoveries"]] == ["retry"], run
+    assert uce["recoveries"][0]["rank"] == 1 and uce["recoveries"][0]["recover_s"] > 0, run
+    # No process was restarted: each rank has one PID, and the one that
+    # failed (the fault log's) finished the job.
+    assert all(len(p) == 1 for p in uce["pids"].values()), run
+    (struck,) = uce["faults"]
+    assert struck["spec"] == "uce:rank=1,step=2,phase=backward" and uce["pids"]["1"] == [struck["pid"]], run
+    assert not (tmp_path / "outputs").exists(), "hydra must not create output directories"
+
+
+def test_plain_mindspore_reaches_the_same_state(tmp_path, fault_free):
+    run = example(tmp_path, "plain", guard=False)
+    _assert_no_stray_processes(tmp_path)
+    assert run.rc == 0 and run.report is not None, run
+    assert run.report["guard"] is False and run.report["recoveries"] == [], run
+    assert run.report["final_state_sha256"] == fault_free.report["final_state_sha256"], run
