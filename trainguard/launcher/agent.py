@@ -41,7 +41,7 @@ from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.rpc import new_token
 
-from .frozen import FrozenWatch
+from .watch import FrozenWatch, report_exit
 from .restart import Replacements
 
 __all__ = ["TrainguardAgent"]
@@ -242,12 +242,4 @@ class TrainguardAgent(LocalElasticAgent):
         return c.prelock_timeout_s + c.save_timeout_s + 2 * c.handler_timeout_s + 30
 
     def _report(self, rank: int, pid: int, code: int, reason: str = "", last_running: float = 0.0) -> None:
-        log.warning("worker rank %d (pid %d) %s%s", rank, pid, f"{reason}: " if reason else "",
-                    f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
-        try:
-            if self.controller is not None:
-                self.controller.report_process_exit(rank, pid, code, reason, last_running)
-            elif self._client is not None:
-                self._client.report_process_exit(rank, pid, code, reason, last_running)
-        except Exception as e:  # the controller also notices through the broken session
-            log.warning("could not report the exit of rank %d to the controller: %s", rank, e)
+        report_exit(self.controller, self._client, rank, pid, code, reason, last_running)

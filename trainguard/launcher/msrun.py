@@ -36,7 +36,7 @@ from trainguard.core import (EXIT_AFTER_DUMP, Controller, ControllerConfig, Cont
 from trainguard.core.client import ControllerClient
 from trainguard.core.rpc import new_token
 
-from .frozen import FrozenWatch
+from .watch import FrozenWatch, report_exit
 
 __all__ = ["MsrunPlugin", "attach", "main", "strategies_from_env"]
 
@@ -183,11 +183,11 @@ class MsrunPlugin:
                         continue
                     # Report before killing: the kill also ends the rank's session.
                     self._reported.add(pid)
-                    self._report(rank, pid, -9, frozen.running_at.get(pid, 0.0), reason)
+                    report_exit(self.controller, self.client, rank, pid, -9, reason, frozen.running_at.get(pid, 0.0))
                     self.manager.kill_workers([pid])
                 elif pid not in self._reported and code not in _ORDERED:
                     self._reported.add(pid)
-                    self._report(rank, pid, code, frozen.last_poll)
+                    report_exit(self.controller, self.client, rank, pid, code, last_running=frozen.last_poll)
             if not running:
                 return
             self._end_stragglers()
@@ -217,17 +217,6 @@ class MsrunPlugin:
         MONITOR role) answers 300 instead of the exit code once a worker was
         reaped, so a deliberate exit (75 after a dump) would look like a crash."""
         return [(local, p.poll(), p.pid) for local, p in sorted(self.manager.proc_rank_map.items())]
-
-    def _report(self, rank: int, pid: int, code: int, last_running: float, reason: str = "") -> None:
-        log.warning("worker rank %d (pid %d) %s%s", rank, pid, f"{reason}: " if reason else "",
-                    f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
-        try:
-            if self.controller is not None:
-                self.controller.report_process_exit(rank, pid, code, reason, last_running)
-            elif self.client is not None:
-                self.client.report_process_exit(rank, pid, code, reason, last_running)
-        except Exception as e:  # the controller also notices through the broken session
-            log.warning("could not report the exit of rank %d to the controller: %s", rank, e)
 
     def _stop(self) -> None:
         if self.controller is not None:

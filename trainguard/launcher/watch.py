@@ -1,13 +1,17 @@
-"""Frozen workers: a process found stopped (state ``T`` in ``/proc``) on two
+"""Watching workers, for both node agents (torchrun's and msrun's; no
+framework imports): a process found stopped (state ``T`` in ``/proc``) on two
 checks :data:`STOPPED_CONFIRM_S` apart is hung, as a stuck host or frozen
-container leaves it. Used by both node agents (torchrun's and msrun's); no
-framework imports."""
+container leaves it; a worker's end is reported to the controller at once."""
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any
 
-__all__ = ["STOPPED_CONFIRM_S", "FrozenWatch", "process_state"]
+__all__ = ["STOPPED_CONFIRM_S", "FrozenWatch", "process_state", "report_exit"]
+
+log = logging.getLogger("trainguard.launcher")
 
 STOPPED_CONFIRM_S = 0.3
 
@@ -41,3 +45,18 @@ class FrozenWatch:
         since = self._stopped_since.setdefault(pid, now)
         return f"found stopped (state T) for {now - since:.1f} s; killed by its agent" \
             if now - since >= STOPPED_CONFIRM_S else ""
+
+
+def report_exit(controller: Any, client: Any, rank: int, pid: int, code: int, reason: str = "",
+                last_running: float = 0.0) -> None:
+    """Log a worker's end and report it to the controller (in this process,
+    else through ``client``)."""
+    log.warning("worker rank %d (pid %d) %s%s", rank, pid, f"{reason}: " if reason else "",
+                f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+    try:
+        if controller is not None:
+            controller.report_process_exit(rank, pid, code, reason, last_running)
+        elif client is not None:
+            client.report_process_exit(rank, pid, code, reason, last_running)
+    except Exception as e:  # the controller also notices through the broken session
+        log.warning("could not report the exit of rank %d to the controller: %s", rank, e)
