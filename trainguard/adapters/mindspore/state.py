@@ -12,8 +12,6 @@ for a broadcast and a checkpoint.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
-
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
@@ -39,12 +37,6 @@ class ModelState:
         self._buffer_snapshot: list[np.ndarray] = []
         self.snapshot_step: int | None = None
 
-    def names(self) -> list[str]:
-        return list(self.params)
-
-    def tensors(self) -> list[Parameter]:
-        return list(self.params.values())
-
     def commit(self, step: int) -> None:
         """Remember the buffers of a consistent ``step`` (they are small)."""
         self._buffer_snapshot = [p.asnumpy().copy() for p in self.buffers]
@@ -68,10 +60,6 @@ class ModelState:
                 raise ValueError(f"{source}: {name} is {value.dtype}{list(value.shape)}, "
                                  f"the network has {p.asnumpy().dtype}{list(p.shape)}")
             ops.assign(p, Tensor(value.copy()))  # in place: kernels keep using the same storage
-
-    def load_tensors(self, values: Iterable[Tensor]) -> None:
-        for p, value in zip(self.params.values(), values):
-            ops.assign(p, value)
 
     def sha256(self) -> str:
         """A hash of every parameter's name, dtype, shape and bytes."""
