@@ -349,13 +349,6 @@ class Guard(JobHistory):
             first = next((line for line in str(error).splitlines() if line.strip() and not line.startswith("-")), "")
             self.comm_broken = f"the compiled step failed ({first or type(error).__name__})"
         own = report_left_step(self.processor, error, self.classifier, phase=phase)
-        if ms.get_context("mode") == ms.PYNATIVE_MODE:
-            # A fault inside value_and_grad leaves PyNative's gradient recorder
-            # open; the next op would be recorded into it (minutes for a large
-            # network). MindSpore clears it the same way after a failed compile.
-            from mindspore.common.api import _pynative_executor
-
-            _pynative_executor.clear_res()
         if own:
             log.error("rank %d fault at step %d: %s", self.rank, self._step, error)
             try:
