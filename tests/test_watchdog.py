@@ -6,6 +6,8 @@ import pytest
 
 from trainguard.core import ConfigError
 from trainguard.core.config import watchdog_from_env
+from trainguard.core.api import FaultKind, Severity
+from trainguard.core.processor import Processor
 from trainguard.core.watchdog import ProgressWatchdog, WatchdogConfig
 
 
@@ -73,6 +75,25 @@ def test_recovery_pauses_the_watchdog_and_resumes_with_what_it_learned():
     wd.arm()
     clock.t += 3.5
     assert wd.check().limit_s == pytest.approx(3.0)
+
+
+def test_a_rank_that_reports_its_own_fault_is_not_timed_while_it_recovers():
+    # The controller sends no STOP to a rank that stopped itself; the repair
+    # that follows can take many steps' time (a MindSpore broadcast of every
+    # parameter) and is timed by the controller's phases, not the watchdog.
+    for report in ("fault", "stopped"):
+        wd, clock = trained(step_s=1.0)
+        processor = Processor(None)
+        processor.watchdog = wd
+        if report == "fault":
+            processor.report_fault(FaultKind.UCE, Severity.HIGH, "injected")
+        else:
+            processor.report_stopped()
+        clock.t += 100
+        assert wd.check() is None, report
+        processor.resumed()
+        clock.t += 3.5
+        assert wd.check() is not None, f"{report}: resuming re-arms it"
 
 
 def test_a_section_has_a_generous_limit_of_its_own_and_is_not_step_time():

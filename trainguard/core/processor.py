@@ -307,12 +307,16 @@ class Processor:
 
     def report_fault(self, kind: FaultKind, severity: Severity, message: str, *, phase: str = "",
                      occurred_at: float | None = None) -> None:
+        # The rank stopped itself: no STOP will come to disarm the watchdog,
+        # and the controller times the recovery's phases from here on.
+        self.watchdog.disarm()
         self.run = RunStatus.STOPPED
         self._post(pb.RankMessage(fault=pb.FaultReport(
             kind=kind.value, severity=severity.value, phase=phase, message=message[:2000],
             occurred_at=occurred_at or self._clock(), status=self._status())))
 
     def report_stopped(self) -> None:
+        self.watchdog.disarm()
         self.run = RunStatus.STOPPED
         self._post(pb.RankMessage(stopped=self._status()))
 
