@@ -92,6 +92,10 @@ def test_wrong_usage_is_refused(world):
     model.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
     with pytest.raises(ConfigError, match="its own DDP comm hook"):
         Guard(model, opt)
+    model, opt = make()
+    injector = FaultInjector(FaultSpec.parse("crash:rank=0,step=2,phase=reduce"), rank=0)
+    with pytest.raises(ConfigError, match="phase=reduce is the MindSpore Guard's"):
+        Guard(model, opt, injector=injector)
 
 
 def test_without_a_controller_a_fault_is_raised_not_swallowed(world):

@@ -45,11 +45,17 @@ def test_retry_after_a_device_memory_error_is_bit_identical_and_keeps_every_pid(
 
 @needs_mindspore
 @pytest.mark.timeout(400)
-def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identical(tmp_path, baseline):
+# backward: rank 0 waits in the vote; reduce: the vote passed and rank 0 waits in
+# the gradient all-reduce, so its update was agreed but must not have started.
+@pytest.mark.parametrize("phase", ["backward", "reduce"])
+def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identical(tmp_path, baseline, phase):
     ckpt = tmp_path / "ckpt"
-    first = run_ms(tmp_path, "crash", fault="crash:rank=1,step=3,phase=backward", ckpt=ckpt)
+    fault = f"crash:rank=1,step=3,phase={phase}"
+    first = run_ms(tmp_path, "crash", fault=fault, ckpt=ckpt)
     assert first.rc == 75, first
     assert "dying-gasp checkpoint at step 3" in first.log, first
+    if phase == "reduce":
+        assert "rank 0: the update of step 4 failed before it changed any state" in first.log, first
     entries = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
     assert entries == ["latest_tft_step.txt", "tft_saved_checkpoints-step_3"], entries  # one, finalised
     shard = ckpt / "tft_saved_checkpoints-step_3" / "rank_0" / "ttp_rank_0-1_3.ckpt"  # epoch 1, its step 3
@@ -60,7 +66,7 @@ def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identic
                           capture_output=True, text=True, timeout=120)
     assert keys.stdout.split() == ["3", "1", "3"], keys.stdout + keys.stderr
 
-    again = run_ms(tmp_path, "crash", fault="crash:rank=1,step=3,phase=backward", ckpt=ckpt)
+    again = run_ms(tmp_path, "crash", fault=fault, ckpt=ckpt)
     assert again.rc == 0 and again.report is not None, again
     r = again.report
     assert r["final_state_sha256"] == baseline.report["final_state_sha256"], again

@@ -20,8 +20,9 @@ Kinds:
   ``phase=gc`` a garbage collection that holds every thread for that long,
   with ``phase=save`` a checkpoint save that slow
 
-Phases: ``forward``, ``backward``, ``optimizer`` (inside the update, after the
-parameters changed), ``recovery`` (while handling a recovery command;
+Phases: ``forward``, ``backward``, ``reduce`` (MindSpore Guard only: the
+replicas agreed to update and wait in the gradient all-reduce), ``optimizer``
+(inside the update, after the parameters changed), ``recovery`` (while handling a recovery command;
 ``step`` is then the locked step), ``save`` (inside a checkpoint save) and
 ``gc`` (at the start of a step; ``pause`` only). ``step`` counts completed updates, so
 ``step=5`` strikes the loop iteration that would complete update 6.
@@ -50,7 +51,7 @@ from .api import ConfigError, Severity
 __all__ = ["FaultInjector", "FaultSpec", "KINDS", "PHASES", "read_fault_log"]
 
 KINDS = ("uce", "crash", "hang", "stop", "stall", "comm", "slow", "pause")
-PHASES = ("forward", "backward", "optimizer", "recovery", "save", "gc")
+PHASES = ("forward", "backward", "reduce", "optimizer", "recovery", "save", "gc")
 _KEYS = {"rank", "step", "phase", "factor", "severity"}
 
 
@@ -85,7 +86,7 @@ class FaultSpec:
 
     @classmethod
     def _parse_one(cls, part: str) -> "FaultSpec":
-        form = "KIND:rank=R,step=N[,phase=forward|backward|optimizer|recovery][,factor=F]"
+        form = "KIND:rank=R,step=N[,phase=forward|backward|reduce|optimizer|recovery][,factor=F]"
         kind, sep, rest = part.partition(":")
         kind = kind.strip().lower()
         if not sep or kind not in KINDS:

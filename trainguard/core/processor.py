@@ -287,6 +287,11 @@ class Processor:
         self.step = step
         self.watchdog.step_done()
 
+    def abandon_update(self) -> None:
+        """The update window closes without an update: it failed before its
+        first change to the state, which is still that of :attr:`step`."""
+        self.data = advance(self.data, DataStatus.UPDATED, what=f"rank {self.rank} abandon_update")
+
     def begin_copy(self) -> None:
         """This rank's state is being replaced from a replica."""
         self.data = advance(self.data, DataStatus.COPYING, what=f"rank {self.rank} repair")

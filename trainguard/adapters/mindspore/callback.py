@@ -115,11 +115,17 @@ class TrainFaultTolerance(Callback):
             raise ConfigError("TrainFaultTolerance protects data-parallel training: with more than one process, "
                               "set ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL) so "
                               "Model's TrainOneStepCell all-reduces the gradients")
-        # Graph mode: the drain replays the compiled step.
-        compiled = (lambda inputs: train_network(*inputs)) if ms.get_context("mode") != ms.PYNATIVE_MODE else None
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            # The cell reduces and votes in one compiled graph; the drain replays it.
+            self.guard = Guard(model._network, optimizer, checkpoint_dir=self.ckpt_save_path,
+                               steps_per_epoch=steps_per_epoch, reduce_gradients=False, reducer=reducer,
+                               compiled_step=lambda inputs: train_network(*inputs))
+            return self.guard
+        # PyNative: the Guard votes before the cell's gradient all-reduce, from its grad_reducer slot.
         self.guard = Guard(model._network, optimizer, checkpoint_dir=self.ckpt_save_path,
-                           steps_per_epoch=steps_per_epoch, reduce_gradients=False, reducer=reducer,
-                           compiled_step=compiled)
+                           steps_per_epoch=steps_per_epoch, reduce_gradients=reducer is not None, reducer=reducer)
+        if hasattr(train_network, "grad_reducer"):
+            train_network.grad_reducer = _VoteThenReduce(self.guard)
         return self.guard
 
     # MindSpore's callback hooks.
@@ -244,3 +250,15 @@ def _train_protected(original, model: Model, callback: TrainFaultTolerance, call
     finally:
         dataset.set_init_step(user_init_step)
     guard.close()
+
+
+class _VoteThenReduce(nn.Cell):
+    """Takes the place of ``TrainOneStepCell.grad_reducer`` in PyNative mode:
+    the replicas vote before they all-reduce the gradients."""
+
+    def __init__(self, guard: Guard) -> None:
+        super().__init__(auto_prefix=False)
+        self.guard = guard
+
+    def construct(self, grads):
+        return self.guard.reduce(grads)

@@ -4,14 +4,13 @@ The role of MindSpore's ``nn.OptTFTWrapper``, on any device: before the
 update every replica all-reduces a health flag, so the update runs only when
 every replica reached it healthy; the update window is reported to the
 controller (``start_update`` before, the step end after). A rank that failed
-earlier in the step joins the flag all-reduce with 0 (after replaying the
-gradient all-reduce its peers wait in), so no replica applies a step that one
-of them could not finish, and no collective is ever left half done: a
-MindSpore CPU collective cannot be aborted and resumed (a timed-out one
-leaves the communicator misaligned), so trainguard never abandons one.
+earlier in the step joins the flag all-reduce with 0, so no replica applies a
+step that one of them could not finish, and no collective is left half done
+by a failure in a forward or backward pass: a MindSpore CPU collective cannot
+be aborted and resumed (a timed-out one leaves the communicator misaligned).
 
 In PyNative mode the wrapper hands the gradients to its Guard, which votes
-and updates in Python. In graph mode the wrapper's ``construct`` is compiled
+first and then reduces the gradients and updates, all from Python. In graph mode the wrapper's ``construct`` is compiled
 into ``Model``'s train step, so the vote is compiled in too (see
 :meth:`OptTFTWrapper.compile_vote`): Python sets the ``health`` parameter
 before the step, the graph all-reduces it, updates only when every replica

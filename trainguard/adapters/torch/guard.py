@@ -238,6 +238,9 @@ class Guard(Checkpoints):
             self.ddp.reducer._reset_state()
 
     def _install_fault_hooks(self) -> None:
+        if self.injector.wants("reduce"):
+            raise ConfigError("phase=reduce is the MindSpore Guard's (DDP reduces inside the backward pass: "
+                              "inject phase=backward)")
         module = self.state.module
         if self.injector.wants("forward"):
             self._hooks.append(module.register_forward_pre_hook(
