@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,9 +30,11 @@ def baseline(tmp_path_factory) -> MsJob:
 
 @needs_mindspore
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rank,phase", [(1, "forward"), (0, "backward"), (1, "optimizer")])
-def test_retry_after_a_device_memory_error_is_bit_identical_and_keeps_every_pid(tmp_path, baseline, rank, phase):
-    job = run_ms(tmp_path, "uce", fault=f"uce:rank={rank},step=3,phase={phase}")
+# The repair goes through shared memory (same machine), and once through MindSpore's Broadcast.
+@pytest.mark.parametrize("rank,phase,shm", [(1, "forward", "1"), (0, "backward", "1"), (1, "optimizer", "1"),
+                                            (1, "backward", "0")])
+def test_retry_after_a_device_memory_error_is_bit_identical_and_keeps_every_pid(tmp_path, baseline, rank, phase, shm):
+    job = run_ms(tmp_path, "uce", fault=f"uce:rank={rank},step=3,phase={phase}", env={"TRAINGUARD_SHM_REPAIR": shm})
     assert job.rc == 0 and job.report is not None, job
     r = job.report
     assert r["final_state_sha256"] == baseline.report["final_state_sha256"], job
@@ -41,6 +44,8 @@ def test_retry_after_a_device_memory_error_is_bit_identical_and_keeps_every_pid(
     assert all(len(pids) == 1 for pids in r["pids"].values()), job  # no process was restarted
     # The update after the fault is the one every replica skipped: step 3 (forward, backward) or 4.
     assert r["recoveries"][0]["step"] == (4 if phase == "optimizer" else 3), job
+    assert not list(Path("/dev/shm").glob(f"trainguard-*-{r['pids'][str(1 - rank)][0]}-step*.state")), \
+        "the repair's shared-memory file is removed"
 
 
 @needs_mindspore

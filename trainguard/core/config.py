@@ -49,6 +49,8 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_SPARE_SLOTS": "workers a node agent may start for other nodes' ranks under `recover` (default 0)",
     "TRAINGUARD_STANDBY": "'off': restarted workers start cold instead of in a warm standby process (default on)",
     "TRAINGUARD_JOIN": "set by the node agent for a replacement process: what it joins (do not set by hand)",
+    "TRAINGUARD_SHM_REPAIR": "0: a MindSpore repair between ranks of one machine uses Broadcast, not /dev/shm "
+                             "(default 1)",
     "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
     "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",
     "TRAINGUARD_WATCHDOG": "'off' turns the in-process hang watchdog off (default on)",

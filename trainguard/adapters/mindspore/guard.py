@@ -41,8 +41,10 @@ injected only where Python runs: ``forward`` at the step's start,
 from __future__ import annotations
 
 import logging
+import hashlib
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -174,7 +176,10 @@ class Guard(JobHistory):
         self._in_collective = False  # for the hang watchdog: waiting on peers is not a hang of ours
         self._step_started = 0.0
 
-        self.pids = {r: int(p) for r, p in enumerate(self.all_gather_ints([os.getpid()]))}
+        ids = self.all_gather_ints([os.getpid(), _host_id()])
+        self.pids = {r: ids[2 * r] for r in range(self.world_size)}
+        #: Which ranks share a machine (a repair between them goes through shared memory).
+        self.hosts = {r: ids[2 * r + 1] for r in range(self.world_size)}
         self._step = self._load()
         self.state.commit(self._step)
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
@@ -230,6 +235,10 @@ class Guard(JobHistory):
             raise CommunicationBroken(f"rank {self.rank}: {self.comm_broken}: {e}") from e
         finally:
             self._in_collective = False
+
+    def barrier(self) -> None:
+        """Every rank reaches this point (one small all-reduce)."""
+        self._vote(True)
 
     def _vote(self, healthy: bool) -> bool:
         """All-reduce the health flag: True when every replica may update."""
@@ -470,6 +479,16 @@ class Guard(JobHistory):
             self.optimizer.set_health(True)  # the vote stays compiled in: without a Guard every step updates
         self.optimizer.guard = None
         self.processor.close(finished=finished)
+
+
+def _host_id() -> int:
+    """The same number on every process of this machine (boot), another on others."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    digest = hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
 
 
 def _rank_and_size() -> tuple[int, int]:
