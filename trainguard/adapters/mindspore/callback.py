@@ -52,7 +52,8 @@ from mindspore.train import Callback, Model
 
 from trainguard.core import ConfigError
 
-from .guard import Guard, _rank_and_size
+from .context import rank_and_size
+from .guard import Guard
 from .optimizer import OptTFTWrapper
 
 __all__ = ["TFTRegister", "TrainFaultTolerance", "unwrap_model_train", "wrap_model_train"]
@@ -111,7 +112,7 @@ class TrainFaultTolerance(Callback):
                               "(Model's TrainOneStepWithLossScaleCell) yet")
         reducer = getattr(train_network, "grad_reducer", None)
         reducer = reducer if isinstance(reducer, nn.DistributedGradReducer) else None
-        if reducer is None and _rank_and_size()[1] > 1:
+        if reducer is None and rank_and_size()[1] > 1:
             raise ConfigError("TrainFaultTolerance protects data-parallel training: with more than one process, "
                               "set ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL) so "
                               "Model's TrainOneStepCell all-reduces the gradients")

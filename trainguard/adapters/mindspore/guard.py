@@ -41,10 +41,7 @@ injected only where Python runs: ``forward`` at the step's start,
 from __future__ import annotations
 
 import logging
-import hashlib
 import os
-import re
-import socket
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -61,7 +58,6 @@ from trainguard.core import (
     ControllerLostError,
     DataStatus,
     FaultInjector,
-    FaultKind,
     ForceStop,
     Processor,
     ProcessorConfig,
@@ -72,6 +68,7 @@ from trainguard.core import (
 from trainguard.core import logs
 from trainguard.core.history import JobHistory, Protected
 
+from . import context
 from .handlers import MindSporeHandlers, load_checkpoint
 from .optimizer import OptTFTWrapper
 from .state import ModelState
@@ -147,17 +144,17 @@ class Guard(JobHistory):
                               "with TrainFaultTolerance")
         if save_every < 0 or (save_every and checkpoint_dir is None):
             raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
-        self.rank, self.world_size = _rank_and_size()
+        self.rank, self.world_size = context.rank_and_size()
         logs.setup(f"rank {self.rank}")
         self.optimizer = optimizer if isinstance(optimizer, OptTFTWrapper) else OptTFTWrapper(optimizer)
         if self.optimizer.guard is not None:
             raise ConfigError("this optimizer wrapper already belongs to another Guard")
         self.network = network
         self.state = ModelState(network, self.optimizer.opt)
-        self.groups = tuple(replicas) if replicas else (_data_parallel_group(self.world_size),)
+        self.groups = tuple(replicas) if replicas else (context.data_parallel_group(self.world_size),)
         self.store = CheckpointStore(checkpoint_dir, MINDSPORE, keep=keep) if checkpoint_dir is not None else None
         self.save_every, self.steps_per_epoch = save_every, steps_per_epoch
-        self.classifier = classifier or _classifier()
+        self.classifier = classifier or context.classifier()
         self._allreduce = ops.AllReduce() if self.world_size > 1 else None
         self._update_mark = Parameter(Tensor(np.zeros(1, np.int32)), name="trainguard_update_mark",
                                       requires_grad=False)
@@ -176,7 +173,7 @@ class Guard(JobHistory):
         self._in_collective = False  # for the hang watchdog: waiting on peers is not a hang of ours
         self._step_started = 0.0
 
-        ids = self.all_gather_ints([os.getpid(), _host_id()])
+        ids = self.all_gather_ints([os.getpid(), context.host_id()])
         self.pids = {r: ids[2 * r] for r in range(self.world_size)}
         #: Which ranks share a machine (a repair between them goes through shared memory).
         self.hosts = {r: ids[2 * r + 1] for r in range(self.world_size)}
@@ -393,7 +390,7 @@ class Guard(JobHistory):
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left, release the peers, then carry out
         the controller's recovery."""
-        if not self.comm_broken and _FAILED_COLLECTIVE.search(str(error)):
+        if not self.comm_broken and context.FAILED_COLLECTIVE.search(str(error)):
             self.comm_broken = f"a collective failed ({str(error).splitlines()[0][:200]})"
         if self.processor.data is DataStatus.UPDATING and not self._graph and not self._update_started():
             self.processor.abandon_update()
@@ -479,43 +476,3 @@ class Guard(JobHistory):
             self.optimizer.set_health(True)  # the vote stays compiled in: without a Guard every step updates
         self.optimizer.guard = None
         self.processor.close(finished=finished)
-
-
-def _host_id() -> int:
-    """The same number on every process of this machine (boot), another on others."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    digest = hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).digest()
-    return int.from_bytes(digest[:7], "big")
-
-
-def _rank_and_size() -> tuple[int, int]:
-    from mindspore.communication import GlobalComm, get_group_size, get_rank
-
-    if not GlobalComm.INITED:
-        return 0, 1
-    return get_rank(), get_group_size()
-
-
-def _data_parallel_group(world_size: int) -> ReplicaGroup:
-    mode = ms.get_auto_parallel_context("parallel_mode")
-    if mode not in ("stand_alone", "data_parallel"):
-        raise ConfigError(f"parallel_mode {mode!r} shards parameters; pass `replicas=` describing which ranks hold "
-                          f"copies of each shard (trainguard derives it only for data parallel)")
-    return ReplicaGroup.full(range(world_size))
-
-
-# PyNative: "Launch kernel failed, name:...AllReduce"; a compiled graph: "Launch kernel failed: .../AllReduce-op0".
-_FAILED_COLLECTIVE = re.compile(r"Launch kernel failed(, name)?:.*(AllReduce|AllGather|Broadcast)")
-
-
-def _classifier() -> Classifier:
-    """The core's rules plus MindSpore's own error texts."""
-    c = Classifier()
-    c.register(r"UCEError|HBM_MULTI_BIT_ECC", FaultKind.UCE, None)
-    c.register(r"HCCEError|SuspectRemoteError", FaultKind.COMM)
-    c.register(r"CommunicationBroken", FaultKind.COMM)
-    c.register(_FAILED_COLLECTIVE.pattern, FaultKind.COMM)
-    return c
