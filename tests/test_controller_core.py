@@ -116,3 +116,25 @@ def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
     assert core.state is ControllerState.NORMAL
     assert core.records[-1].strategy == "recover-in-place"
     assert core.snapshot()["pids"] == {"0": [100], "1": [101, 201], "2": [102], "3": [103, 203]}
+
+
+def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke():
+    """A survivor's broken collective often reaches the controller before
+    the lost process does; the record still names the cause."""
+    world = 3
+    sent: dict[int, list[pb.Command]] = {}
+    core = ControllerCore(ControllerConfig(strategies="dump"), world,
+                          send=lambda r, c: sent.setdefault(r, []).append(c))
+    full = [_pb_group(ReplicaGroup.full(range(world)))]
+    for rank in range(world):
+        core.on_hello(pb.Hello(rank=rank, world_size=world, pid=100 + rank, replicas=full,
+                               status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
+    core.on_fault(0, pb.FaultReport(kind=pb.COMM, message="Connection closed by peer",
+                                    status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+    core.on_disconnect(1)
+    core.on_stopped(2, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
+    (saver,) = [r for r, cmds in sent.items() if cmds[-1].HasField("save")]
+    core.on_result(saver, pb.CommandResult(command_id=sent[saver][-1].id, ok=True,
+                                           status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+    (record,) = core.records
+    assert (record.fault, record.rank, record.strategy, record.step) == ("process_lost", 1, "dump", 3)

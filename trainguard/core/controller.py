@@ -569,7 +569,9 @@ class ControllerCore(Restarts):
         ep = self.episode
         if ep.record is not None:
             return ep.record
-        first = ep.faults[0]
+        # A peer's broken collective is the symptom; the record names the
+        # cause (a lost, hung or failing rank) whichever was detected first.
+        first = next((f for f in ep.faults if f.kind is not FaultKind.COMM), ep.faults[0])
         ep.record = RecoveryRecord(
             fault=first.kind.name.lower(), rank=first.rank, step=ep.plan.step,
             strategy=ep.plan.strategy.value, reason=ep.reason,

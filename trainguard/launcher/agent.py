@@ -51,7 +51,8 @@ log = logging.getLogger("trainguard.launcher")
 _ADDRESS_KEY = "trainguard/controller"
 _WORKER_STORE_KEY = "trainguard/worker_store_port"
 _TOKEN_KEY = "trainguard/token"
-#: A worker seen stopped this long is killed as hung.
+#: The controller's states between a fault and its outcome.
+_HANDLING = ("ABNORMAL", "RECOVERING", "DUMPING")
 #: How long the agent waits for the others at exit once a node agent was lost.
 EXIT_BARRIER_AFTER_LOSS_S = 10
 
@@ -183,9 +184,13 @@ class TrainguardAgent(LocalElasticAgent):
         self._frozen.last_poll = time.time()
         if not failed:
             self._failed_at = None
-        if running:
+        if running or (failed and self._handling_fault()):
             # Not torch's poll while anything runs: it ends every worker at the
-            # first failure, and a failed rank may be restarted alone.
+            # first failure, and a failed rank may be restarted alone. Nor
+            # when every rank here failed while the controller handles it: its
+            # order (start one here, or the rank moved to another node) is on
+            # the way, and a FAILED now would re-rendezvous, which makes every
+            # other agent end its workers, survivors and their dump included.
             if not failed:
                 return RunResult(state=WorkerState.HEALTHY)
             now = time.monotonic()
@@ -193,8 +198,18 @@ class TrainguardAgent(LocalElasticAgent):
                 self._failed_at = now
             if now - self._failed_at < self._grace_s():
                 return RunResult(state=WorkerState.HEALTHY)
-            log.error("ranks %s still running %.0f s after a failure; stopping them", running, now - self._failed_at)
+            if running:
+                log.error("ranks %s still running %.0f s after a failure; stopping them", running,
+                          now - self._failed_at)
         return super()._monitor_workers(worker_group)
+
+    def _handling_fault(self) -> bool:
+        """Whether the job's controller is between a fault and its outcome."""
+        try:
+            state = (self.controller.snapshot() if self.controller is not None else self._client.status())["state"]
+        except Exception:  # a controller that is gone gives no more orders
+            return False
+        return state in _HANDLING
 
     def _exit_barrier(self) -> None:
         """torch's wait for every node's agent at the end. A node agent the
