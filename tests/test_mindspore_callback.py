@@ -9,6 +9,7 @@ MindSpore is never imported into the test process: every job is a subprocess."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -27,10 +28,11 @@ EPOCHS = 3  # of 2 batches: 6 steps; a fault at step 3 lands in epoch 1, batch 1
 
 
 def run_model_train(tmp: Path, name: str, *, fault: str | None = None, ckpt: Path | None = None,
-                    mode: str = "pynative") -> MsJob:
+                    mode: str = "pynative", env: dict | None = None) -> MsJob:
     """``trainguard run --framework mindspore`` of the worker, 2 processes,
     in ``mode`` (``pynative`` or ``graph``)."""
-    return run_ms(tmp, name, fault=fault, ckpt=ckpt, script=SCRIPT, steps=EPOCHS, env={"TEST_MS_MODE": mode})
+    return run_ms(tmp, name, fault=fault, ckpt=ckpt, script=SCRIPT, steps=EPOCHS,
+                  env={"TEST_MS_MODE": mode, **(env or {})})
 
 
 def run_alone(tmp: Path, *args: str) -> subprocess.CompletedProcess:
@@ -90,11 +92,11 @@ assert Model.train is wrapped, "wrapped twice"
 old = tg.TFTRegister(0, "127.0.0.1", 8000, "ckpt")
 assert isinstance(old, tg.TrainFaultTolerance) and old.ckpt_save_path == "ckpt"
 try:
-    tg.TrainFaultTolerance(ckpt_save_fn=lambda cb_params, append_dict: None)
+    tg.TrainFaultTolerance(ckpt_save_fn="ckpt")
 except ConfigError as e:
-    assert "ckpt_save_fn is not supported yet" in str(e)
+    assert "ckpt_save_fn must be a function fn(cb_params, append_dict), got 'ckpt'" in str(e)
 else:
-    raise AssertionError("ckpt_save_fn accepted")
+    raise AssertionError("a ckpt_save_fn that is not callable accepted")
 callback.unwrap_model_train()
 assert Model.train is original
 print("ok")
@@ -132,6 +134,30 @@ def test_killed_worker_is_dumped_and_the_relaunch_resumes_mid_epoch(tmp_path, ba
     # Step 3 is epoch 1, batch 1 of the shuffled data: anything else trains other batches.
     assert "Model.train starts at epoch 1, batch 1 (step 3)" in again.log
     assert r["final_state_sha256"] == baseline.report["final_state_sha256"], again
+    _assert_no_stray_processes(tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_ckpt_save_fn_writes_the_dying_gasp_and_the_user_resumes_from_it(tmp_path, baseline):
+    """MindSpore's ``ckpt_save_fn``: the saving replica calls it at the
+    consistent step instead of writing trainguard's files; the user's own
+    resume from that file (``initial_step``) ends bit-identical."""
+    ckpt = tmp_path / "ckpt"
+    job = run_model_train(tmp_path, "userfn", fault="crash:rank=1,step=3,phase=backward", ckpt=ckpt,
+                          env={"TEST_SAVE_FN": "1"})
+    assert job.rc == 75, job
+    (written,) = sorted((ckpt / "user").glob("*.json"))  # one replica saves: rank 0, the survivor
+    assert written.name == "rank_0-step_3.json", job
+    assert json.loads(written.read_text()) == {"cur_step_num": 3, "cur_epoch_num": 2,
+                                                "append_dict": {"__exception_save__": True}}
+    assert not any(p.name.startswith("tft_saved_checkpoints") for p in ckpt.iterdir())  # nothing of trainguard's
+
+    again = run_model_train(tmp_path, "user-resume", ckpt=ckpt, env={
+        "TEST_SAVE_FN": "1", "TEST_RESUME": str(written.with_suffix(".ckpt")), "TEST_INITIAL_STEP": "3"})
+    assert again.rc == 0 and again.report is not None, again
+    assert again.report["steps_completed"] == 2 * EPOCHS - 3, again
+    assert "Model.train starts at epoch 1, batch 1 (step 3)" in again.log
+    assert again.report["final_state_sha256"] == baseline.report["final_state_sha256"], again
     _assert_no_stray_processes(tmp_path)
 
 

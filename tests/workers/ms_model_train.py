@@ -66,10 +66,29 @@ net = Net()
 momentum = nn.Momentum(net.trainable_params(), 0.05, 0.9)
 model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
               optimizer=momentum if check == "unwrapped" else OptTFTWrapper(momentum))
-callback = TrainFaultTolerance(ckpt)
+initial_step = 0
+if os.environ.get("TEST_SAVE_FN"):
+    # MindSpore's custom dying-gasp writer, and a user's own resume from its file.
+    def save(cb_params, append_dict):
+        name = f"{ckpt}/user/rank_{rank}-step_{cb_params.cur_step_num}"
+        os.makedirs(os.path.dirname(name), exist_ok=True)
+        ms.save_checkpoint(cb_params.train_network, name + ".ckpt")
+        with open(name + ".json", "w") as f:
+            json.dump({"cur_step_num": cb_params.cur_step_num, "cur_epoch_num": cb_params.cur_epoch_num,
+                       "append_dict": append_dict}, f)
+
+    resume = os.environ.get("TEST_RESUME")
+    if resume:
+        saved = ms.load_checkpoint(resume)
+        ms.load_param_into_net(net, saved)
+        ms.load_param_into_net(momentum, saved)
+        initial_step = int(os.environ["TEST_INITIAL_STEP"])
+    callback = TrainFaultTolerance(ckpt_save_fn=save, initial_step=initial_step)
+else:
+    callback = TrainFaultTolerance(ckpt)
 try:
     model.train(epochs, dataset, callbacks=[callback], dataset_sink_mode=check == "sink",
-                sink_size=2 if check == "sink" else -1)
+                sink_size=2 if check == "sink" else -1, initial_epoch=initial_step // 2)
 except ConfigError as e:
     print(f"ConfigError: {e}", flush=True)
     sys.exit(3)

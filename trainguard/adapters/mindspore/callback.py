@@ -27,7 +27,7 @@ update window and fault injection.
 Refused (``ConfigError``) before training: ``dataset_sink_mode=True`` with
 more than one step a sink (MindSpore's TFT rule), an optimizer not wrapped
 in :class:`OptTFTWrapper`, loss scaling that skips overflowing steps, several
-processes without data parallelism, and ``ckpt_save_fn``. ``Model.fit`` is refused in ``on_train_begin``.
+processes without data parallelism. ``Model.fit`` is refused in ``on_train_begin``.
 
 Where a step's batch comes from: step ``s`` of the Guard trains the batch at
 global position ``initial_step + s`` of the data (epochs of
@@ -72,31 +72,50 @@ class TrainFaultTolerance(Callback):
         ckpt_save_path: where dying-gasp checkpoints go (MindSpore TFT's
             layout) and where training resumes from; ``None``: recovery in
             place only (``retry``), nothing to save to.
-        ckpt_save_fn: MindSpore's custom writer ``fn(cb_params, append_dict)``;
-            not supported yet (trainguard writes, verifies and resumes from
-            its own files).
+        ckpt_save_fn: your own writer for the dying-gasp checkpoint,
+            ``fn(cb_params, append_dict)`` as in MindSpore: called on the
+            rank that saves, with ``cb_params`` at the saved step
+            (``cur_step_num``, ``cur_epoch_num``; ``train_network`` holds
+            the weights and optimizer state of that step) and
+            ``append_dict={"__exception_save__": True}``. It takes the place
+            of trainguard's files (preferred when both are given); nothing
+            is renamed, and resuming is yours (``initial_step``).
         initial_step: steps trained before this run, when you resumed the
             weights yourself: step numbers and the data position count on
             from it (instead of ``Model.train``'s ``initial_epoch``).
 
     Raises:
-        ConfigError: ``ckpt_save_fn`` given, or ``initial_step`` negative.
+        ConfigError: ``ckpt_save_fn`` not callable, or ``initial_step`` negative.
     """
 
     def __init__(self, ckpt_save_path: str | os.PathLike | None = None, ckpt_save_fn=None,
                  initial_step: int = 0) -> None:
         super().__init__()
-        if ckpt_save_fn is not None:
-            raise ConfigError("ckpt_save_fn is not supported yet: trainguard writes the dying-gasp checkpoint "
-                              "itself (into ckpt_save_path), verifies it and resumes from it")
+        if ckpt_save_fn is not None and not callable(ckpt_save_fn):
+            raise ConfigError(f"ckpt_save_fn must be a function fn(cb_params, append_dict), got {ckpt_save_fn!r}")
         if not isinstance(initial_step, int) or initial_step < 0:
             raise ConfigError(f"initial_step must be an int >= 0, got {initial_step!r}")
         self.ckpt_save_path = ckpt_save_path
         self.initial_step = initial_step
+        self.ckpt_save_fn = ckpt_save_fn
+        self._cb_params = None  # the running Model.train's, for ckpt_save_fn
+        self._base = 0  # the data position of the Guard's step 0
+        self._per_epoch = 1
         #: The Guard of the running (or last) ``Model.train``; its ``report()`` stays valid after training.
         self.guard: Guard | None = None
         self._training = False  # between on_train_begin and on_train_end: a fault there is recovered
         self._resume_at: int | None = None  # the data position a resumed call starts at
+
+    def _save_with_user_fn(self, step: int) -> None:
+        """``ckpt_save_fn`` at the Guard's ``step``, with ``cb_params`` set
+        back to it as MindSpore's own dying gasp does."""
+        cb_params = self._cb_params
+        if cb_params is None:
+            raise ConfigError("ckpt_save_fn: no Model.train has run yet")
+        position = self._base + step  # steps of the data trained
+        cb_params.cur_step_num = position
+        cb_params.cur_epoch_num = (position - 1) // self._per_epoch + 1 if position else 0
+        self.ckpt_save_fn(cb_params, {"__exception_save__": True})
 
     def _attach(self, model: Model, steps_per_epoch: int) -> Guard:
         """Build the Guard for ``model`` (before the first step)."""
@@ -116,15 +135,18 @@ class TrainFaultTolerance(Callback):
             raise ConfigError("TrainFaultTolerance protects data-parallel training: with more than one process, "
                               "set ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL) so "
                               "Model's TrainOneStepCell all-reduces the gradients")
+        self._per_epoch = steps_per_epoch
+        save_fn = self._save_with_user_fn if self.ckpt_save_fn is not None else None
         if ms.get_context("mode") != ms.PYNATIVE_MODE:
             # The cell reduces and votes in one compiled graph; the drain replays it.
             self.guard = Guard(model._network, optimizer, checkpoint_dir=self.ckpt_save_path,
                                steps_per_epoch=steps_per_epoch, reduce_gradients=False, reducer=reducer,
-                               compiled_step=lambda inputs: train_network(*inputs))
+                               compiled_step=lambda inputs: train_network(*inputs), save_fn=save_fn)
             return self.guard
         # PyNative: the Guard votes before the cell's gradient all-reduce, from its grad_reducer slot.
         self.guard = Guard(model._network, optimizer, checkpoint_dir=self.ckpt_save_path,
-                           steps_per_epoch=steps_per_epoch, reduce_gradients=reducer is not None, reducer=reducer)
+                           steps_per_epoch=steps_per_epoch, reduce_gradients=reducer is not None, reducer=reducer,
+                           save_fn=save_fn)
         if hasattr(train_network, "grad_reducer"):
             train_network.grad_reducer = _VoteThenReduce(self.guard)
         return self.guard
@@ -135,6 +157,7 @@ class TrainFaultTolerance(Callback):
             raise ConfigError("TrainFaultTolerance protects Model.train (import trainguard.mindspore before "
                               "calling it); Model.fit and other loops are not supported")
         self._training = True
+        self._cb_params = run_context.original_args()
         if self._resume_at is not None:
             run_context.original_args().cur_step_num = self._resume_at
 
@@ -223,6 +246,7 @@ def _train_protected(original, model: Model, callback: TrainFaultTolerance, call
                           f"of {per_epoch} steps, but Model.train got initial_epoch={call['initial_epoch']}")
     base = callback.initial_step or start
     guard = callback._attach(model, per_epoch)
+    callback._base = base
     user_init_step = dataset.get_init_step()
     try:
         while True:

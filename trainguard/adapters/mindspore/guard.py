@@ -114,6 +114,11 @@ class Guard(JobHistory):
         compiled_step: graph mode only (given by ``TrainFaultTolerance``):
             ``compiled_step(inputs)`` runs the compiled train step on a
             batch, which the drain replays.
+        save_fn: writes the dying-gasp checkpoint instead of trainguard
+            (``TrainFaultTolerance``'s ``ckpt_save_fn``): called with the
+            step on the rank that saves, with the state at that step; its
+            files are the user's to verify and resume from (nothing is
+            renamed, as in MindSpore).
 
     Raises:
         ConfigError: graph mode without ``compiled_step`` (a hand-written
@@ -136,6 +141,7 @@ class Guard(JobHistory):
         injector: FaultInjector | None = None,
         classifier: Classifier | None = None,
         compiled_step: Callable[[tuple], object] | None = None,
+        save_fn: Callable[[int], None] | None = None,
     ) -> None:
         self._graph = ms.get_context("mode") != ms.PYNATIVE_MODE
         if self._graph and compiled_step is None:
@@ -165,6 +171,7 @@ class Guard(JobHistory):
         self.history: dict = {"records": [], "pids": {}}
         self._handlers = MindSporeHandlers(self)
         self._run_compiled = compiled_step
+        self.save_fn = save_fn
         self._inputs: tuple = ()  # graph mode: the running step's batch, replayed by the drain
         self._step = 0
         self._phase = _COMPUTE
