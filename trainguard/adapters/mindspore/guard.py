@@ -20,7 +20,7 @@ last completed step; the controller then repairs the failed rank from a
 replica (``retry``) or has a healthy replica save it (``dump``). Once the
 vote passed, nothing can release the peers from the gradient all-reduce
 without giving them a wrong update: a rank lost there leaves them to
-MindSpore's collective timeout, after which their update never started
+MindSpore's collective timeout, after which their update never ran
 (checked, see :meth:`Guard._handle`) and they can save the step.
 Launched with ``msrun`` after ``adapters-patch msrun`` or with ``trainguard
 run --framework mindspore`` the guard reaches the job's controller;
