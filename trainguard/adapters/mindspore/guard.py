@@ -338,7 +338,11 @@ class Guard(JobHistory):
             return False
         self.processor.start_update()
         self._phase = _UPDATING
-        result = self.optimizer.opt(gradients)
+        self._in_collective = True  # queuing the update waits for the gradient all-reduce, so for the peers
+        try:
+            result = self.optimizer.opt(gradients)
+        finally:
+            self._in_collective = False
         # The update's last kernel. Kernels queued behind a failed collective
         # never run, so after a failed all-reduce an unchanged mark means the
         # update did not run at all (see _handle). Not its first kernel: an
