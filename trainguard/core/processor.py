@@ -288,8 +288,8 @@ class Processor:
         self.watchdog.step_done()
 
     def abandon_update(self) -> None:
-        """The update window closes without an update: it failed before its
-        first change to the state, which is still that of :attr:`step`."""
+        """The update window closes without an update: it failed before it
+        changed the state, which is still that of :attr:`step`."""
         self.data = advance(self.data, DataStatus.UPDATED, what=f"rank {self.rank} abandon_update")
 
     def begin_copy(self) -> None:

@@ -2,9 +2,10 @@
 
 Repair copies every parameter (weights, BatchNorm statistics, optimizer
 slots) from a replica: through a file in ``/dev/shm`` when the replica and
-every rank it repairs share a machine (``TRAINGUARD_SHM_REPAIR=0`` turns it off) (measured: ResNet-50's 179 MB in about
-a second, where MindSpore's CPU ``Broadcast`` took 6 s), else with one
-``Broadcast`` over the job's world group. Checkpoints use MindSpore TFT's layout::
+every rank it repairs share a machine (ResNet-50's 179 MB in about 1.9 s,
+where MindSpore's CPU ``Broadcast`` took about 9 s), else, or with
+``TRAINGUARD_SHM_REPAIR=0``, with one ``Broadcast`` over the job's world
+group. Checkpoints use MindSpore TFT's layout::
 
     <dir>/tft_saved_checkpoints-step_{n}_tmp/rank_{r}/ttp_rank_{r}-{epoch}_{step_in_epoch}.ckpt
 
