@@ -24,8 +24,9 @@ Phases: ``forward``, ``backward``, ``reduce`` (MindSpore Guard only: the
 replicas agreed to update and wait in the gradient all-reduce), ``optimizer``
 (inside the update, after the parameters changed), ``recovery`` (while
 handling a recovery command; ``step`` is then the locked step), ``save``
-(inside a checkpoint save) and ``gc`` (at the start of a step; ``pause`` only). ``step`` counts completed updates, so
-``step=5`` strikes the loop iteration that would complete update 6.
+(inside a checkpoint save) and ``gc`` (at the start of a step; ``pause``
+only). ``step`` counts completed updates, so ``step=5`` strikes the loop
+iteration that would complete update 6.
 
 Each fault strikes once per job. When a log path is given (the adapters use
 ``<checkpoint_dir>/.trainguard/faults.jsonl``) the strike is appended there
