@@ -34,6 +34,8 @@ HEARTBEATS_PER_S = 4096
 ENV: Mapping[str, str] = {
     "TRAINGUARD_CONTROLLER": "controller address host:port (set by the launcher)",
     "TRAINGUARD_TOKEN": "per-job secret authenticating control messages (set by the launcher)",
+    "TRAINGUARD_CHECKPOINT_DIR": "where trainguard.compat.mindio_ttp.megatron_ttp saves and loads when Megatron-LM's "
+                                 "args.save/args.load are not there",
     "TRAINGUARD_JOB_ID": "job id used in logs and checkpoints",
     "TRAINGUARD_STRATEGIES": "ordered recover strategies, comma-separated (retry,dump,exit)",
     "TRAINGUARD_FAULT": "fault injection: KIND:rank=R,step=N[,phase=P];...",

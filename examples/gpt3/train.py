@@ -1,0 +1,167 @@
+"""GPT-3-style pretraining with megatron-core, adapted for fault tolerance the
+way MindIO's GPT-3 recipe does it -- with trainguard's drop-in modules.
+
+    trainguard run --nproc-per-node 4 examples/gpt3/train.py steps=20 report=report.json
+
+A hydra app (settings: ``conf/config.yaml``). The training function follows
+the recipe step by step: ``mega.load_checkpoint`` at start, the controller
+and processor started inside ``@ttp.ttp_to_persist def train``, the save and
+rename handlers registered, ``barrier -> ttp_start_updating_os -> step ->
+ttp_end_updating_os(iteration + 1)`` around every update and
+``ttp_set_ckpt_args`` after it. When a rank dies, one healthy replica per
+model-parallel slice writes a dying-gasp checkpoint in Megatron's layout
+(``iter_0000123/mp_rank_00/model_optim_rng.pt``), every rank exits with 75,
+and relaunching the same command resumes from it: compare
+``final_state_sha256`` with a fault-free run.
+"""
+
+from __future__ import annotations
+
+import time
+
+SCRIPT_STARTED = time.perf_counter()
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from omegaconf import DictConfig
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import trainguard.compat.mindio_ttp.framework_ttp as ttp
+import trainguard.compat.mindio_ttp.megatron_ttp as mega
+from trainguard.adapters.torch.state import state_sha256
+from trainguard.compat.mindio_ttp.state import TTP
+from trainguard.core import FaultInjector
+from trainguard.core.faults import read_fault_log
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import batch, build  # noqa: E402
+
+log = logging.getLogger("gpt3")
+
+
+def launch_path(value) -> Path | None:
+    return None if value in (None, "") else Path(hydra.utils.to_absolute_path(str(value)))
+
+
+def reduce_grads(model: torch.nn.Module, group) -> None:
+    """Average gradients over the data-parallel group in one flat all-reduce
+    (parameter order, so the summation order never changes across restarts)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+@ttp.ttp_to_persist
+def train(cfg: DictConfig, model, optimizer, opt_param_scheduler, iteration: int, injector: FaultInjector) -> int:
+    # begin to init ttp processor & controller (the recipe's lines, unchanged)
+    cur_rank = torch.distributed.get_rank()
+    world_size: int = torch.distributed.get_world_size()
+    master_ip = os.getenv("MASTER_ADDR")
+    port = int(os.getenv("TTP_PORT", str(cfg.ttp_port)))
+    dp_ranks = dist.get_process_group_ranks(mpu.get_data_parallel_group())
+    if cur_rank == 0:
+        ttp.ttp_init_controller(cur_rank, world_size, max(1, len(dp_ranks) // 2), False)
+        ttp.ttp_start_controller(master_ip, port)
+    ttp.ttp_init_processor(cur_rank, dp_ranks, len(dp_ranks), world_size, max(1, len(dp_ranks) // 2), False)
+    ttp.ttp_start_processor(master_ip, port)
+    ttp.ttp_register_save_ckpt_handler(mega.ttp_save_checkpoint)
+    ttp.ttp_register_rename_handler(mega.rename_save_result)
+    ttp.ttp_set_ckpt_args((iteration, model, optimizer, opt_param_scheduler))
+
+    dp_group, dp_rank = mpu.get_data_parallel_group(), mpu.get_data_parallel_rank()
+    global_batch = cfg.micro_batch_size * mpu.get_data_parallel_world_size()
+    times = []
+    while iteration < cfg.steps:
+        started = time.perf_counter()
+        injector.strike("forward", iteration)
+        data = batch(cfg.seed, iteration, dp_rank, micro_batch=cfg.micro_batch_size,
+                     seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, device=cfg.device)
+        loss = model(data["input_ids"], data["position_ids"], data["attention_mask"], labels=data["labels"]).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        injector.strike("backward", iteration)
+        reduce_grads(model, dp_group)
+        torch.distributed.barrier()  # all ranks meet before the update (the recipe's barrier)
+        ttp.ttp_start_updating_os(-1)
+        optimizer.step()
+        ttp.ttp_end_updating_os(iteration + 1)
+        injector.strike("optimizer", iteration)
+        opt_param_scheduler.step(increment=global_batch)
+        iteration += 1
+        ttp.ttp_set_ckpt_args((iteration, model, optimizer, opt_param_scheduler))
+        injector.after_step(iteration, time.perf_counter() - started)
+        times.append(time.perf_counter() - started)
+        if cfg.log_every and iteration % cfg.log_every == 0 and cur_rank == 0:
+            log.info("iteration %d loss %.4f lr %.3g step %.3fs", iteration, loss.item(),
+                     optimizer.param_groups[0]["lr"], times[-1])
+        if cfg.save_every and iteration % cfg.save_every == 0:
+            mega.save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+    TTP.step_times = times
+    return iteration
+
+
+@hydra.main(config_path="conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    report_path, checkpoint_dir = launch_path(cfg.report), launch_path(cfg.checkpoint_dir)
+    if cfg.fault and "TRAINGUARD_FAULT" not in os.environ:
+        os.environ["TRAINGUARD_FAULT"] = str(cfg.fault)
+    os.environ["TRAINGUARD_CHECKPOINT_DIR"] = str(checkpoint_dir)
+    dist.init_process_group(cfg.backend)
+    p = cfg.parallel
+    mpu.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                  context_parallel_size=p.context_parallel_size)
+    if p.pipeline_model_parallel_size != 1 or p.context_parallel_size != 1:
+        raise SystemExit("this example's training step runs TP x DP; PP and CP need megatron's schedules "
+                         "(parallel_state accepts them, see tests/test_megatron_layout.py)")
+    torch.manual_seed(cfg.seed)
+    model = build(cfg, tensor_parallel=p.tensor_model_parallel_size, device=cfg.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                  betas=tuple(cfg.optim.betas))
+    global_batch = cfg.micro_batch_size * mpu.get_data_parallel_world_size()
+    opt_param_scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
+        lr_warmup_steps=cfg.optim.warmup_steps * global_batch, lr_decay_steps=cfg.steps * global_batch,
+        lr_decay_style="cosine", start_wd=cfg.optim.weight_decay, end_wd=cfg.optim.weight_decay,
+        wd_incr_steps=cfg.steps * global_batch, wd_incr_style="constant")
+    start = mega.load_checkpoint(model, optimizer, opt_param_scheduler, device=cfg.device)
+    rank = dist.get_rank()
+    injector = FaultInjector.from_env(rank, log_path=checkpoint_dir / ".trainguard" / "faults.jsonl")
+
+    iteration = train(cfg, model, optimizer, opt_param_scheduler, start, injector)
+    times = getattr(TTP, "step_times", [])
+    report = {
+        "steps_completed": iteration,
+        "start_step": start,
+        **TTP.history_report(),
+        "final_state_sha256": state_sha256({"model": model.state_dict(), "optimizer": optimizer.state_dict()}),
+        "step_time_s": sorted(times)[len(times) // 2] if times else None,
+        "wall_s": time.perf_counter() - SCRIPT_STARTED,
+        "faults": read_fault_log(checkpoint_dir / ".trainguard" / "faults.jsonl"),
+        "parallel": {"tp": p.tensor_model_parallel_size, "dp": mpu.get_data_parallel_world_size()},
+    }
+    TTP.processor.close(finished=True)
+    if rank == 0:
+        log.info("done: %d iterations (resumed at %d), lost %d, state %s", iteration, start, report["lost_steps"],
+                 report["final_state_sha256"][:16])
+        if report_path is not None:
+            report_path.parent.mkdir(parents=True, exist_ok=True)
+            report_path.write_text(json.dumps(report, indent=1) + "\n")
+    dist.barrier()
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The replica registry read from megatron-core's parallel_state, on real
+processes (torchrun, 4 ranks, gloo), for each parallel layout megatron
+builds on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+WORKER = Path(__file__).resolve().parent / "workers" / "megatron_layouts.py"
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                           "--standalone", str(WORKER), str(out)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
+
+
+def dense(layouts, name, rank):
+    return layouts[rank][name]["groups"][0]
+
+
+def test_plain_data_parallel_is_four_full_copies(layouts):
+    for r in range(4):
+        assert dense(layouts, "dp4", r) == {"ranks": [0, 1, 2, 3], "replica_cnt": 4, "shards": [[0, 1, 2, 3]]}
+        assert len(layouts[r]["dp4"]["groups"]) == 1  # no experts
+        assert layouts[r]["dp4"]["subdir"] == "mp_rank_00"
+
+
+def test_tensor_parallel_copies_sit_across_tensor_slices(layouts):
+    assert [dense(layouts, "tp2", r)["ranks"] for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [layouts[r]["tp2"]["subdir"] for r in range(4)] == ["mp_rank_00", "mp_rank_01"] * 2
+
+
+def test_pipeline_parallel_copies_sit_within_a_stage(layouts):
+    assert [dense(layouts, "pp2", r)["ranks"] for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [layouts[r]["pp2"]["subdir"] for r in range(4)] == ["mp_rank_00_000"] * 2 + ["mp_rank_00_001"] * 2
+
+
+def test_context_parallel_ranks_hold_the_same_weights(layouts):
+    for r in range(4):
+        assert dense(layouts, "cp2", r)["ranks"] == [0, 1, 2, 3]
+
+
+def test_expert_parallel_adds_an_expert_group(layouts):
+    for r in range(4):
+        groups = layouts[r]["ep2"]["groups"]
+        assert groups[0]["ranks"] == [0, 1, 2, 3]
+        assert groups[1]["ranks"] == ([0, 2] if r % 2 == 0 else [1, 3])
+        assert layouts[r]["ep2"]["subdir"] == f"mp_rank_00_{r % 2:03d}"
+
+
+def test_data_parallel_of_one_cannot_be_protected(layouts):
+    for r in range(4):
+        assert "data parallelism >= 2" in layouts[r]["tp4"]["error"]
+
+
+def test_a_single_distributed_optimizer_instance_is_refused(layouts):
+    for r in range(4):
+        assert "ReplicatedOptimizer" in layouts[r]["distopt1"]["error"]
+
+
+def test_two_optimizer_instances_are_two_copies_of_each_shard(layouts):
+    # megatron cuts [0, 1, 2, 3] into instances [0, 1] and [2, 3]: shard i on position i of each
+    for r in range(4):
+        assert dense(layouts, "distopt2", r) == {"ranks": [0, 1, 2, 3], "replica_cnt": 2,
+                                                 "shards": [[0, 2], [1, 3]]}
