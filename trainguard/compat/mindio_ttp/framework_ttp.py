@@ -124,6 +124,7 @@ def tft_start_controller(bind_ip: str, port: int, enable_tls: bool = True, tls_i
 def ttp_init_processor(rank: int, dp_ranks: Sequence[int], dp_size: int, world_size: int, replica: int,
                        enable_local_copy: bool) -> int:
     """Check this rank's arguments and remember its data-parallel group."""
+    checked_int("rank", rank)
     checked_int("replica", replica, minimum=1)
     ranks = [checked_int("dp_ranks[]", r) for r in dp_ranks]
     if checked_int("dp_size", dp_size, minimum=1) != len(ranks):

@@ -1,0 +1,172 @@
+"""MindIO's ``mindio_ttp.framework_ttp`` / ``megatron_ttp`` names on trainguard:
+argument checks, Megatron's checkpoint layout, and the GPT-3 recipe's flow
+end to end (a crash, the dying gasp, the relaunch)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+import trainguard.compat.mindio_ttp.framework_ttp as ttp  # noqa: E402
+import trainguard.compat.mindio_ttp.megatron_ttp as mega  # noqa: E402
+from trainguard.adapters.megatron import checkpoint as ckpt  # noqa: E402
+from trainguard.compat.mindio_ttp.state import TTP  # noqa: E402
+from trainguard.core import CheckpointError, ConfigError  # noqa: E402
+from trainguard.core.checkpoint import SavedShard  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "gpt3" / "train.py"
+
+
+@pytest.fixture(autouse=True)
+def fresh_session():
+    TTP.__init__()
+    yield
+    TTP.__init__()
+
+
+def test_unknown_and_unsupported_names_say_what_is_missing():
+    with pytest.raises(AttributeError, match="DP-group registration"):
+        ttp.tft_set_dp_group_info(0, [0, 1])
+    with pytest.raises(AttributeError, match="not a MindIO TTP/TFT name"):
+        ttp.ttp_no_such_call()
+    with pytest.raises(AttributeError, match="not a MindIO megatron_ttp name"):
+        mega.no_such_handler
+    with pytest.raises(ImportError):
+        from trainguard.compat.mindio_ttp.framework_ttp import tft_pause_train  # noqa: F401
+
+
+def test_processor_arguments_are_checked():
+    with pytest.raises(ConfigError, match="not in its own dp_ranks"):
+        ttp.ttp_init_processor(3, [0, 1], 2, 4, 1, False)
+    with pytest.raises(ConfigError, match="dp_size=3"):
+        ttp.ttp_init_processor(0, [0, 1], 3, 4, 1, False)
+    with pytest.raises(ConfigError, match="rank must be an int"):
+        ttp.ttp_init_processor("0", [0, 1], 2, 4, 1, False)
+    with pytest.raises(ConfigError, match="before starting the processor"):
+        ttp.ttp_start_processor("127.0.0.1", 8000)
+    with pytest.raises(ConfigError, match="before starting the controller"):
+        ttp.ttp_start_controller("127.0.0.1", 8000)
+    with pytest.raises(ConfigError, match="ttp_start_processor"):
+        ttp.ttp_start_updating_os(-1)
+
+
+def test_data_parallel_of_one_is_refused_and_replicas_are_validated():
+    ttp.ttp_init_processor(0, [0], 1, 2, 1, False)
+    with pytest.raises(ConfigError, match="data parallelism >= 2"):
+        TTP.groups()
+    with pytest.raises(ConfigError, match="must be >= 1 and divide"):
+        ttp.tft_set_optimizer_replica(0, [{"rank_list": [0, 1, 2, 3], "replica_cnt": 3}])
+    with pytest.raises(ConfigError, match="lacks"):
+        ttp.tft_set_optimizer_replica(0, [{"rank_list": [0, 1]}])
+    ttp.tft_set_optimizer_replica(1, [{"rank_list": [0, 1, 2, 3], "replica_cnt": 2}])
+    assert TTP.groups()[0].copies(1) == [1, 3]
+
+
+def test_handlers_must_be_callable_and_rename_only_runs_inside_a_finalise():
+    with pytest.raises(ConfigError, match="must be callable"):
+        ttp.ttp_register_save_ckpt_handler("mega.ttp_save_checkpoint")
+    with pytest.raises(CheckpointError, match="not on its own"):
+        mega.rename_save_result(None)
+    with pytest.raises(CheckpointError, match=r"\(iteration, model, optimizer, opt_param_scheduler\)"):
+        mega.ttp_save_checkpoint(0, 3, [0, 1], None)
+
+
+def _trained(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _save(store, step, model, opt):
+    info = ckpt.write_rank(store, step, model, opt, None)
+    ckpt.finalize(store, step, [SavedShard(kind=0, copies=(0, 1), full=True, rank=0, files=(info,))], {}, 0)
+
+
+def test_checkpoints_use_megatrons_layout_and_skip_a_corrupted_one(tmp_path):
+    store = ckpt.megatron_store(tmp_path)
+    m2, o2 = _trained(2)
+    _save(store, 2, m2, o2)
+    m5, o5 = _trained(5)
+    _save(store, 5, m5, o5)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    saved = torch.load(tmp_path / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    assert saved["iteration"] == 5 and {"model", "optimizer", "rng_state", "checkpoint_version"} <= set(saved)
+
+    fresh, fresh_opt = _trained(9)
+    assert ckpt.load(store, fresh, fresh_opt, None)[0] == 5
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), m5.state_dict().values()))
+
+    with open(tmp_path / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\0" * 16)
+    fresh, fresh_opt = _trained(9)
+    assert ckpt.load(store, fresh, fresh_opt, None)[0] == 2  # falls back, with a warning naming the checksum
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), m2.state_dict().values()))
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], o2.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(tmp_path):
+    store = ckpt.megatron_store(tmp_path)
+    m, o = _trained(1)
+    _save(store, 1, m, o)
+    other = torch.nn.Linear(4, 2)
+    with pytest.raises(CheckpointError, match="does not fit"):
+        ckpt.load(store, other, None, None)
+
+
+# ---------------------------------------------------------------- end to end
+TORCHRUN_SCRIPT = """\
+import sys
+import trainguard.compat.mindio_ttp.framework_ttp
+from torch.distributed.run import main
+sys.exit(main())
+"""
+
+
+def gpt(tmp: Path, name: str, *, launcher: list[str], fault: str | None = None) -> tuple[int, dict | None, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1"})
+    if fault:
+        env["TRAINGUARD_FAULT"] = fault
+    cmd = [*launcher, "--nproc-per-node", "2", "--monitor-interval", "0.1", str(EXAMPLE), "steps=6", "log_every=0",
+           f"report={name}.json", f"checkpoint_dir={name}-ckpt"]
+    out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=240)
+    report = tmp / f"{name}.json"
+    return out.returncode, json.loads(report.read_text()) if report.exists() else None, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(400)
+def test_gpt3_recipe_crash_dying_gasp_and_resume_is_bit_identical(tmp_path):
+    # The recipe's torchrun script, with the import renamed, launches through trainguard.
+    script = tmp_path / "torchrun"
+    script.write_text(TORCHRUN_SCRIPT)
+    rc, ref, log = gpt(tmp_path, "ref", launcher=[sys.executable, str(script)])
+    assert rc == 0, log[-4000:]
+    assert "controller listening" in log, "the torchrun script did not route through trainguard"
+    assert ref["steps_completed"] == 6 and ref["recoveries"] == [] and ref["lost_steps"] == 0
+
+    trainguard_run = [sys.executable, "-m", "trainguard.cli", "run"]
+    rc, _, log = gpt(tmp_path, "crash", launcher=trainguard_run, fault="crash:rank=1,step=3")
+    assert rc == 75, log[-4000:]
+    ckpt_dir = tmp_path / "crash-ckpt"
+    assert (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (ckpt_dir / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    manifest = json.loads((ckpt_dir / "iter_0000003" / "manifest.json").read_text())
+    assert manifest["layout"]["shards"][0]["saved_by"] == 0  # the survivor saved for the lost rank
+
+    rc, resumed, log = gpt(tmp_path, "crash", launcher=trainguard_run)
+    assert rc == 0, log[-4000:]
+    assert resumed["start_step"] == 3 and resumed["steps_completed"] == 6
+    assert resumed["final_state_sha256"] == ref["final_state_sha256"]
+    assert resumed["lost_steps"] == 0
+    assert [(r["strategy"], r["step"], r["rank"]) for r in resumed["recoveries"]] == [("dump", 3, 1)]
+    assert {k: len(v) for k, v in resumed["pids"].items()} == {"0": 2, "1": 2}  # two launches, every rank
