@@ -107,7 +107,9 @@ def train(cfg: DictConfig, model, optimizer, opt_param_scheduler, iteration: int
             log.info("iteration %d loss %.4f lr %.3g step %.3fs", iteration, loss.item(),
                      optimizer.param_groups[0]["lr"], times[-1])
         if cfg.save_every and iteration % cfg.save_every == 0:
+            saving = time.perf_counter()
             mega.save_checkpoint(iteration, model, optimizer, opt_param_scheduler)
+            TTP.save_times = [*getattr(TTP, "save_times", []), time.perf_counter() - saving]
     TTP.step_times = times
     return iteration
 
@@ -147,6 +149,7 @@ def main(cfg: DictConfig) -> None:
         **TTP.history_report(),
         "final_state_sha256": state_sha256({"model": model.state_dict(), "optimizer": optimizer.state_dict()}),
         "step_time_s": sorted(times)[len(times) // 2] if times else None,
+        "periodic_save_s": getattr(TTP, "save_times", []),  # each save_checkpoint call, on this rank
         "wall_s": time.perf_counter() - SCRIPT_STARTED,
         "faults": read_fault_log(checkpoint_dir / ".trainguard" / "faults.jsonl"),
         "parallel": {"tp": p.tensor_model_parallel_size, "dp": mpu.get_data_parallel_world_size()},
