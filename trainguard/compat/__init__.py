@@ -11,7 +11,8 @@ import prefix (``taskd.`` becomes ``trainguard.compat.taskd.``)::
 
 The same names are importable from :mod:`trainguard.compat` itself. What
 each one does in trainguard is listed in :mod:`trainguard.compat.taskd`.
-MindIO's ``ttp_*`` / ``tft_*`` names are planned.
+MindIO's ``ttp_*`` / ``tft_*`` names are in :mod:`trainguard.compat.mindio_ttp`
+(``mindio_ttp.framework_ttp`` becomes ``trainguard.compat.mindio_ttp.framework_ttp``).
 """
 
 from .taskd.api import (
