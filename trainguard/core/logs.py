@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-__all__ = ["setup"]
+__all__ = ["exit_now", "setup"]
 
 _MARK = "_trainguard_handler"
 
@@ -36,3 +36,16 @@ def setup(who: str = "") -> None:
     logger.addHandler(handler)
     logger.setLevel(os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO").upper())
     logger.propagate = False
+
+
+def exit_now(code: int) -> None:
+    """End the process with ``code`` after flushing logs and the standard
+    streams, without running destructors: process groups whose peer is gone
+    block or abort in theirs."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -440,8 +440,7 @@ class Guard(JobHistory):
     def _leave(self, outcome) -> None:
         log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
         self.close(finished=False)
-        logging.shutdown()
-        os._exit(outcome.exit_code)  # MindSpore's communicator may hold a peer's half collective
+        logs.exit_now(outcome.exit_code)  # MindSpore's communicator may hold a peer's half collective
 
     def rolled_back(self, step: int) -> None:
         self._step = step

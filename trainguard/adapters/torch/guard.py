@@ -353,15 +353,8 @@ class Guard(Checkpoints):
         run): end the process without destroying the process groups, whose
         destructors can abort the process when a peer is gone (gloo throws
         from a destructor) or block on it."""
-        if self._exit_code is None:
-            return
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(self._exit_code)
+        if self._exit_code is not None:
+            logs.exit_now(self._exit_code)
 
     def regroup(self, ranks: Sequence[int], generation: int, cancelled, store: Any = None) -> None:
         """Go on with ``ranks`` (elastic training: fewer, or all again): a

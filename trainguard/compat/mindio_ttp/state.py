@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, Callable
 
 from trainguard.core import ConfigError, Processor, RecoveryError, ReplicaGroup
+from trainguard.core import logs
 from trainguard.core.classify import Classifier
 from trainguard.core.history import JobHistory
 
@@ -95,15 +95,8 @@ class _State(JobHistory):
         """At interpreter exit after the controller's exit order: leave without
         running process-group destructors, which block or abort when a peer
         is gone."""
-        if self.exit_code is None:
-            return
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(self.exit_code)
+        if self.exit_code is not None:
+            logs.exit_now(self.exit_code)
 
 
 TTP = _State()
