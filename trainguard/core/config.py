@@ -53,6 +53,9 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_JOIN": "set by the node agent for a replacement process: what it joins (do not set by hand)",
     "TRAINGUARD_SHM_REPAIR": "0: a MindSpore repair between ranks of one machine uses Broadcast, not /dev/shm "
                              "(default 1)",
+    "TRAINGUARD_SNAPSHOT_ROOT": "where snapshot directories live in shared memory (default /dev/shm)",
+    "TRAINGUARD_SNAPSHOT_DIR": "set by the node agent: this node's snapshot directory (do not set by hand)",
+    "TRAINGUARD_SNAPSHOT_PEER": "set by the node agent: host:port of the next node's snapshot copies (do not set by hand)",
     "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
     "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",
     "TRAINGUARD_WATCHDOG": "'off' turns the in-process hang watchdog off (default on)",

@@ -15,6 +15,11 @@ two things:
 * a worker found stopped (SIGSTOP, a frozen container: state ``T`` in
   ``/proc``) on two checks ``STOPPED_CONFIRM_S`` apart is a hang: the agent
   kills it and reports why, within a second instead of a heartbeat timeout;
+* it owns the node's snapshot directory in shared memory
+  (:mod:`trainguard.core.snapshot`), so in-memory snapshots outlive the
+  workers that took them, and removes it when it exits; with several
+  nodes it also keeps the previous node's copies (a peer server) and
+  tells its workers where the next node's is;
 * it takes the controller's orders (:mod:`.restart`): start a new process
   for one rank while the others keep running (recover-in-place for its own
   ranks, recover for another node's), kill one, or lower the restart budget.
@@ -28,6 +33,7 @@ import dataclasses
 import logging
 import os
 import queue
+import socket
 import time
 from typing import Any
 
@@ -40,6 +46,7 @@ from trainguard.core.client import ControllerClient
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.rpc import new_token
+from trainguard.core.snapshot import PeerServer, SnapshotDir
 
 from .watch import FrozenWatch, report_exit
 from .restart import Replacements
@@ -76,6 +83,8 @@ class TrainguardAgent(LocalElasticAgent):
         self._reported: set[int] = set()
         self._frozen = FrozenWatch()
         self.last_status: dict | None = None
+        self.snapshot_dir: SnapshotDir | None = None
+        self.peer_server: PeerServer | None = None
 
     # ----------------------------------------------------------- controller
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -111,9 +120,32 @@ class TrainguardAgent(LocalElasticAgent):
                            on_order=self._orders.put)
         os.environ.update(TRAINGUARD_CONTROLLER=self.relay.start(), TRAINGUARD_TOKEN=token,
                           TRAINGUARD_JOB_ID=self._config.job_id)
+        self._snapshots(worker_group, store, token)
         if self._client is not None:
             self._client.close()
         self._client = ControllerClient(address, token)
+
+    def _snapshots(self, worker_group: WorkerGroup, store: Any, token: str) -> None:
+        """The node's snapshot directory (kept across rounds, so restarted
+        workers find their snapshots) and, with several nodes, the server
+        keeping the previous node's copies; the workers learn both from the
+        environment."""
+        if self.snapshot_dir is None:
+            self.snapshot_dir = SnapshotDir.create(f"{self._config.job_id}-n{worker_group.group_rank}",
+                                                   os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
+        os.environ["TRAINGUARD_SNAPSHOT_DIR"] = str(self.snapshot_dir.path)
+        nodes, me = worker_group.group_world_size, worker_group.group_rank
+        if nodes < 2:
+            os.environ.pop("TRAINGUARD_SNAPSHOT_PEER", None)
+            return
+        loopback = self._config.host in ("127.0.0.1", "localhost", "::1")
+        if self.peer_server is None:
+            self.peer_server = PeerServer(self.snapshot_dir, token, "127.0.0.1" if loopback else "0.0.0.0")
+            self.peer_server.start()
+        self.peer_server.token = token
+        port = self.peer_server.address.rsplit(":", 1)[1]
+        store.set(f"trainguard/peer/{me}", f"{'127.0.0.1' if loopback else socket.getfqdn()}:{port}")
+        os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"trainguard/peer/{(me + 1) % nodes}").decode()
 
     def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:
         """Give each round's workers a store of their own.
@@ -152,6 +184,12 @@ class TrainguardAgent(LocalElasticAgent):
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self.peer_server is not None:
+            self.peer_server.stop()
+            self.peer_server = None
+        if self.snapshot_dir is not None:
+            self.snapshot_dir.remove()
+            self.snapshot_dir = None
 
     # ----------------------------------------------------------- monitoring
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:

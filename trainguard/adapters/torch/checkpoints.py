@@ -1,24 +1,38 @@
-"""The Guard's checkpoints: periodic saves, the newest one loaded at start,
-and the job's history (recoveries, PIDs per rank) carried inside them.
+"""The Guard's checkpoints: periodic saves, in-memory snapshots, the newest
+state loaded at start, and the job's history (recoveries, PIDs per rank)
+carried inside them.
 
 A mix-in of :class:`~.guard.Guard` (it uses the Guard's state, store,
 groups and process group). The dying-gasp save goes through the same
 :meth:`Checkpoints.write_shard` and :meth:`Checkpoints.finalize_checkpoint`,
 called by the recovery handlers.
+
+With ``snapshot_every`` set, the state is copied into shared memory every
+that many steps (:mod:`.snapshot`) and periodic saves become asynchronous:
+the persist worker writes the snapshot of a save step while training goes
+on. At start, every rank lists the steps it can load (its verified
+snapshots in this node's memory, the newest complete checkpoint on storage);
+all resume at the newest step every rank has, from memory where they can.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import os
 from typing import Sequence
 
 import torch
 
-from trainguard.core import CheckpointError
-from trainguard.core.checkpoint import FileInfo, SavedShard
+from trainguard.core import CheckpointError, ConfigError
+from trainguard.core.checkpoint import FileInfo, SavedShard, Verified, shard_file
 from trainguard.core.history import JobHistory
+from trainguard.core.snapshot import SnapshotDir
 
 from .handlers import read_shard, shard_name
+from .process_group import job_namespace
+from .snapshot import Snapshots, read_payload
 
 __all__ = ["Checkpoints"]
 
@@ -28,12 +42,95 @@ log = logging.getLogger("trainguard.torch")
 class Checkpoints(JobHistory):
     """Saving and loading checkpoints for a :class:`~.guard.Guard` (a mix-in)."""
 
-    def write_shard(self, step: int):
-        """Write this rank's committed dense state at ``step`` (temporary name)."""
+    @property
+    def save_timeout_s(self) -> float:
+        return float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800"))
+
+    # ------------------------------------------------------------ snapshots
+    def setup_snapshots(self, every: int, count: int, peer: bool) -> None:
+        """Snapshots every ``every`` steps in ``count`` slots (0: none), with a
+        copy on the next node when ``peer``.
+
+        Raises:
+            ConfigError: a save interval that is not a multiple of ``every``,
+                or ``count`` < 1.
+        """
+        self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
+        if not every:
+            return
+        if every < 0 or count < 1 or (self.save_every and self.save_every % every):
+            raise ConfigError(f"snapshot_every={every} must be >= 0 and divide save_every={self.save_every}; "
+                              f"snapshots_in_memory={count} must be >= 1")
+        path = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+        root = os.environ.get("TRAINGUARD_SNAPSHOT_ROOT")
+        # Under `trainguard run` the node agent owns the directory, so the
+        # snapshots outlive this process; otherwise this process does.
+        directory = SnapshotDir.attach(path) if path else \
+            SnapshotDir.create(f"{job_namespace()}-r{self.rank}-{os.getpid()}", root)
+        address = os.environ.get("TRAINGUARD_SNAPSHOT_PEER") if peer else None
+        if peer and not address:
+            log.warning("snapshot_peer: no peer node (one node, or not launched by `trainguard run`); "
+                        "snapshots stay on this node only")
+        self.snapshots = Snapshots(directory, self.rank, count=count, peer=address)
+        if directory.owned:  # a crash that unwinds still removes it; a kill -9 leaves it to sweep()
+            atexit.register(directory.remove)
+
+    def snapshot_state(self, step: int) -> dict:
         state = self.state.committed_state_dict()
         state["step"] = step
-        return self.store.write(step, shard_name(self.groups[0].copies(self.rank)),
-                                lambda f: torch.save(state, f))
+        return {"state": state, "history": self.merged_history({})}
+
+    def take_snapshot(self, step: int, *, wait_s: float = 0.0) -> int | None:
+        """Copy the committed state at ``step`` into memory; with ``wait_s``,
+        wait that long for a slot a persist still holds."""
+        index = self.snapshots.take(self.snapshot_state(step), step)
+        if index is None and wait_s:
+            log.warning("rank %d: every snapshot slot is being persisted; waiting for one", self.rank)
+            self.snapshots.wait(wait_s)
+            index = self.snapshots.take(self.snapshot_state(step), step)
+        return index
+
+    def close_snapshots(self, wait_s: float) -> None:
+        if self.snapshots is None:
+            return
+        if wait_s:
+            self.snapshots.wait(wait_s)
+        self.snapshots.close()
+        self.snapshots.directory.remove()  # only when this process owns it
+
+    def snapshot_report(self) -> dict:
+        s = self.snapshots
+        if s is None:
+            return {}
+        return {"snapshots": {"taken": s.taken, "skipped": s.skipped, "persisted": list(s.persisted),
+                              "errors": list(s.errors), "worker_restarts": s.worker.restarts,
+                              "reused_for_dump": getattr(self, "_reused", []),
+                              "resumed_from": self.resumed_from}}
+
+    # ------------------------------------------------------------ saves
+    def write_shard(self, step: int):
+        """Write this rank's committed dense state at ``step`` (temporary
+        name); with snapshots, the payload of the snapshot of ``step`` (taken
+        now unless memory already holds it)."""
+        copies = self.groups[0].copies(self.rank)
+        if self.snapshots is not None:
+            index = self.snapshots.holding(step)
+            if index is not None:
+                self._reused = getattr(self, "_reused", []) + [step]
+                log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
+            else:
+                index = self.take_snapshot(step, wait_s=self.save_timeout_s)
+                if index is None:
+                    raise CheckpointError(f"rank {self.rank}: no snapshot slot came free for step {step}")
+            slot = self.snapshots.slots[index]
+            slot.lock(False, block=True)
+            try:
+                return self.store.write_buffer(step, shard_file(0, copies, ".safetensors"), slot.payload())
+            finally:
+                slot.unlock()
+        state = self.state.committed_state_dict()
+        state["step"] = step
+        return self.store.write(step, shard_name(copies), lambda f: torch.save(state, f))
 
     def finalize_checkpoint(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
         self.store.finalize(
@@ -50,7 +147,35 @@ class Checkpoints(JobHistory):
             raise CheckpointError("no checkpoint_dir was given to the Guard")
         with self.section("checkpoint"):
             self.injector.strike("save", self._step)
-            self._save()
+            if self.snapshots is not None:
+                self._save_async()
+            else:
+                self._save()
+
+    def _save_async(self) -> None:
+        """Snapshot (unless memory holds this step already) and let the
+        persist worker write it; its finaliser waits for every shard."""
+        step, group, members = self._step, self.groups[0], self.process_group.members
+        index = self.snapshots.holding(step)
+        if index is None:
+            index = self.take_snapshot(step, wait_s=self.save_timeout_s)
+        if index is None:
+            raise CheckpointError(f"rank {self.rank}: no snapshot slot came free to save step {step}")
+        shards = sorted({tuple(c for c in group.copies(r)) for r in members})
+        savers = {min(c for c in copies if c in members): copies for copies in shards}
+        if self.rank not in savers:
+            return
+        finalize = None
+        if self.rank == members[0]:
+            finalize = {"expected": [shard_file(0, c, ".safetensors") for c in savers.values()],
+                        "timeout_s": self.save_timeout_s, "keep": self.store.keep,
+                        "layout": {"world_size": self.world_size, "shards": [
+                            {"kind": 0, "copies": list(c), "full": group.replica_cnt == len(group.rank_list),
+                             "saved_by": r, "files": [shard_file(0, c, ".safetensors")]}
+                            for r, c in sorted(savers.items())]},
+                        "meta": {"history": self.merged_history({}), "finalised_by": self.rank}}
+        self.snapshots.persist(index, step, root=str(self.store.root),
+                               name=shard_file(0, savers[self.rank], ".safetensors"), finalize=finalize)
 
     def _save(self) -> None:
         step, group = self._step, self.groups[0]
@@ -68,22 +193,57 @@ class Checkpoints(JobHistory):
             self.finalize_checkpoint(step, saved, self.merged_history({}))
 
     def _load(self) -> int:
-        """Load the newest complete checkpoint, if any; return its step."""
+        """Load the newest step every rank can load -- from this node's
+        memory where a verified snapshot holds it, else the newest complete
+        checkpoint on storage -- and return it (0: nothing to load)."""
+        memory = self.snapshots.available() if self.snapshots is not None else {}
         found = self.store.latest() if self.store is not None else None
-        step = found.step if found is not None else 0
-        steps = self.process_group.all_gather_json(step, self.device.torch_device)
-        if len(set(steps)) != 1:
-            raise CheckpointError(f"ranks disagree on the newest complete checkpoint: {steps}")
-        if found is None:
+        mine = sorted(set(memory) | ({found.step} if found is not None else set()))
+        every = self.process_group.all_gather_json(mine, self.device.torch_device)
+        if not any(every):
             return 0
+        common = set(every[0]).intersection(*every[1:])
+        if not common:
+            raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
+        step = max(common)
+        if step in memory:
+            slot, source = memory[step]
+            slot.lock(False, block=True)
+            try:
+                _, held = read_payload(slot.payload(), self.device.torch_device)
+            finally:
+                slot.close()
+            self.state.load_state_dict(held["state"])
+            self.history = held["history"]
+            self.resumed_from = {"step": step, "source": source}
+            log.info("rank %d resumed at step %d from %s (%s)", self.rank, step, source, slot.path)
+            return step
+        return self._load_stored(found)
+
+    def _load_stored(self, found: Verified) -> int:
         shards = found.manifest.get("layout", {}).get("shards", [])
         mine = next((s for s in shards if s["kind"] == 0 and (s["full"] or self.rank in s["copies"])), None)
         if mine is None:
             raise CheckpointError(f"{found.path} holds no dense shard for rank {self.rank} "
                                   f"(saved with world size {found.manifest.get('layout', {}).get('world_size')})")
-        state = read_shard(found.file(mine["files"][0]), self.device.torch_device)
+        path = found.file(mine["files"][0])
+        state = read_stored_snapshot(path, self.device.torch_device) if path.suffix == ".safetensors" else \
+            read_shard(path, self.device.torch_device)
         self.state.load_state_dict(state)
         self.history = found.manifest.get("meta", {}).get("history", self.history)
-        if self.rank == 0:
-            log.info("resumed from %s at step %d", found.path, found.step)
+        self.resumed_from = {"step": found.step, "source": "storage"}
+        log.info("rank %d resumed at step %d from storage (%s)", self.rank, found.step, found.path)
         return found.step
+
+
+def read_stored_snapshot(path, device: torch.device) -> dict:
+    """The state in a persisted snapshot, read with the safetensors library."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            meta = json.loads(f.metadata()["trainguard"])
+            tensors = [f.get_tensor(name) for name in meta["names"]]
+        from .state import unflatten
+        return unflatten(meta["skeleton"], tensors)["state"]
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path} is not a readable trainguard snapshot: {e}") from None

@@ -88,6 +88,14 @@ class Guard(Checkpoints):
             newest complete one is loaded at start.
         save_every: periodic checkpoint interval in steps (0: none).
         keep: complete checkpoints kept (0: all).
+        snapshot_every: copy the state into shared memory every this many
+            steps (0: never). Periodic saves then only block for that copy:
+            a persist worker writes them in the background. A restarted
+            process loads from memory when every rank can.
+        snapshots_in_memory: snapshot slots per rank (each the size of the
+            state: 12 bytes per parameter with fp32 Adam).
+        snapshot_peer: keep a copy of each snapshot on the next node
+            (``trainguard run`` with several nodes).
         replicas: this rank's replica groups (default: every rank holds the
             whole state, as in DDP).
         processor, injector, classifier: collaborators, from the
@@ -111,6 +119,9 @@ class Guard(Checkpoints):
         extra: Mapping[str, Any] | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         save_every: int = 0,
+        snapshot_every: int = 0,
+        snapshots_in_memory: int = 2,
+        snapshot_peer: bool = False,
         keep: int = 2,
         replicas: Sequence[ReplicaGroup] | None = None,
         processor: Processor | None = None,
@@ -163,6 +174,7 @@ class Guard(Checkpoints):
             except RuntimeError as e:
                 raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
             self.attach_ddp()
+        self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer)
         if join:
             # The others are paused in a recovery: no start-up collectives;
             # the state, the step and the history come from a replica.
@@ -326,6 +338,8 @@ class Guard(Checkpoints):
         self.injector.after_step(self._step, time.perf_counter() - self._step_started)
         if self.save_every and self._step % self.save_every == 0:
             self.save()
+        elif self.snapshot_every and self._step % self.snapshot_every == 0:
+            self.take_snapshot(self._step)
 
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left and carry out the recovery."""
@@ -398,6 +412,7 @@ class Guard(Checkpoints):
             **self.history_report(),
             "final_state_sha256": state_sha256(self.state.model_and_optimizer()),
             "replicas": list(self.replicas),
+            **self.snapshot_report(),
         }
 
     def close(self, *, finished: bool = True) -> None:
@@ -405,6 +420,7 @@ class Guard(Checkpoints):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self.close_snapshots(wait_s=self.save_timeout_s if finished else 0.0)
         self.processor.close(finished=finished)
 
 

@@ -1,0 +1,265 @@
+"""The persist worker: a process beside each trainer that seals its
+snapshots and writes them to storage, so the training loop never waits on a
+disk.
+
+The trainer talks to it with JSON lines on the worker's stdin and reads
+replies on its stdout (:class:`PersistWorker` is that side). Requests:
+
+* ``seal``: record the CRC32 of a slot's payload (and push the slot to the
+  peer node's agent when one is named); a seal of a slot the trainer has
+  written again since is dropped. Seals asked before the trainer died are
+  still done: a restarted trainer loads sealed snapshots only.
+* ``persist``: write a slot's payload as one file of a checkpoint's
+  temporary directory (SHA-256 taken on the way), leave a record of it
+  there, and, for the finalising rank, wait until every expected file's
+  record is there and finalise (manifest, rename, tracker last).
+
+Nothing the worker does is on the training loop's path. If it is killed,
+the trainer starts another and the checkpoint it was writing is simply
+never finalised; if the trainer is killed, the worker finishes the
+persists already asked of it and exits.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..api import CheckpointError
+from ..checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo
+from .segment import Slot, State
+
+__all__ = ["PersistWorker"]
+
+log = logging.getLogger("trainguard.snapshot")
+
+NAMINGS = {"torch": TORCH, "megatron": MEGATRON, "mindspore": MINDSPORE}
+RECORDS = ".records"
+#: How long a finalising worker whose trainer died still waits for the other shards.
+ORPHAN_GRACE_S = 5.0
+
+
+# --------------------------------------------------------------------- worker
+def _record_path(tmp: Path, name: str) -> Path:
+    return tmp / RECORDS / (name.replace("/", "__") + ".json")
+
+
+def _persist(req: dict, parent: int) -> dict:
+    store = CheckpointStore(req["root"], NAMINGS[req["naming"]], keep=req.get("keep", 0))
+    step, name = req["step"], req["name"]
+    slot = Slot(Path(req["slot"]))
+    try:
+        slot.lock(False, block=True)
+        info = slot.info()
+        if info is None or info.step != step or info.state not in (State.COMPLETE, State.SEALED):
+            raise CheckpointError(f"slot {slot.path.name} no longer holds step {step}")
+        if info.state is State.COMPLETE:
+            slot.seal()
+        written = store.write_buffer(step, name, slot.payload())
+    finally:
+        slot.close()
+    tmp = store.tmp_path(step)
+    record = _record_path(tmp, name)
+    record.parent.mkdir(exist_ok=True)
+    record.write_text(json.dumps([written.name, written.bytes, written.sha256]))
+    reply = {"file": [written.name, written.bytes, written.sha256], "final": None}
+    fin = req.get("finalize")
+    if fin:
+        files = _await_records(tmp, fin["expected"], fin.get("timeout_s", 1800.0), parent)
+        for p in (tmp / RECORDS).iterdir():
+            p.unlink()
+        (tmp / RECORDS).rmdir()
+        reply["final"] = str(store.finalize(step, files, layout=fin.get("layout"), meta=fin.get("meta"),
+                                            rehash=False))
+    return reply
+
+
+def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int) -> list[FileInfo]:
+    deadline, orphaned = time.monotonic() + timeout_s, None
+    while True:
+        paths = [_record_path(tmp, n) for n in expected]
+        if all(p.is_file() for p in paths):
+            return [FileInfo(*json.loads(p.read_text())) for p in paths]
+        now = time.monotonic()
+        if orphaned is None and os.getppid() != parent:
+            orphaned = now
+        missing = [n for n, p in zip(expected, paths) if not p.is_file()]
+        if now > deadline or (orphaned is not None and now - orphaned > ORPHAN_GRACE_S):
+            raise CheckpointError(f"step {tmp.name}: {missing[:4]} never arrived; not finalised")
+        time.sleep(0.05)
+
+
+def _seal(req: dict) -> dict:
+    slot = Slot(Path(req["slot"]))
+    try:
+        if not slot.lock(False):
+            return {"skipped": "being written"}
+        info = slot.info()
+        if info is None or info.step != req["step"]:
+            return {"skipped": "written again since"}
+        sealed = slot.seal()
+        if sealed is None:
+            return {"skipped": "not complete"}
+        # The push goes without the lock, so a slow link never holds the
+        # trainer up; a copy torn by a new snapshot fails the peer's CRC
+        # check and is refused there.
+        slot.unlock()
+        if req.get("peer"):
+            from .peer import push
+            push(req["peer"], slot, rank=req["rank"], token=os.environ.get("TRAINGUARD_TOKEN", ""))
+        return {"crc32": sealed.crc32}
+    finally:
+        slot.close()
+
+
+def _serve(stdin: Any, stdout: Any) -> None:
+    parent = os.getppid()
+    todo: collections.deque = collections.deque()
+    cond = threading.Condition()
+    done = threading.Event()
+
+    def read() -> None:
+        for line in stdin:
+            with cond:
+                todo.append(json.loads(line))
+                cond.notify()
+        with cond:
+            done.set()
+            cond.notify()
+
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        with cond:
+            while not todo and not done.is_set():
+                cond.wait()
+            if not todo:
+                return
+            req = todo.popleft()
+            newer = any(r["slot"] == req["slot"] for r in todo)
+        if req["op"] == "seal" and newer:
+            reply = {"skipped": "superseded"}
+        else:
+            try:
+                reply = _persist(req, parent) if req["op"] == "persist" else _seal(req)
+                reply["ok"] = True
+            except (CheckpointError, OSError, ValueError, KeyError) as e:
+                log.error("%s of step %s failed: %s", req["op"], req.get("step"), e)
+                reply = {"ok": False, "error": str(e)}
+        reply.setdefault("ok", True)
+        reply.update(id=req["id"], op=req["op"], step=req.get("step"))
+        try:
+            stdout.write(json.dumps(reply) + "\n")
+            stdout.flush()
+        except (BrokenPipeError, ValueError):  # the trainer is gone; go on with what it asked
+            pass
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO"),
+                        format=f"[persist {os.environ.get('RANK', '?')}] %(levelname)s %(message)s")
+    _serve(sys.stdin, sys.stdout)
+
+
+# --------------------------------------------------------------------- client
+class PersistWorker:
+    """The trainer's side: starts the worker (again, after it died), sends
+    requests and collects replies without blocking."""
+
+    def __init__(self, env: dict | None = None) -> None:
+        self._env = env
+        self._proc: subprocess.Popen | None = None
+        self._replies: queue.Queue = queue.Queue()
+        self._next = 0
+        self.pending: dict[int, dict] = {}
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _ensure(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            if self._proc is not None:
+                self.restarts += 1
+            self._proc = subprocess.Popen([sys.executable, "-c", "from trainguard.core.snapshot.persist import main; "
+                                                           "main()"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                          env={**os.environ, **(self._env or {})}, start_new_session=False)
+            proc = self._proc
+            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        return self._proc
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self._replies.put(json.loads(line))
+        code = proc.wait()
+        self._replies.put({"died": proc.pid, "code": code})
+
+    def submit(self, op: str, **fields: Any) -> int:
+        self._next += 1
+        req = {"id": self._next, "op": op, **fields}
+        proc = self._ensure()
+        try:
+            proc.stdin.write(json.dumps(req) + "\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            self._proc = None  # died between the check and the write: the next submit restarts it
+            proc = self._ensure()
+            proc.stdin.write(json.dumps(req) + "\n")
+            proc.stdin.flush()
+        self.pending[self._next] = req
+        return self._next
+
+    def poll(self, timeout: float | None = None) -> list[dict]:
+        """Replies that arrived (waiting up to ``timeout`` for the first).
+        A request the worker died on is answered ``ok: False``."""
+        out = []
+        block = timeout is not None
+        while True:
+            try:
+                reply = self._replies.get(block, timeout) if block else self._replies.get_nowait()
+            except queue.Empty:
+                return out
+            block = False
+            if "died" in reply:
+                if self._proc is not None and self._proc.pid == reply["died"]:
+                    for rid, req in sorted(self.pending.items()):
+                        out.append({"id": rid, "op": req["op"], "step": req.get("step"), "ok": False,
+                                    "error": f"persist worker {reply['died']} died (exit {reply['code']})"})
+                    self.pending.clear()
+                continue
+            if self.pending.pop(reply["id"], None) is not None:
+                out.append(reply)
+
+    def wait(self, timeout: float) -> list[dict]:
+        """Replies until nothing is pending (or ``timeout`` passed)."""
+        out, deadline = [], time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            out += self.poll(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        return out
+
+    def close(self) -> None:
+        """Let the worker finish what it was asked and exit."""
+        if self._proc is not None:
+            try:
+                self._proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+            self._proc = None
+
+
+if __name__ == "__main__":
+    main()

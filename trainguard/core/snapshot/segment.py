@@ -1,0 +1,283 @@
+"""One in-memory snapshot slot: a file in shared memory holding a control
+header and a safetensors payload.
+
+A slot is written by one trainer and read by its persist worker, a restarted
+trainer or a peer. Its first page is the control header::
+
+    magic "TGSNAP01" | state u32 | crc32 u32 | step i64 | payload bytes u64
+    | writes u64 | writer pid u64 | committed at f64
+
+and the payload starts at :data:`PAGE`: a complete safetensors file (an
+8-byte header length, a JSON header padded with spaces to the reserved
+size, then the tensors' bytes back to back, largest element size first so
+every tensor is aligned for a typed view). The trainer's skeleton (nesting
+and scalars) rides in the safetensors ``__metadata__``. A persisted
+checkpoint is the payload written out as is, so ``safetensors`` reads both.
+
+States (:class:`State`): ``EMPTY`` → ``WRITING`` (the trainer copies; a
+crash here leaves the slot unusable, never half-read) → ``COMPLETE`` →
+``SEALED`` (the persist worker recorded the payload's CRC32; only a sealed
+slot whose CRC matches is ever loaded). Writers hold an exclusive ``flock``
+on the file, readers a shared one; a killed process's locks go with it.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import json
+import mmap
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ..api import CheckpointError
+
+__all__ = ["PAGE", "Entry", "Layout", "Slot", "State", "payload_header"]
+
+MAGIC = b"TGSNAP01"
+PAGE = 4096
+_HEAD = struct.Struct("<8sIIqQQQd")
+META_KEY = "trainguard"
+_CRC_CHUNK = 64 << 20
+
+
+class State(enum.IntEnum):
+    EMPTY = 0
+    WRITING = 1
+    COMPLETE = 2
+    SEALED = 3
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a layout: safetensors dtype name, shape, byte size."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    itemsize: int
+
+
+class Layout:
+    """Where each tensor sits in a payload. Built once per state structure;
+    the same layout is reused for every snapshot of that structure."""
+
+    def __init__(self, entries: Sequence[Entry], *, meta_reserve: int) -> None:
+        # Largest element size first: with an 8-aligned data start every
+        # offset is then a multiple of its own element size.
+        self.entries = sorted(entries, key=lambda e: -e.itemsize)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for e in self.entries:
+            self.offsets[e.name] = (pos, pos + e.nbytes)
+            pos += e.nbytes
+        self.data_bytes = pos
+        self.key = tuple((e.name, e.dtype, e.shape) for e in self.entries)
+        tensors = {e.name: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": list(self.offsets[e.name])}
+                   for e in self.entries}
+        self._tensors_json = json.dumps(tensors, separators=(",", ":"))
+        fixed = len(self._tensors_json) + 64
+        self.header_bytes = (fixed + meta_reserve + 7) // 8 * 8
+        self.data_start = 8 + self.header_bytes
+        self.payload_bytes = self.data_start + self.data_bytes
+
+    def header(self, meta: str) -> bytes:
+        """The safetensors header (length + JSON padded with spaces) carrying ``meta``."""
+        text = self._tensors_json[:-1] + ("," if self.entries else "") + \
+            json.dumps("__metadata__") + ":" + json.dumps({META_KEY: meta}, separators=(",", ":")) + "}"
+        raw = text.encode()
+        if len(raw) > self.header_bytes:
+            raise ValueError("metadata outgrew its reserve")
+        return struct.pack("<Q", self.header_bytes) + raw + b" " * (self.header_bytes - len(raw))
+
+
+def payload_header(payload: memoryview | bytes) -> tuple[dict, dict, int]:
+    """Parse a safetensors payload: (tensor table, trainguard metadata, data start).
+
+    Raises:
+        CheckpointError: the header is malformed.
+    """
+    try:
+        (n,) = struct.unpack_from("<Q", payload, 0)
+        if not 0 < n <= len(payload) - 8:
+            raise ValueError(f"header length {n}")
+        table = json.loads(bytes(payload[8:8 + n]))
+        meta = json.loads(table.pop("__metadata__")[META_KEY])
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"malformed snapshot payload header ({e})") from None
+    return table, meta, 8 + n
+
+
+@dataclass(frozen=True)
+class Info:
+    state: State
+    crc32: int
+    step: int
+    payload_bytes: int
+    writes: int
+    pid: int
+    committed: float
+
+
+class Slot:
+    """One slot file, mapped. Not thread-safe; one user per process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+        self._map: mmap.mmap | None = None
+        self._locked = 0
+
+    # ---------------------------------------------------------------- mapping
+    def _open(self, create: bool) -> bool:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+            except FileNotFoundError:
+                return False
+        return True
+
+    def _mapped(self) -> mmap.mmap:
+        size = os.fstat(self._fd).st_size
+        if self._map is None or len(self._map) != size:
+            if self._map is not None:
+                self._map.close()
+            self._map = mmap.mmap(self._fd, size) if size else None
+        return self._map
+
+    def reserve(self, payload_bytes: int) -> mmap.mmap:
+        """Size the slot for ``payload_bytes`` and touch every page once, so a
+        snapshot copy never waits on page faults (the slot must be locked)."""
+        self._open(True)
+        size = PAGE + payload_bytes
+        if os.fstat(self._fd).st_size != size:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+            try:
+                os.ftruncate(self._fd, size)
+                os.posix_fallocate(self._fd, 0, size)
+            except OSError as e:
+                raise CheckpointError(f"cannot reserve {size} bytes for snapshot slot {self.path}: "
+                                      f"{e.strerror} (is /dev/shm large enough?)") from None
+            m = self._mapped()
+            zeros = bytes(1 << 20)
+            for pos in range(0, size, len(zeros)):
+                m[pos:pos + len(zeros)] = zeros[:size - pos]
+        return self._mapped()
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # views handed out are still alive; the mapping goes with them
+                pass
+            self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._locked = 0
+
+    # ---------------------------------------------------------------- locks
+    def lock(self, exclusive: bool, *, block: bool = False) -> bool:
+        """Take the slot's lock; ``False`` when another process holds it and
+        ``block`` is off, or the slot does not exist."""
+        if not self._open(exclusive):
+            return False
+        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if block else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(self._fd, flags)
+        except BlockingIOError:
+            return False
+        self._locked = 2 if exclusive else 1
+        return True
+
+    def unlock(self) -> None:
+        if self._fd is not None and self._locked:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._locked = 0
+
+    # ---------------------------------------------------------------- header
+    def info(self) -> Info | None:
+        """The control header, or ``None`` when the slot is not a snapshot slot."""
+        if not self._open(False):
+            return None
+        m = self._mapped()
+        if m is None or len(m) < PAGE:
+            return None
+        magic, state, crc, step, payload, writes, pid, committed = _HEAD.unpack_from(m, 0)
+        if magic != MAGIC or state not in State._value2member_map_ or PAGE + payload > len(m):
+            return None
+        return Info(State(state), crc, step, payload, writes, pid, committed)
+
+    def _put(self, state: State, *, crc: int = 0, step: int = -1, payload: int = 0, writes: int = 0) -> None:
+        _HEAD.pack_into(self._map, 0, MAGIC, state, crc, step, payload, writes, os.getpid(), time.time())
+
+    # ---------------------------------------------------------------- writer
+    def begin(self, payload_bytes: int) -> memoryview:
+        """Mark the slot as being written and return its payload area (the
+        caller holds the exclusive lock)."""
+        m = self.reserve(payload_bytes)
+        old = self.info()
+        self._writes = (old.writes + 1) if old else 1
+        self._put(State.WRITING, writes=self._writes)
+        return memoryview(m)[PAGE:PAGE + payload_bytes]
+
+    def commit(self, step: int, payload_bytes: int) -> None:
+        self._put(State.COMPLETE, step=step, payload=payload_bytes, writes=self._writes)
+
+    def invalidate(self) -> None:
+        """Mark the slot empty (a corrupt or abandoned snapshot)."""
+        if self._open(False) and self._mapped() is not None:
+            self._put(State.EMPTY)
+
+    # ---------------------------------------------------------------- reader
+    def payload(self) -> memoryview:
+        info = self.info()
+        if info is None:
+            raise CheckpointError(f"{self.path} is not a snapshot slot")
+        return memoryview(self._map)[PAGE:PAGE + info.payload_bytes]
+
+    def seal(self) -> Info | None:
+        """Record the payload's CRC32 (the caller holds a lock). Returns the
+        sealed info, or ``None`` when the slot holds no complete snapshot."""
+        info = self.info()
+        if info is None or info.state not in (State.COMPLETE, State.SEALED):
+            return None
+        crc = crc32(self.payload())
+        again = self.info()
+        if again != info:  # rewritten meanwhile (the caller did not hold a lock)
+            return None
+        _HEAD.pack_into(self._map, 0, MAGIC, State.SEALED, crc, info.step, info.payload_bytes, info.writes,
+                        info.pid, info.committed)
+        return self.info()
+
+    def verified(self) -> Info:
+        """The slot's info if it holds a sealed snapshot whose CRC matches.
+
+        Raises:
+            CheckpointError: saying why it cannot be used (empty, being
+                written, never sealed, corrupted).
+        """
+        info = self.info()
+        if info is None:
+            raise CheckpointError(f"{self.path.name}: not a snapshot slot")
+        if info.state is not State.SEALED:
+            raise CheckpointError(f"{self.path.name}: snapshot is {info.state.name.lower()}, not sealed")
+        if crc32(self.payload()) != info.crc32:
+            raise CheckpointError(f"{self.path.name}: step {info.step} fails its CRC32 (corrupted in memory)")
+        return info
+
+
+def crc32(data: memoryview | bytes) -> int:
+    crc = 0
+    view = memoryview(data)
+    for pos in range(0, len(view), _CRC_CHUNK):
+        crc = zlib.crc32(view[pos:pos + _CRC_CHUNK], crc)
+    return crc
