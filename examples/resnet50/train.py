@@ -127,7 +127,8 @@ def main(cfg: DictConfig) -> None:
     optimizer = make_optimizer(cfg, model.parameters())
     scheduler = make_scheduler(cfg, optimizer)
     guard = Guard(model, optimizer, scheduler=scheduler, data=loader, checkpoint_dir=checkpoint_dir,
-                  save_every=cfg.save_every, keep=cfg.keep)
+                  save_every=cfg.save_every, keep=cfg.keep, snapshot_every=cfg.snapshot_every,
+                  snapshots_in_memory=cfg.snapshots_in_memory)
     start_step = guard.step
     if rank == 0:
         log.info("ResNet-50 (%.1fM parameters, %s stem, %d classes) on %d ranks (%s/%s), %dx%d images, "

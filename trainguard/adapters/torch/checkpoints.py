@@ -214,7 +214,11 @@ class Checkpoints(JobHistory):
             finally:
                 slot.close()
             self.state.load_state_dict(held["state"])
-            self.history = held["history"]
+            # A dying-gasp checkpoint of the same step knows of the fault
+            # that stopped the job; the snapshot was taken before it.
+            stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
+                else None
+            self.history = stored or held["history"]
             self.resumed_from = {"step": step, "source": source}
             log.info("rank %d resumed at step %d from %s (%s)", self.rank, step, source, slot.path)
             return step

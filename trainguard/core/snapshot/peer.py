@@ -21,7 +21,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import shutil
 import socket
 import socketserver

@@ -101,10 +101,10 @@ class SnapshotDir:
         path = root / name
         try:
             owner = json.loads((path / OWNER).read_text())
-            if _alive(owner) and owner["pid"] != os.getpid():
-                raise ConfigError(f"{path} belongs to process {owner['pid']} (job {job!r} runs twice on this node?)")
         except (OSError, ValueError):
-            pass
+            owner = {}
+        if isinstance(owner, dict) and _alive(owner) and owner["pid"] != os.getpid():
+            raise ConfigError(f"{path} belongs to process {owner['pid']} (job {job!r} runs twice on this node?)")
         (path / "peer").mkdir(parents=True, exist_ok=True)
         tmp = path / (OWNER + ".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid()),

@@ -1,0 +1,311 @@
+"""In-memory snapshots: slots, verification, ownership, the persist worker,
+peer copies, a full disk, and kill -9 during persists."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+
+from trainguard.adapters.torch.checkpoints import read_stored_snapshot
+from trainguard.adapters.torch.snapshot import Snapshots, read_payload
+from trainguard.core import CheckpointError, ConfigError
+from trainguard.core.checkpoint import CheckpointStore
+from trainguard.core.snapshot import PeerServer, SnapshotDir, State, push, sweep
+from trainguard.core.snapshot.segment import PAGE
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"state": {"model": {"w": torch.randn(300, 70, generator=g), "b": torch.randn(70, generator=g).half(),
+                                "n": torch.tensor(step)},
+                      "optimizer": {"state": {0: {"step": torch.tensor(float(step)),
+                                                  "exp_avg": torch.randn(300, 70, generator=g)}},
+                                    "param_groups": [{"lr": 0.01, "params": [0]}]},
+                      "host": {"sched": {"last_epoch": step}}, "step": step},
+            "history": {"records": [], "pids": {"0": [1]}}}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture
+def shm(tmp_path):
+    """A snapshot directory owned by the test, under a private root."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    d = SnapshotDir.create("job", root)
+    yield d
+    d.remove()
+
+
+def _wait_sealed(snaps: Snapshots, index: int) -> None:
+    deadline = time.monotonic() + 30
+    while snaps.slots[index].info().state is not State.SEALED:
+        assert time.monotonic() < deadline, "the persist worker never sealed the snapshot"
+        snaps.poll(timeout=0.05)
+
+
+def test_snapshot_round_trip_persist_and_safetensors(shm, tmp_path):
+    snaps = Snapshots(shm, 0, count=2)
+    try:
+        i1 = snaps.take(_state(1), 1)
+        i2 = snaps.take(_state(2), 2)
+        assert {i1, i2} == {0, 1}
+        i3 = snaps.take(_state(3), 3)  # the oldest slot is reused
+        assert i3 == i1
+        _wait_sealed(snaps, i3)
+        _wait_sealed(snaps, i2)
+        memory = snaps.available()
+        assert sorted(memory) == [2, 3] and memory[3][1] == "memory"
+        slot = memory[3][0]
+        slot.lock(False, block=True)
+        step, held = read_payload(slot.payload())
+        raw = bytes(slot.payload())
+        slot.close()
+        assert step == 3 and _equal(held, _state(3))
+        # The payload is a safetensors file as it stands.
+        tensors = st_load(raw)
+        assert torch.equal(tensors[".state.model.w"], _state(3)["state"]["model"]["w"])
+
+        root = tmp_path / "ckpt"
+        snaps.persist(i3, 3, root=str(root), name="shard_k0_r0.safetensors",
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {"world_size": 1}, "meta": {}})
+        snaps.wait(60)
+        assert snaps.errors == [] and snaps.persisted[-1]["step"] == 3
+        found = CheckpointStore(root).latest()
+        assert found.step == 3 and sorted(found.manifest["files"]) == ["shard_k0_r0.safetensors"]
+        assert not (found.path / ".records").exists()
+        assert _equal(read_stored_snapshot(found.file("shard_k0_r0.safetensors"), "cpu"), _state(3)["state"])
+        with safe_open(str(found.file("shard_k0_r0.safetensors")), "pt") as f:
+            assert json.loads(f.metadata()["trainguard"])["step"] == 3
+    finally:
+        snaps.close()
+
+
+def test_corrupt_unsealed_and_half_written_snapshots_are_never_loaded(shm, caplog):
+    snaps = Snapshots(shm, 0, count=3)
+    try:
+        for step in (1, 2):
+            _wait_sealed(snaps, snaps.take(_state(step), step))
+        # Flip one byte of step 2's tensors: CRC mismatch.
+        slot2 = next(s for s in snaps.slots if s.info() and s.info().step == 2)
+        with open(slot2.path, "r+b") as f:
+            f.seek(os.path.getsize(slot2.path) - 5)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        # A third slot left mid-copy (a trainer killed while writing).
+        third = next(s for s in snaps.slots if s.info() is None)
+        third.lock(True)
+        third.begin(PAGE)
+        third.unlock()
+        memory = snaps.available()
+        assert sorted(memory) == [1]
+        assert "fails its CRC32" in caplog.text and "snapshot is writing, not sealed" in caplog.text
+    finally:
+        snaps.close()
+
+
+def test_ownership_stale_directories_and_refusal(tmp_path):
+    root = tmp_path / "shm"
+    root.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = root / "trainguard-old"
+    (stale / "peer").mkdir(parents=True)
+    (stale / "owner.json").write_text(json.dumps({"pid": dead.pid, "start": 1, "host": os.uname().nodename}))
+    (stale / "r0.s0").write_bytes(b"x" * 100)
+    live = SnapshotDir.create("live", root)
+    assert not stale.exists(), "a dead owner's directory must be swept"
+    assert live.path.is_dir()
+    # Another live process owning the same job's directory: refused.
+    code = ("import sys; from trainguard.core.snapshot import SnapshotDir; from trainguard.core import ConfigError\n"
+            f"try:\n    SnapshotDir.create('live', {str(root)!r})\nexcept ConfigError as e:\n    print(e); sys.exit(7)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 7 and "runs twice on this node" in out.stdout
+    assert sweep(root) == [] and live.path.is_dir()
+    with pytest.raises(ConfigError, match="does not exist"):
+        SnapshotDir.attach(root / "trainguard-nothing")
+    live.remove()
+    assert list(root.iterdir()) == []
+
+
+def test_persist_worker_killed_mid_persist_is_restarted_and_nothing_partial_is_final(shm, tmp_path):
+    root = tmp_path / "ckpt"
+    snaps = Snapshots(shm, 0, count=2)
+    try:
+        big = {"state": {"w": torch.ones(64 << 20 >> 2), "step": 1}, "history": {}}  # 64 MiB
+        index = snaps.take(big, 1)
+        snaps.persist(index, 1, root=str(root), name="shard_k0_r0.safetensors",
+                      finalize={"expected": ["shard_k0_r0.safetensors", "shard_k0_r1.safetensors"],
+                                "timeout_s": 600, "layout": {}, "meta": {}})
+        time.sleep(0.2)
+        pid = snaps.worker.pid
+        os.kill(pid, signal.SIGKILL)
+        snaps.wait(30)
+        assert snaps.errors and f"persist worker {pid} died" in snaps.errors[-1]
+        assert CheckpointStore(root).latest() is None
+        # The next request starts a new worker, which serves it.
+        index = snaps.take({"state": {"w": torch.zeros(4), "step": 2}, "history": {}}, 2)
+        snaps.persist(index, 2, root=str(root), name="shard_k0_r0.safetensors",
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {}, "meta": {}})
+        snaps.wait(60)
+        assert snaps.worker.restarts == 1 and snaps.worker.pid != pid
+        assert CheckpointStore(root).latest().step == 2
+    finally:
+        snaps.close()
+
+
+def test_peer_copy_is_authenticated_and_checked(shm, tmp_path):
+    root = tmp_path / "peer-node"
+    root.mkdir()
+    other = SnapshotDir.create("job-n1", root)
+    server = PeerServer(other, token="secret")
+    address = server.start()
+    snaps = Snapshots(shm, 3, count=1)
+    try:
+        index = snaps.take(_state(5), 5)
+        _wait_sealed(snaps, index)
+        slot = snaps.slots[index]
+        with pytest.raises(CheckpointError, match="wrong job token"):
+            push(address, slot, rank=3, token="guess")
+        push(address, slot, rank=3, token="secret")
+        copy = other.candidates(3)
+        assert [s.path.name for s in copy] == ["r3"]
+        assert copy[0].verified().step == 5
+        # A copy torn on the way (bytes changed after sealing) is refused.
+        with open(slot.path, "r+b") as f:
+            f.seek(PAGE + 200)
+            f.write(b"\xff\xff")
+        with pytest.raises(CheckpointError, match="CRC32"):
+            push(address, slot, rank=3, token="secret")
+        assert other.candidates(3)[0].verified().step == 5  # the good copy is kept
+        # The process restarted on the peer node finds rank 3's copy there.
+        there = Snapshots(other, 3, count=1)
+        assert {s: src for s, (_, src) in there.available().items()} == {5: "peer memory"}
+        there.close()
+    finally:
+        snaps.close()
+        server.stop()
+        other.remove()
+
+
+def _unshare_ok() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /mnt 2>/dev/null || "
+                            "mount -t tmpfs -o size=1m tmpfs /tmp"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_ok(), reason="needs unprivileged user and mount namespaces to mount a small tmpfs")
+def test_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = WORKERS / "snapshot_full_disk.py"
+    out = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                          f"mount -t tmpfs -o size=4m tmpfs {disk} && exec {sys.executable} {script} {disk}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "the disk is full" in result["error"] and "previous checkpoint is untouched" in result["error"]
+    assert result["latest"] == 1 and result["whole"] is True
+    assert result["leftover_bytes"] < 64 << 10, "the half-written file must be removed"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _kill_loop(tmp_path, kills: int, seed: int) -> None:
+    rng = random.Random(seed)
+    shm_root, root, log = tmp_path / "shm", tmp_path / "ckpt", tmp_path / "loads.jsonl"
+    shm_root.mkdir()
+    owner = SnapshotDir.create("kills", shm_root)  # the test plays the node agent
+    cmd = [sys.executable, str(WORKERS / "snapshot_kill_trainer.py"), str(owner.path), str(root), str(log)]
+    killed = {"trainer": 0, "worker": 0}
+
+    def start() -> subprocess.Popen:
+        """A trainer, once it has loaded and logged what it loaded."""
+        proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 60
+        while not log.is_file() or len(log.read_text().splitlines()) < killed["trainer"] + 1:
+            assert proc.poll() is None, f"the trainer exited with {proc.returncode} at start"
+            assert time.monotonic() < deadline, "the trainer did not start"
+            time.sleep(0.05)
+        return proc
+
+    trainer = start()
+    sys.path.insert(0, str(WORKERS))
+    from snapshot_kill_trainer import whole  # noqa: E402 - the trainer's own check
+    try:
+        for _ in range(kills):
+            time.sleep(rng.uniform(0.2, 1.0))
+            workers = _children(trainer.pid)
+            if rng.random() < 0.5 or not workers:
+                trainer.kill()
+                trainer.wait()
+                killed["trainer"] += 1
+            else:
+                os.kill(workers[0], signal.SIGKILL)
+                killed["worker"] += 1
+            # Whatever storage holds now is one whole step.
+            found = CheckpointStore(root).latest()
+            if found is not None:
+                state = read_stored_snapshot(found.file("shard_k0_r0.safetensors"), "cpu")
+                assert whole(found.step, {"state": state}), f"storage step {found.step} is not whole"
+            if trainer.poll() is not None:
+                trainer = start()
+        time.sleep(2.5)
+    finally:
+        trainer.kill()
+        trainer.wait()
+        owner.remove()
+    loads = [json.loads(line) for line in log.read_text().splitlines()]
+    assert all(entry["whole"] for entry in loads), [e for e in loads if not e["whole"]]
+    sources = {e["source"] for e in loads[1:]}
+    assert "memory" in sources, loads
+    assert killed["trainer"] and killed["worker"], killed
+    assert len(loads) == killed["trainer"] + 1
+    assert CheckpointStore(root).latest() is not None
+
+
+def test_kill_loop_short(tmp_path):
+    """Random kill -9 of the trainer or its persist worker (12 kills)."""
+    _kill_loop(tmp_path, kills=12, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_kill_loop_200(tmp_path):
+    _kill_loop(tmp_path, kills=200, seed=2)

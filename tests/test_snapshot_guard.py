@@ -1,0 +1,70 @@
+"""The torch Guard with in-memory snapshots, in real jobs under ``trainguard run``:
+a restarted job resumes from memory (or, when its snapshots are corrupt,
+from storage) and ends bit-identical to a fault-free run; the dying-gasp
+save reuses the snapshot; nothing is left in shared memory."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import WORKERS, run_job
+
+SCRIPT = WORKERS / "snapshot_train.py"
+pytestmark = pytest.mark.timeout(240)
+
+
+def _job(job_runner, name, **kw):
+    job_id = f"snaptest-{uuid.uuid4().hex[:8]}"
+    job = job_runner(name, nproc=2, steps=12, save_every=4, script=SCRIPT,
+                     extra_args=["--job-id", job_id, *kw.pop("extra_args", [])], **kw)
+    assert not Path(f"/dev/shm/trainguard-{job_id}-n0").exists(), "the node agent must remove its snapshots"
+    return job
+
+
+def _rank_reports(job) -> dict[int, dict]:
+    name = job.ckpt.name.removesuffix("-ckpt")
+    return {int(p.suffix[1:]): json.loads(p.read_text()) for p in job.ckpt.parent.glob(f"{name}.json.[0-9]")}
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clean")
+    job = _job(lambda name, **kw: run_job(tmp, name, **kw), "clean")
+    assert job.rc == 0, job
+    assert job.report["snapshots"]["errors"] == [] and job.report["snapshots"]["resumed_from"] is None
+    return job.report["final_state_sha256"]
+
+
+def test_crash_dump_reuses_the_snapshot_and_the_restart_loads_from_memory(job_runner, fault_free):
+    job = _job(job_runner, "crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"])
+    assert job.rc == 0, job
+    r = job.report
+    assert r["final_state_sha256"] == fault_free, job
+    # The dying gasp at step 6 was the snapshot already in memory, written out as is.
+    dump = job.ckpt / "step_00000006"
+    assert sorted(p.name for p in dump.iterdir()) == ["manifest.json", "shard_k0_r0.safetensors"], job
+    assert [rec["strategy"] for rec in r["recoveries"]] == ["dump"], job
+    # The restarted processes resumed from memory at the locked step.
+    reports = _rank_reports(job)
+    assert {rank: rep["snapshots"]["resumed_from"] for rank, rep in reports.items()} == \
+        {0: {"step": 6, "source": "memory"}, 1: {"step": 6, "source": "memory"}}, job
+    assert all(len(pids) == 2 for pids in r["pids"].values()), r["pids"]
+    assert "reuses its snapshot in memory" in job.log, job
+
+
+def test_corrupt_snapshot_in_memory_falls_back_to_storage(job_runner, fault_free):
+    job = _job(job_runner, "corrupt", fault="crash:rank=1,step=7", strategies="exit",
+               extra_args=["--max-restarts", "1"], env={"CORRUPT_ON_RESTART": "1"})
+    assert job.rc == 0, job
+    assert job.report["final_state_sha256"] == fault_free, job
+    reports = _rank_reports(job)
+    # Rank 1's snapshots fail their CRC, so it takes the newest complete
+    # checkpoint on storage (step 4), and rank 0 resumes at the same step
+    # (from its memory if a slot still holds step 4, else from storage).
+    assert reports[1]["snapshots"]["resumed_from"] == {"step": 4, "source": "storage"}, job
+    assert reports[0]["snapshots"]["resumed_from"]["step"] == 4, job
+    assert "fails its CRC32 (corrupted in memory)" in job.log, job

@@ -1,0 +1,59 @@
+"""A small DDP job with in-memory snapshots, for the restart tests.
+
+    trainguard run --nproc-per-node 2 snapshot_train.py STEPS REPORT CKPT SAVE_EVERY
+
+Snapshots every step, saves every SAVE_EVERY. With ``CORRUPT_ON_RESTART=R`` set, rank
+R flips a byte in each of its snapshots in memory when it is a restarted
+process, before the Guard looks at them. Each rank writes its report to
+``REPORT.<rank>`` (rank 0 to REPORT too).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainguard.torch import Guard
+
+
+def corrupt_own_snapshots(rank: int) -> None:
+    for slot in Path(os.environ["TRAINGUARD_SNAPSHOT_DIR"]).glob(f"r{rank}.s*"):
+        with open(slot, "r+b") as f:
+            f.seek(slot.stat().st_size - 3)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x55]))
+
+
+def main() -> None:
+    steps, report, ckpt, save_every = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if os.environ.get("CORRUPT_ON_RESTART") == str(rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT") != "0":
+        corrupt_own_snapshots(rank)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+    guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every, snapshot_every=1)
+    for step in guard.steps(steps):
+        with guard.protect():
+            gen = torch.Generator().manual_seed(step * 100 + rank)
+            x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 8, (16,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            guard.optimizer.zero_grad()
+            loss.backward()
+            guard.optimizer.step()
+            sched.step()
+    guard.close()
+    Path(f"{report}.{rank}").write_text(json.dumps(guard.report()))
+    if rank == 0:
+        Path(report).write_text(json.dumps(guard.report()))
+
+
+if __name__ == "__main__":
+    main()
