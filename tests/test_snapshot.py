@@ -22,7 +22,7 @@ from trainguard.adapters.torch.checkpoints import read_stored_snapshot
 from trainguard.adapters.torch.snapshot import Snapshots, read_payload
 from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import CheckpointStore
-from trainguard.core.snapshot import PeerServer, SnapshotDir, State, push, sweep
+from trainguard.core.snapshot import PeerServer, SnapshotDir, State, fetch, push, sweep
 from trainguard.core.snapshot.segment import PAGE
 
 WORKERS = Path(__file__).parent / "workers"
@@ -177,7 +177,7 @@ def test_persist_worker_killed_mid_persist_is_restarted_and_nothing_partial_is_f
         snaps.close()
 
 
-def test_peer_copy_is_authenticated_and_checked(shm, tmp_path):
+def test_peer_copy_is_authenticated_checked_and_fetched_back(shm, tmp_path, monkeypatch):
     root = tmp_path / "peer-node"
     root.mkdir()
     other = SnapshotDir.create("job-n1", root)
@@ -205,6 +205,22 @@ def test_peer_copy_is_authenticated_and_checked(shm, tmp_path):
         there = Snapshots(other, 3, count=1)
         assert {s: src for s, (_, src) in there.available().items()} == {5: "peer memory"}
         there.close()
+        # One restarted on a new, empty node fetches it back (and must know the token).
+        new_node = SnapshotDir.create("job-n0-new", root)
+        try:
+            with pytest.raises(CheckpointError, match="wrong job token"):
+                fetch(address, new_node, rank=3, token="guess")
+            assert fetch(address, new_node, rank=2, token="secret") is None  # holds nothing for rank 2
+            monkeypatch.setenv("TRAINGUARD_TOKEN", "secret")
+            fresh = Snapshots(new_node, 3, count=1, peer=address)
+            got = fresh.available()
+            assert {s: src for s, (_, src) in got.items()} == {5: "peer memory"}
+            slot = got[5][0]
+            slot.lock(False, block=True)
+            assert _equal(read_payload(slot.payload())[1], _state(5))
+            fresh.close()
+        finally:
+            new_node.remove()
     finally:
         snaps.close()
         server.stop()

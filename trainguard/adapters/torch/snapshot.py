@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any
 
 import torch
 
 from trainguard.core import CheckpointError
-from trainguard.core.snapshot import Entry, Layout, PersistWorker, Slot, SnapshotDir, State, payload_header
+from trainguard.core.snapshot import Entry, Layout, PersistWorker, Slot, SnapshotDir, State, fetch, payload_header
 
 from .state import flatten, unflatten
 
@@ -189,10 +190,25 @@ class Snapshots:
     # ------------------------------------------------------------ load
     def available(self) -> dict[int, tuple[Slot, str]]:
         """Verified snapshots of this rank in this node's memory: step ->
-        (slot, "memory" or "peer memory"). Bad ones are logged and skipped."""
+        (slot, "memory" or "peer memory"); with a peer and none of its own
+        here, the copy fetched from the peer. Bad ones are logged and skipped."""
+        found = self._verified(self.directory.candidates(self.rank))
+        if self.peer and not any(source == "memory" for _, source in found.values()):
+            # A new node in place of a lost one: the copy is on the node this rank pushed to.
+            try:
+                copy = fetch(self.peer, self.directory, rank=self.rank, token=os.environ.get("TRAINGUARD_TOKEN", ""))
+            except CheckpointError as e:
+                log.warning("rank %d: no copy from the peer node: %s", self.rank, e)
+                copy = None
+            if copy is not None:
+                copy.close()
+                found = self._verified(self.directory.candidates(self.rank))
+        return found
+
+    def _verified(self, slots: list[Slot]) -> dict[int, tuple[Slot, str]]:
         found: dict[int, tuple[Slot, str]] = {}
         peer_dir = self.directory.path / "peer"
-        for slot in self.directory.candidates(self.rank):
+        for slot in slots:
             source = "peer memory" if slot.path.parent == peer_dir else "memory"
             try:
                 if not slot.lock(False):

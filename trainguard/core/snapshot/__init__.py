@@ -3,10 +3,10 @@ directory and its owner (:mod:`.shm`), the persist worker (:mod:`.persist`)
 and copies on a peer node (:mod:`.peer`). Framework-free: adapters fill the
 slots (see ``trainguard.adapters.torch.snapshot``)."""
 
-from .peer import PeerServer, push
+from .peer import PeerServer, fetch, push
 from .persist import PersistWorker
 from .segment import Entry, Layout, Slot, State, payload_header
 from .shm import SnapshotDir, sweep
 
-__all__ = ["Entry", "Layout", "PeerServer", "PersistWorker", "Slot", "SnapshotDir", "State", "payload_header",
-           "push", "sweep"]
+__all__ = ["Entry", "Layout", "PeerServer", "PersistWorker", "Slot", "SnapshotDir", "State", "fetch",
+           "payload_header", "push", "sweep"]

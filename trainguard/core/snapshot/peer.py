@@ -3,12 +3,15 @@
 Every node agent runs a :class:`PeerServer`; a persist worker that sealed
 a snapshot pushes the whole slot file to the next node's server
 (:func:`push`), which keeps the newest copy per rank as ``peer/r{rank}`` in
-its own snapshot directory. A process restarted on that node after its own
-node was lost finds the copy there (:meth:`SnapshotDir.candidates`).
+its own snapshot directory. A process restarted on that node finds the copy
+there (:meth:`SnapshotDir.candidates`); one restarted on a new node that
+replaced a lost one has no snapshot of its own and fetches its copy back
+from the node it pushed to (:func:`fetch`).
 
 The stream is plain TCP: ``TGPEER01``, a length-prefixed JSON header
-(rank, step, size) with an HMAC-SHA256 of it under the job token, then the
-slot's bytes; the server answers one JSON line. A header that is malformed,
+(``put``: rank, step, size; ``fetch``: rank) with an HMAC-SHA256 of it under
+the job token, then for a put the slot's bytes; the server answers one JSON
+line, followed for a fetch by the copy's bytes. A header that is malformed,
 too large or unauthenticated is refused before any payload is read; the
 payload is checked against the slot's own CRC32 before the copy replaces the
 previous one (bulk data is not HMACed: that would cost a SHA-256 pass over
@@ -32,7 +35,7 @@ from ..api import CheckpointError
 from .segment import Slot
 from .shm import SnapshotDir
 
-__all__ = ["PeerServer", "push"]
+__all__ = ["PeerServer", "fetch", "push"]
 
 log = logging.getLogger("trainguard.snapshot")
 
@@ -65,7 +68,7 @@ def push(address: str, slot: Slot, *, rank: int, token: str, timeout_s: float = 
     if info is None:
         raise CheckpointError(f"{slot.path} holds no snapshot to push")
     size = slot.path.stat().st_size
-    header = json.dumps({"rank": rank, "step": info.step, "bytes": size}).encode()
+    header = json.dumps({"op": "put", "rank": rank, "step": info.step, "bytes": size}).encode()
     host, port = address.rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
@@ -79,6 +82,56 @@ def push(address: str, slot: Slot, *, rank: int, token: str, timeout_s: float = 
         raise CheckpointError(f"peer {address} refused rank {rank}'s snapshot: {answer.get('error', 'no answer')}")
 
 
+def fetch(address: str, directory: SnapshotDir, *, rank: int, token: str, timeout_s: float = 60.0) -> Slot | None:
+    """Fetch the copy of ``rank``'s snapshot the peer at ``address`` holds
+    into ``directory``'s ``peer/`` folder; ``None`` when it holds none.
+
+    Raises:
+        CheckpointError: the peer could not be reached or refused.
+    """
+    header = json.dumps({"op": "fetch", "rank": rank}).encode()
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            sock.sendall(MAGIC + struct.pack("<I", len(header)) + header + _mac(token, header))
+            stream = sock.makefile("rb")
+            answer = json.loads(stream.readline() or b"{}")
+            if not answer.get("ok"):
+                if answer.get("none"):
+                    return None
+                raise CheckpointError(f"peer {address} refused: {answer.get('error', 'no answer')}")
+            return _store(directory, rank, answer["step"], answer["bytes"], stream.read)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"fetching rank {rank}'s snapshot from peer {address} failed: {e}") from None
+
+
+def _store(directory: SnapshotDir, rank: int, step: int, size: int, read) -> Slot:
+    """Receive a slot file of ``size`` bytes into ``peer/r{rank}``, verify it
+    (CRC, step) and only then let it replace the previous copy."""
+    final = directory.path / "peer" / f"r{rank}"
+    tmp = final.with_name(final.name + ".tmp")
+    try:
+        with open(tmp, "wb") as out:
+            left = size
+            while left:
+                chunk = read(min(left, _CHUNK))
+                if not chunk:
+                    raise ConnectionError(f"stream ended {left} bytes short")
+                out.write(chunk)
+                left -= len(chunk)
+        slot = Slot(tmp)
+        try:
+            got = slot.verified()
+        finally:
+            slot.close()
+        if got.step != step:
+            raise CheckpointError(f"header says step {step}, slot holds {got.step}")
+        tmp.replace(final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return Slot(final)
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: "_Server"
 
@@ -88,6 +141,8 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             self.server.owner.receive(sock)
             reply = {"ok": True}
+        except _Answered:
+            return
         except (CheckpointError, ConnectionError, OSError, ValueError, KeyError) as e:
             log.warning("refused a snapshot from %s: %s", self.client_address[0], e)
             reply = {"ok": False, "error": str(e)}
@@ -95,6 +150,10 @@ class _Handler(socketserver.BaseRequestHandler):
             sock.sendall((json.dumps(reply) + "\n").encode())
         except OSError:
             pass
+
+
+class _Answered(Exception):
+    """A fetch was answered with the copy itself."""
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -134,6 +193,21 @@ class PeerServer:
         self._server.shutdown()
         self._server.server_close()
 
+    def _send(self, sock: socket.socket, rank: int) -> None:
+        slot = self.directory.peer_copy(rank)
+        try:
+            if not slot.lock(False, block=True):
+                sock.sendall(b'{"ok": false, "none": true}\n')
+                return
+            info = slot.verified()
+            size = slot.path.stat().st_size
+            sock.sendall((json.dumps({"ok": True, "step": info.step, "bytes": size}) + "\n").encode())
+            with open(slot.path, "rb") as f:
+                sock.sendfile(f, 0, size)
+            log.info("sent rank %d's copy of step %d back", rank, info.step)
+        finally:
+            slot.close()
+
     def receive(self, sock: socket.socket) -> None:
         if _recv_exact(sock, len(MAGIC)) != MAGIC:
             raise CheckpointError("not a trainguard snapshot stream")
@@ -144,30 +218,16 @@ class PeerServer:
         if not hmac.compare_digest(_recv_exact(sock, 32), _mac(self.token, header)):
             raise CheckpointError("unauthenticated snapshot (wrong job token)")
         meta: dict[str, Any] = json.loads(header)
-        rank, size = int(meta["rank"]), int(meta["bytes"])
+        rank = int(meta["rank"])
+        if meta.get("op") == "fetch":
+            self._send(sock, rank)
+            raise _Answered()
+        size = int(meta["bytes"])
         free = shutil.disk_usage(self.directory.path).free
         if not 0 < size < free:
             raise CheckpointError(f"a snapshot of {size} bytes does not fit ({free} bytes free)")
-        final = self.directory.path / "peer" / f"r{rank}"
-        tmp = final.with_name(final.name + ".tmp")
-        try:
-            with open(tmp, "wb") as out:
-                left = size
-                while left:
-                    chunk = sock.recv(min(left, _CHUNK))
-                    if not chunk:
-                        raise ConnectionError(f"stream ended {left} bytes short")
-                    out.write(chunk)
-                    left -= len(chunk)
-            slot = Slot(tmp)
-            try:
-                got = slot.verified()
-            finally:
-                slot.close()
-            if got.step != meta["step"]:
-                raise CheckpointError(f"header says step {meta['step']}, slot holds {got.step}")
-            tmp.replace(final)
-        finally:
-            tmp.unlink(missing_ok=True)
+        slot = _store(self.directory, rank, meta["step"], size, lambda n: sock.recv(n))
+        got = slot.info()
+        slot.close()
         self.received += 1
         log.info("holding rank %d's snapshot of step %d for its node", rank, got.step)
