@@ -5,8 +5,9 @@ slots (see ``trainguard.adapters.torch.snapshot``)."""
 
 from .peer import PeerServer, fetch, push
 from .persist import PersistWorker
+from .ring import SnapshotRing
 from .segment import Entry, Layout, Slot, State, payload_header
 from .shm import SnapshotDir, sweep
 
-__all__ = ["Entry", "Layout", "PeerServer", "PersistWorker", "Slot", "SnapshotDir", "State", "fetch",
+__all__ = ["Entry", "Layout", "PeerServer", "PersistWorker", "Slot", "SnapshotDir", "SnapshotRing", "State", "fetch",
            "payload_header", "push", "sweep"]

@@ -1,0 +1,186 @@
+"""The framework-free half of a rank's snapshots: a ring of slots in the
+job's snapshot directory, the persist worker, and finding verified
+snapshots to load.
+
+An adapter subclasses :class:`SnapshotRing` and calls :meth:`write` with
+the layout of its state (one :class:`Entry` per tensor, in its own order),
+the metadata to carry (JSON) and a ``fill`` function that copies the
+tensors into the payload; it supplies :meth:`forget_views` to drop whatever
+it cached about a slot's memory when the layout changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Callable, Sequence
+
+from ..api import CheckpointError
+from .peer import fetch
+from .persist import PersistWorker
+from .segment import Entry, Layout, Slot, State
+from .shm import SnapshotDir
+
+__all__ = ["FORMAT", "SnapshotRing"]
+
+log = logging.getLogger("trainguard.snapshot")
+
+FORMAT = "trainguard-snapshot/1"
+
+
+class SnapshotRing:
+    """One rank's snapshot slots and persist worker.
+
+    Args:
+        directory: the job's snapshot directory on this node.
+        rank: the global rank whose state this is.
+        count: slots kept in memory (2: a crash during a copy still leaves
+            the previous snapshot).
+        peer: ``host:port`` of the next node's agent, to keep a second copy
+            there (None: no copy).
+        naming: the checkpoint naming persists use (``torch``,
+            ``megatron``, ``mindspore``).
+    """
+
+    def __init__(self, directory: SnapshotDir, rank: int, *, count: int = 2, peer: str | None = None,
+                 naming: str = "torch") -> None:
+        if count < 1:
+            raise ValueError("keep at least one snapshot in memory")
+        self.directory, self.rank, self.peer, self.naming = directory, rank, peer, naming
+        self.slots = [directory.slot(rank, i) for i in range(count)]
+        self.worker = PersistWorker()
+        self.layout: Layout | None = None
+        self._key: tuple = ()
+        self.held: dict[int, int] = {}  # slot -> step written there by this process
+        self.pinned: dict[int, int] = {}  # slot -> request id of a persist not answered yet
+        self.taken = self.skipped = 0
+        self.persisted: list[dict] = []
+        self.errors: list[str] = []
+
+    def forget_views(self) -> None:
+        """Drop every view into slot memory (the slots are about to be resized)."""
+
+    def write(self, step: int, entries: Sequence[Entry], meta: dict,
+              fill: Callable[[int, memoryview, Layout], None]) -> int | None:
+        """Write the snapshot of ``step`` into a free slot: ``fill(index,
+        payload, layout)`` copies the tensors.
+
+        Returns:
+            The slot index, or ``None`` when every slot is being persisted
+            (the snapshot is skipped).
+        """
+        self.poll()
+        text = json.dumps({"format": FORMAT, "step": step, **meta})
+        key = tuple((e.name, e.dtype, e.shape) for e in entries)
+        if self.layout is None or key != self._key or len(text) * 2 > self.layout.header_bytes:
+            self.forget_views()
+            self.layout, self._key = Layout(entries, meta_reserve=max(4096, 4 * len(text))), key
+        index = self._free_slot()
+        if index is None:
+            self.skipped += 1
+            return None
+        slot, layout = self.slots[index], self.layout
+        try:
+            payload = slot.begin(layout.payload_bytes)
+            payload[:layout.data_start] = layout.header(text)
+            fill(index, payload, layout)
+            slot.commit(step, layout.payload_bytes)
+        finally:
+            slot.unlock()
+        self.held[index] = step
+        self.taken += 1
+        self.worker.submit("seal", slot=str(slot.path), step=step, rank=self.rank, peer=self.peer)
+        return index
+
+    def _free_slot(self) -> int | None:
+        """The slot holding the oldest step (or none) that no persist needs
+        and no other process is reading; when the worker is sealing the only
+        one left, wait for it (a CRC pass, milliseconds)."""
+        order = [i for i in sorted(range(len(self.slots)), key=lambda i: self.held.get(i, -1))
+                 if i not in self.pinned]
+        for i in order:
+            if self.slots[i].lock(True):
+                return i
+        if order and self.slots[order[0]].lock(True, block=True):
+            return order[0]
+        return None
+
+    def holding(self, step: int) -> int | None:
+        """The slot this process wrote ``step`` into, if it still holds it."""
+        for index, held in self.held.items():
+            info = self.slots[index].info()
+            if held == step and info is not None and info.step == step and \
+                    info.state in (State.COMPLETE, State.SEALED):
+                return index
+        return None
+
+    # ------------------------------------------------------------ persist
+    def persist(self, index: int, step: int, *, root: str, name: str, finalize: dict | None) -> None:
+        """Ask the worker to write slot ``index`` (holding ``step``) to storage."""
+        rid = self.worker.submit("persist", slot=str(self.slots[index].path), step=step, root=root,
+                                 naming=self.naming, name=name, finalize=finalize)
+        self.pinned[index] = rid
+
+    def poll(self, timeout: float | None = None) -> list[dict]:
+        replies = self.worker.poll(timeout)
+        for r in replies:
+            if r["op"] == "persist":
+                self.pinned = {i: rid for i, rid in self.pinned.items() if rid != r["id"]}
+                if r["ok"]:
+                    self.persisted.append({"step": r["step"], "final": r.get("final")})
+                else:
+                    self.errors.append(f"step {r['step']}: {r['error']}")
+                    log.error("rank %d: persisting step %s failed: %s", self.rank, r["step"], r["error"])
+            elif not r["ok"]:
+                log.warning("rank %d: sealing the snapshot of step %s failed: %s", self.rank, r["step"], r["error"])
+        return replies
+
+    def wait(self, timeout: float) -> None:
+        """Wait for every persist asked so far."""
+        deadline = time.monotonic() + timeout
+        while self.pinned and time.monotonic() < deadline:
+            self.poll(timeout=0.2)
+
+    def close(self) -> None:
+        self.poll()
+        self.worker.close()
+        self.poll()
+        self.forget_views()
+        for slot in self.slots:
+            slot.close()
+
+    # ------------------------------------------------------------ load
+    def available(self) -> dict[int, tuple[Slot, str]]:
+        """Verified snapshots of this rank in this node's memory: step ->
+        (slot, "memory" or "peer memory"); with a peer and none of its own
+        here, the copy fetched from the peer. Bad ones are logged and skipped."""
+        found = self._verified(self.directory.candidates(self.rank))
+        if self.peer and not any(source == "memory" for _, source in found.values()):
+            # A new node in place of a lost one: the copy is on the node this rank pushed to.
+            try:
+                copy = fetch(self.peer, self.directory, rank=self.rank, token=os.environ.get("TRAINGUARD_TOKEN", ""))
+            except CheckpointError as e:
+                log.warning("rank %d: no copy from the peer node: %s", self.rank, e)
+                copy = None
+            if copy is not None:
+                copy.close()
+                found = self._verified(self.directory.candidates(self.rank))
+        return found
+
+    def _verified(self, slots: list[Slot]) -> dict[int, tuple[Slot, str]]:
+        found: dict[int, tuple[Slot, str]] = {}
+        peer_dir = self.directory.path / "peer"
+        for slot in slots:
+            source = "peer memory" if slot.path.parent == peer_dir else "memory"
+            try:
+                if not slot.lock(False):
+                    continue
+                info = slot.verified()
+                found.setdefault(info.step, (slot, source))
+            except CheckpointError as e:
+                log.warning("rank %d: not using snapshot %s: %s", self.rank, slot.path.name, e)
+            finally:
+                slot.unlock()
+        return found
