@@ -48,25 +48,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from trainguard.adapters.torch.checkpoints import read_stored_snapshot
+from trainguard.adapters.torch.snapshot import Snapshots, read_payload
+from trainguard.adapters.torch.state import flatten
+from trainguard.core.checkpoint import CheckpointStore, shard_file
+from trainguard.core.snapshot import SnapshotDir
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "resnet50"
-CHUNK = 8 << 20
-GB = 1e9
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-
-from trainguard.adapters.torch.checkpoints import read_stored_snapshot  # noqa: E402
-from trainguard.adapters.torch.snapshot import Snapshots, read_payload  # noqa: E402
-from trainguard.adapters.torch.state import flatten  # noqa: E402
-from trainguard.core.checkpoint import CheckpointStore, shard_file  # noqa: E402
-from trainguard.core.snapshot import SnapshotDir  # noqa: E402
-
-NAME = shard_file(0, (0,), ".safetensors")
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "resnet50"
+NAME = shard_file(0, (0,), ".safetensors")  # the file a one-rank Guard's async save writes
+CHUNK, GB = 8 << 20, 1e9
+mean, med = statistics.fmean, statistics.median
 
 
 def wrap(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
@@ -108,10 +106,6 @@ def clock(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
-
-
-def mean(xs):
-    return sum(xs) / len(xs)
 
 
 def drop_caches() -> bool:
@@ -163,10 +157,10 @@ def bench_state(state: dict, label: str, reps: int, tmp: Path, job: str) -> tupl
     # 2. memcpy baselines: one flat copy, and per-tensor into preallocated tensors
     src = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
     dst = torch.zeros_like(src)
-    flat = mean([clock(lambda: dst.copy_(src)) for _ in range(reps + 1)][1:])
+    flat = med([clock(lambda: dst.copy_(src)) for _ in range(reps + 1)][1:])
     dsts = [torch.zeros_like(t) for t in tensors]
     with torch.no_grad():
-        per = mean([clock(lambda: [d.copy_(t) for d, t in zip(dsts, tensors)]) for _ in range(reps + 1)][1:])
+        per = med([clock(lambda: [d.copy_(t) for d, t in zip(dsts, tensors)]) for _ in range(reps + 1)][1:])
     del dsts, dst
     view = memoryview(src.numpy()).cast("B")  # the state's bytes, for the raw-write baseline
 
@@ -214,79 +208,113 @@ def bench_state(state: dict, label: str, reps: int, tmp: Path, job: str) -> tupl
         fbytes = (Path(snaps.persisted[-1]["final"]) / NAME).stat().st_size
 
         # 4. load after restart: storage (cold when permitted), then memory
-        dropped = drop_caches()
-        t = time.perf_counter()
-        found = CheckpointStore(root).latest()
-        stored = read_stored_snapshot(found.file(NAME), "cpu")
-        t_storage = time.perf_counter() - t
-        assert found.step == step and stored["model"] is not None
-        del stored
-        t = time.perf_counter()
-        again = Snapshots(SnapshotDir.attach(shm.path), 0)
-        held = again.available()
-        slot, _ = held[max(held)]
-        slot.lock(False, block=True)
-        got_step, loaded = read_payload(slot.payload(), "cpu")
-        t_memory = time.perf_counter() - t
-        assert got_step == step and len(flatten(loaded)[1]) == len(tensors)
-        del loaded
-        for s, _ in held.values():
-            s.close()
-        again.close()
+        def from_storage() -> float:
+            t = time.perf_counter()
+            found = CheckpointStore(root).latest()
+            stored = read_stored_snapshot(found.file(NAME), "cpu")
+            dt = time.perf_counter() - t
+            assert found.step == step and len(flatten(stored)[1]) == len(flatten(state["state"])[1])
+            return dt
+
+        def from_memory() -> float:
+            t = time.perf_counter()
+            again = Snapshots(SnapshotDir.attach(shm.path), 0)
+            held = again.available()
+            slot, _ = held[max(held)]
+            slot.lock(False, block=True)
+            got_step, loaded = read_payload(slot.payload(), "cpu")
+            dt = time.perf_counter() - t
+            assert got_step == step and len(flatten(loaded)[1]) == len(tensors)
+            for s, _ in held.values():  # available() leaves every slot it returns open
+                s.close()
+            again.close()
+            return dt
+
+        storage, dropped = [], True
+        for _ in range(reps):
+            dropped = drop_caches() and dropped
+            storage.append(from_storage())
+        t_storage, t_memory = med(storage), med([from_memory() for _ in range(reps)])
     finally:
         snaps.close()
         shm.remove()
 
     mb = f"{nbytes / 1e6:.0f} MB in {len(tensors)} tensors"
-    row("1 blocked/ckpt", "trainguard take()+persist() req", mean(blocked), None, f"mean of {reps}; {mb}")
+    ours, save, async_ = mean(blocked), mean(saves[1:]), mean(dcp_ret[1:])
+    row("1 blocked/ckpt", "trainguard take()+persist() req", ours, None, f"mean of {reps}; {mb}")
     row("1 blocked/ckpt", "trainguard first take (allocates)", mean(first), None,
         "per slot: " + ", ".join(f"{x:.3g}" for x in first) + " s")
-    row("1 blocked/ckpt", "torch.save + fsync", mean(saves[1:]), None, f"mean of {reps}; first {saves[0]:.3g} s")
-    row("1 blocked/ckpt", "DCP async_save (until return)", mean(dcp_ret[1:]), None,
+    row("1 blocked/ckpt", "torch.save + fsync", save, None, f"mean of {reps}; first {saves[0]:.3g} s")
+    row("1 blocked/ckpt", "DCP async_save (until return)", async_, None,
         f"mean of {reps}; first {dcp_ret[0]:.3g} s; until done {mean(dcp_total[1:]):.3g} s")
-    row("2 copy bandwidth", "trainguard take()", mean(take), nbytes, f"mean of {reps}")
+    row("2 copy bandwidth", "trainguard take()", med(take), nbytes, f"median of {reps}")
     row("2 copy bandwidth", "memcpy: one flat copy_", flat, nbytes, "goal baseline")
-    row("2 copy bandwidth", "memcpy: per-tensor copy_", per, nbytes, "preallocated tensors")
-    row("3 persist", "trainguard persist() -> reply", statistics.median(persist), fbytes,
+    row("2 copy bandwidth", "memcpy: per-tensor copy_", per, nbytes, "into preallocated tensors")
+    row("3 persist", "trainguard persist() -> reply", med(persist), fbytes,
         f"median of {reps}; file {fbytes / 1e6:.0f} MB")
-    row("3 persist", "os.write 8 MiB + fsync", statistics.median(raw), nbytes, "interleaved with persists")
-    row("4 load", "memory: available()+read_payload", t_memory, fbytes, "CRC32 of both slots")
+    row("3 persist", "os.write 8 MiB + fsync", med(raw), nbytes, "interleaved with the persists")
+    row("4 load", "memory: available()+read_payload", t_memory, fbytes, f"median of {reps}; CRC32 of both slots")
     row("4 load", "storage: latest()+read_stored", t_storage, fbytes,
-        "page cache dropped" if dropped else "warm page cache")
-    r = {"vs_save": 100 * mean(blocked) / mean(saves[1:]), "vs_async": mean(blocked) / mean(dcp_ret[1:]),
-         "copy": 100 * flat / mean(take), "persist": 100 * (fbytes / statistics.median(persist)) / (nbytes / statistics.median(raw)),
-         "load": t_storage / t_memory}
+        f"median of {reps}; " + ("page cache dropped" if dropped else "warm page cache"))
+    r = {"vs_save": 100 * ours / save, "vs_async": ours / async_, "copy": 100 * flat / med(take),
+         "persist": 100 * (fbytes / med(persist)) / (nbytes / med(raw)), "load": t_storage / t_memory,
+         "floor": {"flat memcpy / torch.save, %": 100 * flat / save, "bytes": nbytes, "tensors": len(tensors)}}
     return rows, r
 
 
 def train(tmp: Path, tag: str, steps: int, every: int, snapshot: bool) -> tuple[list[float], dict]:
     """Rank 0's per-step times of one ``trainguard run`` of the example, and its report."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", str(EXAMPLE / "train.py"),
-           f"steps={steps}", "log_every=1", f"report={tag}.json", f"checkpoint_dir={tag}-ckpt",
-           f"save_every={every if snapshot else 0}", f"snapshot_every={1 if snapshot else 0}"]
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--job-id", tag,
+           str(EXAMPLE / "train.py"), f"steps={steps}", "log_every=1", f"report={tag}.json",
+           f"checkpoint_dir={tag}-ckpt", f"save_every={every if snapshot else 0}", f"snapshot_every={1 if snapshot else 0}"]
     out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{tag} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    times = {int(s): float(t) for s, t in re.findall(r"step (\d+)/\d+ .* ([\d.]+) s/step", out.stdout + out.stderr)}
+    log = out.stdout + out.stderr
+    times = {int(s): float(t) for s, t in re.findall(r"step (\d+)/\d+ .* ([\d.]+) s/step", log)}
     return [times[s] for s in sorted(times)], json.loads((tmp / f"{tag}.json").read_text())
+
+
+def gpu_rows(reps: int, job: str) -> tuple[list[dict], float]:
+    """take() of 1 GiB of fp32 on the GPU against copy_ into pinned host tensors."""
+    t = [torch.randn(1 << 20, device="cuda") for _ in range(256)]
+    pinned = [torch.empty(x.shape, pin_memory=True) for x in t]
+    shm = SnapshotDir.create(f"{job}-gpu")
+    snaps = Snapshots(shm, 0, count=2)
+    try:
+        snaps.take({"t": t}, 0), snaps.take({"t": t}, 1)
+        ours = mean([clock(lambda: snaps.take({"t": t}, 2 + i)) for i in range(reps)])
+    finally:
+        snaps.close()
+        shm.remove()
+
+    def pin():
+        for p, x in zip(pinned, t):
+            p.copy_(x, non_blocking=True)
+        torch.cuda.synchronize()
+    pin()
+    base = mean([clock(pin) for _ in range(reps)])
+    return [{"measure": "6 GPU->host", "state": "1 GiB fp32 on GPU", "method": m, "seconds": s,
+             "GB_s": (1 << 30) / s / GB} for m, s in (("trainguard take()", ours), ("pinned copy_", base))], \
+        100 * base / ours
 
 
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args()
-    layers, reps = (10, 3) if args.quick else (100, 5)
+    load_avg = os.getloadavg()
+    layers, reps = (10, 3) if args.quick else (100, 6)
     steps, every, pairs, skip = (12, 5, 1, 3) if args.quick else (30, 10, 2, 3)
-    rows, goals, extra = [], [], {}
-    before = {p.name for p in Path("/dev/shm").glob("trainguard-*")}
+    rows, goals, floors, job = [], [], {}, f"bench-checkpoint-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="tg-bench-ckpt-") as d:
         tmp = Path(d)
         dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "pg"), 1), rank=0, world_size=1)
         try:
             for i, make in enumerate((resnet_state, lambda: synthetic_state(layers))):
                 state, label = make()
-                got, r = bench_state(state, label, reps, tmp, f"bench-checkpoint-{os.getpid()}-{i}")
+                got, r = bench_state(state, label, reps, tmp, f"{job}-{i}")
                 rows += got
-                short = label.split(" (")[0]
+                short, floors[label] = label.split(" (")[0], r["floor"]
                 goals += [common.Goal(f"{short}: blocked per checkpoint, ours / torch.save", r["vs_save"], 5, "%"),
                           common.Goal(f"{short}: blocked per checkpoint, ours / DCP async_save", r["vs_async"], 1.0,
                                       "x"),
@@ -301,7 +329,7 @@ def main() -> None:
         base, ckpt, reports = [], [], []
         for p in range(pairs):
             for snapshot in ((False, True) if p % 2 == 0 else (True, False)):
-                times, rep = train(tmp, f"{'ckpt' if snapshot else 'base'}{p}", steps, every, snapshot)
+                times, rep = train(tmp, f"{job}-{'ckpt' if snapshot else 'base'}{p}", steps, every, snapshot)
                 (ckpt if snapshot else base).extend(times[skip:])
                 if snapshot:
                     reports.append(rep.get("snapshots"))
@@ -315,33 +343,12 @@ def main() -> None:
                              97, "%", True))
 
     # 6. GPU: device-to-host take() against a copy into pinned memory
-    gpu = None
-    if torch.cuda.is_available():
-        t = [torch.randn(1 << 20, device="cuda") for _ in range(256)]
-        pinned = [torch.empty(x.shape, pin_memory=True) for x in t]
-        shm = SnapshotDir.create(f"bench-checkpoint-{os.getpid()}-gpu")
-        snaps = Snapshots(shm, 0, count=2)
-        try:
-            snaps.take({"t": t}, 0), snaps.take({"t": t}, 1)
-            ours = mean([clock(lambda: snaps.take({"t": t}, 2 + i)) for i in range(reps)])
-        finally:
-            snaps.close()
-            shm.remove()
+    gpu = gpu_rows(reps, job) if torch.cuda.is_available() else None
+    rows += gpu[0] if gpu else [{"measure": "6 GPU->host", "state": "-", "method": "trainguard take() vs pinned copy_",
+                                 "note": "no GPU in this run"}]
+    goals.append(common.Goal("GPU: take() device-to-host bandwidth / pinned copy", gpu and gpu[1], 60, "%", True))
 
-        def pin():
-            [p.copy_(x, non_blocking=True) for p, x in zip(pinned, t)]
-            torch.cuda.synchronize()
-        pin()
-        base_s = mean([clock(pin) for _ in range(reps)])
-        gpu = 100 * base_s / ours
-        rows += [{"measure": "6 GPU->host", "state": "1 GiB fp32 on GPU", "method": m, "seconds": s,
-                  "GB_s": (1 << 30) / s / GB} for m, s in (("trainguard take()", ours), ("pinned copy_", base_s))]
-    else:
-        rows.append({"measure": "6 GPU->host", "state": "-", "method": "trainguard take() vs pinned copy_",
-                     "note": "no GPU in this run"})
-    goals.append(common.Goal("GPU: take() device-to-host bandwidth / pinned copy", gpu, 60, "%", True))
-
-    left = sorted(p.name for p in Path("/dev/shm").glob("trainguard-*") if p.name not in before)
+    left = sorted(p.name for p in Path("/dev/shm").glob(f"trainguard-{job}-*"))  # ours only: tests may run beside
     extra = {"notes": {
         "1": "ours: take() (copy into a shared-memory slot, header, seal request) + persist() (a request to the "
              "worker); torch.save: pickle to a file + flush + fsync; DCP: torch.distributed.checkpoint.async_save "
@@ -351,12 +358,16 @@ def main() -> None:
              "the bytes, both preallocated and touched",
         "3": "ours: persist() -> reply: CRC32 seal, write (SHA-256 on a thread), fsync, manifest, rename, tracker; "
              "baseline: os.write in 8 MiB chunks + fsync of the same bytes, same disk (medians)",
-        "4": "state as CPU tensors, no load_state_dict; memory: a fresh Snapshots on the same directory",
+        "4": "state as CPU tensors, no load_state_dict; memory: a fresh Snapshots on the same directory; storage: "
+             "after `echo 1 > /proc/sys/vm/drop_caches` when permitted (the guest's cache; a VM host may still cache)",
         "5": f"`trainguard run --nproc-per-node 2 examples/resnet50/train.py steps={steps} save_every={every} "
              f"snapshot_every=1` vs `save_every=0 snapshot_every=0` (default optimizer: SGD), {pairs} launch "
              f"pair(s) alternating; mean of rank-0 per-step times from its log, first {skip} steps of each left out",
-        "6": "device-to-host take() bandwidth vs copy_ into pinned host tensors"},
-        "snapshot_reports": reports, "shm_left": left, "tmp_dir": tempfile.gettempdir()}
+        "6": "device-to-host take() bandwidth vs copy_ into pinned host tensors",
+        "blocked_floor": "a snapshot cannot beat one flat memcpy of the state: flat memcpy / torch.save is the lowest "
+                         "ours / torch.save can reach on this machine"},
+        "blocked_floor": floors, "snapshot_reports": reports, "shm_left": left, "tmp_dir": tempfile.gettempdir(),
+        "load_avg_at_start": load_avg}
     common.report("checkpoint", rows, ["measure", "state", "method", "seconds", "GB_s", "note"], goals,
                   quick=args.quick, out=args.out, extra=extra)
     if left:

@@ -8,6 +8,7 @@ subprocess (``trainguard run --framework mindspore`` or ``msrun``)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,35 @@ def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identic
     assert r["steps_completed"] == STEPS and r["lost_steps"] == 0, again
     assert [(x["fault"], x["strategy"], x["step"]) for x in r["recoveries"]] == [("process_lost", "dump", 3)], again
     assert all(len(pids) == 2 for pids in r["pids"].values()), again  # two launches
+
+
+@needs_mindspore
+@pytest.mark.timeout(400)
+def test_with_snapshots_the_dump_writes_the_snapshot_and_the_relaunch_is_bit_identical(tmp_path, baseline):
+    ckpt, fault = tmp_path / "ckpt", "crash:rank=1,step=3,phase=backward"
+    env = {"TRAIN_SNAPSHOT_EVERY": "1"}
+    first = run_ms(tmp_path, "snap", fault=fault, ckpt=ckpt, env=env)
+    assert first.rc == 75, first
+    assert "the save of step 3 reuses its snapshot in memory" in first.log, first
+    shard = ckpt / "tft_saved_checkpoints-step_3" / "rank_0" / "ttp_rank_0-1_3.safetensors"
+    assert shard.is_file(), first
+    # MindSpore's own loader reads the persisted snapshot.
+    keys = subprocess.run([sys.executable, "-c", "import sys, json, mindspore as ms; "
+                           "d = ms.load_checkpoint(sys.argv[1], format='safetensors'); print(json.dumps(sorted(d)))",
+                           str(shard)], capture_output=True, text=True, timeout=120)
+    assert keys.returncode == 0, keys.stdout + keys.stderr
+    from safetensors import safe_open
+    with safe_open(str(shard), "np") as f:
+        saved = sorted(f.keys())
+    assert json.loads(keys.stdout.strip().splitlines()[-1]) == saved and any("moment" in k for k in saved), keys.stdout
+
+    again = run_ms(tmp_path, "snap", fault=fault, ckpt=ckpt, env=env)
+    assert again.rc == 0 and again.report is not None, again
+    r = again.report
+    assert r["final_state_sha256"] == baseline.report["final_state_sha256"], again
+    assert r["snapshots"]["resumed_from"] == {"step": 3, "source": "storage"}, again
+    assert r["snapshots"]["errors"] == [] and r["snapshots"]["taken"] >= 3, again
+    assert [(x["fault"], x["strategy"], x["step"]) for x in r["recoveries"]] == [("process_lost", "dump", 3)], again
 
 
 @needs_mindspore

@@ -41,7 +41,8 @@ class Net(nn.Cell):
 
 net = Net()
 loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-guard = Guard(net, nn.Momentum(net.trainable_params(), 0.05, 0.9), checkpoint_dir=ckpt, save_every=save_every)
+guard = Guard(net, nn.Momentum(net.trainable_params(), 0.05, 0.9), checkpoint_dir=ckpt, save_every=save_every,
+              snapshot_every=int(__import__("os").environ.get("TRAIN_SNAPSHOT_EVERY", "0")))
 grad_fn = ms.value_and_grad(nn.WithLossCell(net, loss_fn), None, guard.optimizer.parameters)
 rank = get_rank()
 for step in guard.steps(steps):

@@ -35,6 +35,7 @@ from trainguard.core import (EXIT_AFTER_DUMP, Controller, ControllerConfig, Cont
                              check_env, logs)
 from trainguard.core.client import ControllerClient
 from trainguard.core.rpc import new_token
+from trainguard.core.snapshot import SnapshotDir
 
 from .watch import FrozenWatch, report_exit
 
@@ -131,11 +132,17 @@ class MsrunPlugin:
 
     def run(self) -> int:
         self._start_controller()
+        # The node's snapshot directory: the workers' snapshots outlive them
+        # until msrun ends, which removes it.
+        snapshots = SnapshotDir.create(f"{self.config.job_id}-n{self.manager.node_rank}",
+                                       os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
+        os.environ["TRAINGUARD_SNAPSHOT_DIR"] = str(snapshots.path)
         try:
             self.manager.start_workers()
             self._watch()
         finally:
             self._stop()
+            snapshots.remove()
         return self._summary()
 
     # ------------------------------------------------------------ control

@@ -66,10 +66,11 @@ from trainguard.core import (
     report_left_step,
 )
 from trainguard.core import logs
-from trainguard.core.history import JobHistory, Protected
+from trainguard.core.history import Protected
 
 from . import context
-from .handlers import MindSporeHandlers, load_checkpoint
+from .checkpoints import Checkpoints
+from .handlers import MindSporeHandlers
 from .optimizer import OptTFTWrapper
 from .state import ModelState
 
@@ -93,7 +94,7 @@ class CommunicationBroken(RuntimeError):
     half a collective, so this process must not run another one."""
 
 
-class Guard(JobHistory):
+class Guard(Checkpoints):
     """Fault tolerance for one MindSpore training loop.
 
     Args:
@@ -104,6 +105,10 @@ class Guard(JobHistory):
             (MindSpore TFT's layout); the newest complete one is loaded at start.
         save_every: periodic checkpoint interval in steps (0: none).
         keep: complete checkpoints kept (0: all).
+        snapshot_every: copy every parameter into shared memory every this
+            many steps (0: never); saves then only wait for that copy (see
+            :mod:`.checkpoints`).
+        snapshots_in_memory: snapshot slots per rank.
         steps_per_epoch: for ``epoch_num`` inside checkpoints (0: one epoch).
         reduce_gradients: all-reduce (mean) the gradients across the replicas
             in the wrapper; ``False`` when something else does (``Model``'s
@@ -133,6 +138,8 @@ class Guard(JobHistory):
         checkpoint_dir: str | os.PathLike | None = None,
         save_every: int = 0,
         keep: int = 2,
+        snapshot_every: int = 0,
+        snapshots_in_memory: int = 2,
         steps_per_epoch: int = 0,
         reduce_gradients: bool = True,
         reducer: nn.Cell | None = None,
@@ -184,6 +191,7 @@ class Guard(JobHistory):
         self.pids = {r: ids[2 * r] for r in range(self.world_size)}
         #: Which ranks share a machine (a repair between them goes through shared memory).
         self.hosts = {r: ids[2 * r + 1] for r in range(self.world_size)}
+        self.setup_snapshots(snapshot_every, snapshots_in_memory)
         self._step = self._load()
         self.state.commit(self._step)
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
@@ -368,6 +376,8 @@ class Guard(JobHistory):
         self.injector.after_step(self._step, time.perf_counter() - self._step_started)
         if self.save_every and self._step % self.save_every == 0:
             self.save()
+        elif self.snapshot_every and self._step % self.snapshot_every == 0:
+            self.take_snapshot(self._step)
 
     def _drain(self) -> None:
         """Release the peers of a rank that failed in a step: replay the
@@ -451,35 +461,11 @@ class Guard(JobHistory):
             self.processor.end_update(step)
         self.state.commit(step)
 
-    # --------------------------------------------------------- checkpoints
-    def save(self) -> None:
-        """Save a checkpoint at the current step (every rank calls this; the
-        lowest rank of each shard writes it and finalises)."""
-        if self.store is None:
-            raise ConfigError("no checkpoint_dir was given to the Guard")
-        self.injector.strike("save", self._step)
-        copies = self.groups[0].copies(self.rank)
-        if self.rank == min(copies):
-            shard = self._handlers.write(self._step)
-            self._handlers.finalize_files(self._step, [shard], copies, self.merged_history({}))
-
-    def _load(self) -> int:
-        found = self.store.latest() if self.store is not None else None
-        step = found.step if found is not None else 0
-        steps = self.all_gather_ints([step])
-        if len(set(steps)) != 1:
-            raise ConfigError(f"ranks disagree on the newest complete checkpoint: {steps}")
-        if found is None:
-            return 0
-        self.history = load_checkpoint(found, self.rank, self.state)
-        if self.rank == 0:
-            log.info("resumed from %s at step %d", found.path, found.step)
-        return found.step
-
     # ------------------------------------------------------------- report
     def report(self) -> dict:
         """Steps, lost steps, PIDs per rank, recoveries and a hash of the state."""
-        return {"steps_completed": self._step, **self.history_report(), "final_state_sha256": self.state.sha256()}
+        return {"steps_completed": self._step, **self.history_report(), "final_state_sha256": self.state.sha256(),
+                **self.snapshot_report()}
 
     def close(self, *, finished: bool = True) -> None:
         """Say goodbye to the controller and detach from the optimizer."""
@@ -489,4 +475,5 @@ class Guard(JobHistory):
         if self._graph:
             self.optimizer.set_health(True)  # the vote stays compiled in: without a Guard every step updates
         self.optimizer.guard = None
+        self.close_snapshots(wait_s=float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800")) if finished else 0.0)
         self.processor.close(finished=finished)

@@ -128,8 +128,11 @@ class MindSporeHandlers(Handlers):
         return [self.write(step)]
 
     def write(self, step: int) -> FileInfo:
-        """Write this rank's state at ``step`` under the temporary name."""
+        """Write this rank's state at ``step`` under the temporary name (from
+        its snapshot in memory when the Guard takes snapshots)."""
         g = self.guard
+        if g.snapshots is not None:
+            return g.write_snapshot_file(step)
         params = [{"name": name, "data": Tensor(a)} for name, a in g.state.arrays().items()]
         extra = {"epoch_num": epoch_and_step(step, g.steps_per_epoch)[0], "step_num": step, "global_step": step,
                  "loss_scale": 1.0}

@@ -1,0 +1,250 @@
+"""The MindSpore Guard's checkpoints: periodic saves, in-memory snapshots of
+the parameter dict, and the newest state loaded at start.
+
+A mix-in of :class:`~.guard.Guard`. Without snapshots a save writes
+MindSpore's own ``.ckpt`` (``ms.save_checkpoint``). With ``snapshot_every``
+every parameter (weights, BatchNorm statistics, optimizer moments, its step
+counter) is copied into a slot in shared memory every that many steps --
+one ``asnumpy`` and one copy per parameter, no pickling -- and a save only
+hands that slot to the persist worker, which writes it as
+``rank_{r}/ttp_rank_{r}-{epoch}_{step}.safetensors`` (a safetensors file
+whose tensor names are the parameter names, readable by
+``mindspore.load_checkpoint(path, format="safetensors")``). A dying-gasp
+save of a step memory already holds writes that payload as is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+
+import numpy as np
+
+from trainguard.core import CheckpointError, ConfigError
+from trainguard.core.checkpoint import Verified
+from trainguard.core.history import JobHistory
+from trainguard.core.snapshot import Entry, SnapshotDir, SnapshotRing, payload_header
+from trainguard.core.snapshot.ring import FORMAT
+
+from .handlers import load_checkpoint, shard_name
+
+__all__ = ["Checkpoints", "ParamSnapshots", "read_arrays"]
+
+log = logging.getLogger("trainguard.mindspore")
+
+DTYPES = {np.dtype(k): v for k, v in {
+    "float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32", "int16": "I16",
+    "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16", "uint32": "U32", "uint64": "U64"}.items()}
+BY_NAME = {v: k for k, v in DTYPES.items()}
+
+
+class ParamSnapshots(SnapshotRing):
+    """Snapshots of a MindSpore parameter dict (arrays by parameter name)."""
+
+    def __init__(self, directory: SnapshotDir, rank: int, *, count: int = 2) -> None:
+        super().__init__(directory, rank, count=count, naming="mindspore")
+        self._views: dict[int, list[np.ndarray]] = {}
+
+    def forget_views(self) -> None:
+        self._views.clear()
+
+    def take(self, arrays: dict[str, np.ndarray], step: int, history: dict) -> int | None:
+        names = list(arrays)
+        entries = []
+        for name in names:
+            a = arrays[name]
+            if a.dtype not in DTYPES:
+                raise CheckpointError(f"cannot snapshot parameter {name}: dtype {a.dtype} has no safetensors name")
+            entries.append(Entry(name, DTYPES[a.dtype], tuple(a.shape), a.nbytes, a.itemsize))
+
+        def fill(index: int, payload: memoryview, layout) -> None:
+            views = self._views.get(index)
+            if views is None:
+                views = self._views[index] = [
+                    np.frombuffer(payload, BY_NAME[e.dtype], int(np.prod(e.shape, dtype=np.int64)),
+                                  layout.data_start + layout.offsets[e.name][0]).reshape(e.shape)
+                    for e in entries]
+            for view, name in zip(views, names):
+                np.copyto(view, arrays[name])
+
+        return self.write(step, entries, {"names": names, "history": history}, fill)
+
+
+def read_arrays(payload) -> tuple[int, dict[str, np.ndarray], dict]:
+    """Step, parameter arrays (copied out) and history of a snapshot payload.
+
+    Raises:
+        CheckpointError: malformed, or not a parameter-dict snapshot.
+    """
+    table, meta, start = payload_header(payload)
+    if meta.get("format") != FORMAT or "history" not in meta:
+        raise CheckpointError("not a MindSpore trainguard snapshot")
+    try:
+        arrays = {}
+        for name in meta["names"]:
+            e = table[name]
+            b, end = e["data_offsets"]
+            dtype = BY_NAME[e["dtype"]]
+            arrays[name] = np.frombuffer(payload, dtype, (end - b) // dtype.itemsize, start + b) \
+                .reshape(e["shape"]).copy()
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"snapshot payload does not match its header ({e})") from None
+    return int(meta["step"]), arrays, meta["history"]
+
+
+class Checkpoints(JobHistory):
+    """Saving and loading for the MindSpore :class:`~.guard.Guard` (a mix-in)."""
+
+    def setup_snapshots(self, every: int, count: int) -> None:
+        """Snapshots every ``every`` steps in ``count`` slots (0: none).
+
+        Raises:
+            ConfigError: ``every`` does not divide the save interval, or
+                ``count`` < 1.
+        """
+        self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
+        if not every:
+            return
+        if every < 0 or count < 1 or (self.save_every and self.save_every % every):
+            raise ConfigError(f"snapshot_every={every} must be >= 0 and divide save_every={self.save_every}; "
+                              f"snapshots_in_memory={count} must be >= 1")
+        path = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+        directory = SnapshotDir.attach(path) if path else SnapshotDir.create(
+            f"{os.environ.get('TRAINGUARD_JOB_ID', 'ms')}-r{self.rank}-{os.getpid()}",
+            os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
+        self.snapshots = ParamSnapshots(directory, self.rank, count=count)
+        if directory.owned:
+            atexit.register(directory.remove)
+
+    def take_snapshot(self, step: int, *, wait_s: float = 0.0) -> int | None:
+        take = lambda: self.snapshots.take(self.state.arrays(), step, self.merged_history({}))  # noqa: E731
+        index = take()
+        if index is None and wait_s:
+            self.snapshots.wait(wait_s)
+            index = take()
+        if index is None:
+            raise CheckpointError(f"rank {self.rank}: no snapshot slot came free for step {step}")
+        return index
+
+    def close_snapshots(self, wait_s: float) -> None:
+        if self.snapshots is not None:
+            if wait_s:
+                self.snapshots.wait(wait_s)
+            self.snapshots.close()
+            self.snapshots.directory.remove()
+
+    def snapshot_report(self) -> dict:
+        s = self.snapshots
+        if s is None:
+            return {}
+        return {"snapshots": {"taken": s.taken, "skipped": s.skipped, "persisted": list(s.persisted),
+                              "errors": list(s.errors), "worker_restarts": s.worker.restarts,
+                              "reused_for_dump": getattr(self, "_reused", []), "resumed_from": self.resumed_from}}
+
+    def write_snapshot_file(self, step: int):
+        """The dying-gasp file of ``step`` from its snapshot (taken now
+        unless memory holds it already)."""
+        index = self.snapshots.holding(step)
+        if index is None:
+            index = self.take_snapshot(step, wait_s=_save_timeout_s())
+        else:
+            self._reused = getattr(self, "_reused", []) + [step]
+            log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
+        slot = self.snapshots.slots[index]
+        slot.lock(False, block=True)
+        try:
+            return self.store.write_buffer(step, _snapshot_name(self, step), slot.payload())
+        finally:
+            slot.unlock()
+
+    # ----------------------------------------------------------------- save
+    def save(self) -> None:
+        """Save a checkpoint at the current step (every rank calls this; the
+        lowest rank of each shard writes it and finalises)."""
+        if self.store is None:
+            raise ConfigError("no checkpoint_dir was given to the Guard")
+        self.injector.strike("save", self._step)
+        copies = self.groups[0].copies(self.rank)
+        if self.snapshots is not None:
+            step = self._step
+            index = self.snapshots.holding(step)
+            if index is None:
+                index = self.take_snapshot(step, wait_s=_save_timeout_s())
+            if self.rank == min(copies):
+                name = _snapshot_name(self, step)
+                self.snapshots.persist(index, step, root=str(self.store.root), name=name, finalize={
+                    "expected": [name], "timeout_s": _save_timeout_s(), "keep": self.store.keep,
+                    "layout": {"world_size": self.world_size, "shards": [
+                        {"kind": 0, "copies": list(copies), "full": len(copies) == self.world_size,
+                         "saved_by": self.rank, "files": [name]}]},
+                    "meta": {"history": self.merged_history({}), "finalised_by": self.rank}})
+            return
+        if self.rank == min(copies):
+            shard = self._handlers.write(self._step)
+            self._handlers.finalize_files(self._step, [shard], copies, self.merged_history({}))
+
+    # ----------------------------------------------------------------- load
+    def _load(self) -> int:
+        """Resume at the newest step every rank can load: from memory where
+        a verified snapshot holds it, else from storage."""
+        memory = self.snapshots.available() if self.snapshots is not None else {}
+        found = self.store.latest() if self.store is not None else None
+        mine = sorted(set(memory) | ({found.step} if found is not None else set()))
+        every = _gather_lists(self, mine)
+        if not any(every):
+            return 0
+        common = set(every[0]).intersection(*every[1:])
+        if not common:
+            raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
+        step = max(common)
+        if step in memory:
+            slot, source = memory[step]
+            slot.lock(False, block=True)
+            try:
+                _, arrays, history = read_arrays(slot.payload())
+            finally:
+                slot.close()
+            try:
+                self.state.load_arrays(arrays, source=str(slot.path))
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+            stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
+                else None
+            self.history = stored or history
+            self.resumed_from = {"step": step, "source": source}
+            log.info("rank %d resumed at step %d from %s (%s)", self.rank, step, source, slot.path)
+            return step
+        return self._load_stored(found)
+
+    def _load_stored(self, found: Verified) -> int:
+        shards = found.manifest.get("layout", {}).get("shards", [])
+        mine = next((s for s in shards if s["kind"] == 0 and (s["full"] or self.rank in s["copies"])), None)
+        if mine is not None and mine["files"][0].endswith(".safetensors"):
+            path = found.file(mine["files"][0])
+            try:
+                self.state.load_arrays(read_arrays(path.read_bytes())[1], source=str(path))
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+            self.history = found.manifest.get("meta", {}).get("history", {"records": [], "pids": {}})
+        else:
+            self.history = load_checkpoint(found, self.rank, self.state)
+        self.resumed_from = {"step": found.step, "source": "storage"}
+        log.info("rank %d resumed at step %d from storage (%s)", self.rank, found.step, found.path)
+        return found.step
+
+
+def _snapshot_name(guard, step: int) -> str:
+    return shard_name(guard.rank, step, guard.steps_per_epoch).removesuffix(".ckpt") + ".safetensors"
+
+
+def _save_timeout_s() -> float:
+    return float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800"))
+
+
+def _gather_lists(guard, values: list[int], width: int = 64) -> list[list[int]]:
+    """Every rank's short list of steps (at most ``width``), through the
+    Guard's integer all-gather (-1 pads)."""
+    padded = (sorted(values)[-width:] + [-1] * width)[:width]
+    flat = guard.all_gather_ints(padded)
+    return [[v for v in flat[r * width:(r + 1) * width] if v >= 0] for r in range(guard.world_size)]
