@@ -99,6 +99,14 @@ def test_snapshot_round_trip_persist_and_safetensors(shm, tmp_path):
         assert _equal(read_stored_snapshot(found.file("shard_k0_r0.safetensors"), "cpu"), _state(3)["state"])
         with safe_open(str(found.file("shard_k0_r0.safetensors")), "pt") as f:
             assert json.loads(f.metadata()["trainguard"])["step"] == 3
+        # Its checksum is the CRC32 the slot was sealed with; a flipped byte is caught at load.
+        record = found.manifest["files"]["shard_k0_r0.safetensors"]
+        assert set(record) == {"bytes", "crc32"} and record["crc32"] == snaps.slots[i3].info().crc32
+        with open(found.file("shard_k0_r0.safetensors"), "r+b") as f:
+            f.seek(-2, 2)
+            f.write(b"\x00\x01")
+        with pytest.raises(CheckpointError, match="fails its checksum"):
+            CheckpointStore(root).verify(found.path)
     finally:
         snaps.close()
 

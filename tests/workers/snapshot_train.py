@@ -39,7 +39,8 @@ def main() -> None:
     model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
-    guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every, snapshot_every=1)
+    guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every, snapshot_every=1,
+                  snapshot_peer=os.environ.get("SNAPSHOT_PEER") == "1")
     for step in guard.steps(steps):
         with guard.protect():
             gen = torch.Generator().manual_seed(step * 100 + rank)

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,16 @@ _CHUNK = 8 << 20
 
 @dataclass(frozen=True)
 class FileInfo:
+    """One file of a checkpoint: its size and checksum (SHA-256, or, for a
+    file copied from a sealed in-memory snapshot, the snapshot's CRC32)."""
+
     name: str
     bytes: int
     sha256: str
+    crc32: int | None = None
+
+    def record(self) -> dict:
+        return {"bytes": self.bytes, **({"sha256": self.sha256} if self.sha256 else {"crc32": self.crc32})}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +139,20 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self.raw.flush()
+
+
+def crc32_of(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _matches(path: Path, record: Mapping) -> bool:
+    if record.get("sha256"):
+        return sha256_of(path) == record["sha256"]
+    return isinstance(record.get("crc32"), int) and crc32_of(path) == record["crc32"]
 
 
 def sha256_of(path: Path) -> str:
@@ -220,6 +242,31 @@ class CheckpointStore:
             raise _io_error(f"writing {path}", e) from None
         return FileInfo(name, len(view), digest.hexdigest())
 
+    def copy_file(self, step: int, name: str, fd: int, offset: int, size: int, crc32: int) -> FileInfo:
+        """Copy ``size`` bytes at ``offset`` of the open file ``fd`` (a sealed
+        snapshot slot) into one file of ``step``'s checkpoint, kernel to
+        kernel (``sendfile``), recording the CRC32 the slot was sealed with:
+        nothing is read into this process or hashed again. Every load checks
+        the file against it. A half-written file is removed.
+
+        Raises:
+            CheckpointError: the file could not be written (disk full, ...).
+        """
+        path = self._file(step, name)
+        try:
+            with open(path, "wb", buffering=0) as out:
+                done = 0
+                while done < size:
+                    sent = os.sendfile(out.fileno(), fd, offset + done, size - done)
+                    if sent == 0:
+                        raise OSError(errno.EIO, f"source ended {size - done} bytes short")
+                    done += sent
+                os.fsync(out.fileno())
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            raise _io_error(f"writing {path}", e) from None
+        return FileInfo(name, size, "", crc32)
+
     def write_path(self, step: int, name: str, write: Callable[[Path], None]) -> FileInfo:
         """Like :meth:`write`, for writers that take a path (a framework's own
         save function); the file is synced and hashed afterwards."""
@@ -264,7 +311,7 @@ class CheckpointStore:
             if not path.is_file():
                 raise CheckpointError(f"cannot finalise step {step}: {path} is missing")
             size = path.stat().st_size
-            if size != f.bytes or (rehash and sha256_of(path) != f.sha256):
+            if size != f.bytes or (rehash and not _matches(path, f.record())):
                 raise CheckpointError(f"cannot finalise step {step}: {path} does not match what its saver "
                                       f"wrote ({size} bytes vs {f.bytes})")
         manifest = {
@@ -272,7 +319,7 @@ class CheckpointStore:
             "step": step,
             "created": time.time(),
             "layout": dict(layout or {}),
-            "files": {f.name: {"bytes": f.bytes, "sha256": f.sha256} for f in files},
+            "files": {f.name: f.record() for f in files},
             "meta": dict(meta or {}),
         }
         try:
@@ -370,7 +417,7 @@ class CheckpointStore:
             if size != record.get("bytes"):
                 raise CheckpointError(f"{path.name}: {name} has {size} bytes, expected {record.get('bytes')} "
                                       f"(truncated or overwritten)")
-            if sha256_of(f) != record.get("sha256"):
+            if not _matches(f, record):
                 raise CheckpointError(f"{path.name}: {name} fails its checksum (corrupted)")
         return Verified(step, path, manifest)
 

@@ -230,4 +230,4 @@ class PeerServer:
         got = slot.info()
         slot.close()
         self.received += 1
-        log.info("holding rank %d's snapshot of step %d for its node", rank, got.step)
+        log.debug("holding rank %d's snapshot of step %d for its node", rank, got.step)

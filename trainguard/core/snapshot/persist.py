@@ -9,9 +9,9 @@ replies on its stdout (:class:`PersistWorker` is that side). Requests:
   peer node's agent when one is named); a seal of a slot the trainer has
   written again since is dropped. Seals asked before the trainer died are
   still done: a restarted trainer loads sealed snapshots only.
-* ``persist``: write a slot's payload as one file of a checkpoint's
-  temporary directory (SHA-256 taken on the way), leave a record of it
-  there, and, for the finalising rank, wait until every expected file's
+* ``persist``: copy a slot's payload (``sendfile``, kernel to kernel) as
+  one file of a checkpoint's temporary directory, with the CRC32 it was
+  sealed with as its checksum, leave a record of it there, and, for the finalising rank, wait until every expected file's
   record is there and finalise (manifest, rename, tracker last).
 
 Nothing the worker does is on the training loop's path. If it is killed,
@@ -36,7 +36,7 @@ from typing import Any
 
 from ..api import CheckpointError
 from ..checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo
-from .segment import Slot, State
+from .segment import PAGE, Slot, State
 
 __all__ = ["PersistWorker"]
 
@@ -63,15 +63,15 @@ def _persist(req: dict, parent: int) -> dict:
         if info is None or info.step != step or info.state not in (State.COMPLETE, State.SEALED):
             raise CheckpointError(f"slot {slot.path.name} no longer holds step {step}")
         if info.state is State.COMPLETE:
-            slot.seal()
-        written = store.write_buffer(step, name, slot.payload())
+            info = slot.seal()
+        written = store.copy_file(step, name, slot.fileno(), PAGE, info.payload_bytes, info.crc32)
     finally:
         slot.close()
     tmp = store.tmp_path(step)
     record = _record_path(tmp, name)
     record.parent.mkdir(exist_ok=True)
-    record.write_text(json.dumps([written.name, written.bytes, written.sha256]))
-    reply = {"file": [written.name, written.bytes, written.sha256], "final": None}
+    record.write_text(json.dumps([written.name, written.bytes, written.sha256, written.crc32]))
+    reply = {"file": [written.name, written.bytes, written.sha256, written.crc32], "final": None}
     fin = req.get("finalize")
     if fin:
         files = _await_records(tmp, fin["expected"], fin.get("timeout_s", 1800.0), parent)

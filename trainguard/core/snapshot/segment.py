@@ -172,6 +172,10 @@ class Slot:
                 m[pos:pos + len(zeros)] = zeros[:size - pos]
         return self._mapped()
 
+    def fileno(self) -> int:
+        self._open(False)
+        return self._fd
+
     def close(self) -> None:
         if self._map is not None:
             try:
