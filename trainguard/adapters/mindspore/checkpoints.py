@@ -25,7 +25,7 @@ from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import Verified
 from trainguard.core.history import JobHistory
 from trainguard.core.snapshot import Entry, SnapshotDir, SnapshotRing, payload_header
-from trainguard.core.snapshot.ring import FORMAT
+from trainguard.core.snapshot.ring import FORMAT, load_verified
 
 from .handlers import load_checkpoint, shard_name
 
@@ -187,35 +187,39 @@ class Checkpoints(JobHistory):
     # ----------------------------------------------------------------- load
     def _load(self) -> int:
         """Resume at the newest step every rank can load: from memory where
-        a verified snapshot holds it, else from storage."""
-        memory = self.snapshots.available() if self.snapshots is not None else {}
+        a sealed snapshot holds it (and passes its CRC32 when read), else
+        from storage."""
+        memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
         found = self.store.latest() if self.store is not None else None
-        mine = sorted(set(memory) | ({found.step} if found is not None else set()))
-        every = _gather_lists(self, mine)
-        if not any(every):
-            return 0
-        common = set(every[0]).intersection(*every[1:])
-        if not common:
-            raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
-        step = max(common)
-        if step in memory:
-            slot, source = memory[step]
-            slot.lock(False, block=True)
-            try:
-                _, arrays, history = read_arrays(slot.payload())
-            finally:
-                slot.close()
-            try:
-                self.state.load_arrays(arrays, source=str(slot.path))
-            except ValueError as e:
-                raise CheckpointError(str(e)) from None
-            stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
-                else None
-            self.history = stored or history
-            self.resumed_from = {"step": step, "source": source}
-            log.info("rank %d resumed at step %d from %s (%s)", self.rank, step, source, slot.path)
-            return step
-        return self._load_stored(found)
+        while True:
+            every = _gather_lists(self, sorted(set(memory) | ({found.step} if found is not None else set())))
+            if not any(every):
+                return 0
+            common = set(every[0]).intersection(*every[1:])
+            if not common:
+                raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
+            step, ok = max(common), 1
+            if step in memory:
+                try:
+                    self._load_memory(step, *memory[step], found)
+                except CheckpointError as e:
+                    log.warning("rank %d: not using snapshot of step %d: %s", self.rank, step, e)
+                    del memory[step]
+                    ok = 0
+            if min(self.all_gather_ints([ok])) == 1:
+                return step if step in memory else self._load_stored(found)
+
+    def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
+        _, arrays, history = load_verified(slot, read_arrays)
+        try:
+            self.state.load_arrays(arrays, source=str(slot.path))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
+            else None
+        self.history = stored or history
+        self.resumed_from = {"step": step, "source": source}
+        log.info("rank %d resumed at step %d from %s (%s)", self.rank, step, source, slot.path)
 
     def _load_stored(self, found: Verified) -> int:
         shards = found.manifest.get("layout", {}).get("shards", [])

@@ -29,6 +29,7 @@ from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified, shard_file
 from trainguard.core.history import JobHistory
 from trainguard.core.snapshot import SnapshotDir
+from trainguard.core.snapshot.ring import load_verified
 
 from .handlers import read_shard, shard_name
 from .process_group import job_namespace
@@ -194,35 +195,41 @@ class Checkpoints(JobHistory):
 
     def _load(self) -> int:
         """Load the newest step every rank can load -- from this node's
-        memory where a verified snapshot holds it, else the newest complete
-        checkpoint on storage -- and return it (0: nothing to load)."""
-        memory = self.snapshots.available() if self.snapshots is not None else {}
+        memory where a sealed snapshot holds it, else the newest complete
+        checkpoint on storage -- and return it (0: nothing to load). A
+        snapshot that fails its CRC32 when read drops out and the ranks
+        agree again."""
+        memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
         found = self.store.latest() if self.store is not None else None
-        mine = sorted(set(memory) | ({found.step} if found is not None else set()))
-        every = self.process_group.all_gather_json(mine, self.device.torch_device)
-        if not any(every):
-            return 0
-        common = set(every[0]).intersection(*every[1:])
-        if not common:
-            raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
-        step = max(common)
-        if step in memory:
-            slot, source = memory[step]
-            slot.lock(False, block=True)
-            try:
-                _, held = read_payload(slot.payload(), self.device.torch_device)
-            finally:
-                slot.close()
-            self.state.load_state_dict(held["state"])
-            # A dying-gasp checkpoint of the same step knows of the fault
-            # that stopped the job; the snapshot was taken before it.
-            stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
-                else None
-            self.history = stored or held["history"]
-            self.resumed_from = {"step": step, "source": source}
-            log.info("rank %d resumed at step %d from %s (%s)", self.rank, step, source, slot.path)
-            return step
-        return self._load_stored(found)
+        while True:
+            mine = sorted(set(memory) | ({found.step} if found is not None else set()))
+            every = self.process_group.all_gather_json(mine, self.device.torch_device)
+            if not any(every):
+                return 0
+            common = set(every[0]).intersection(*every[1:])
+            if not common:
+                raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
+            step, ok = max(common), True
+            if step in memory:
+                try:
+                    self._load_memory(step, *memory[step], found)
+                except CheckpointError as e:
+                    log.warning("rank %d: not using snapshot of step %d: %s", self.rank, step, e)
+                    del memory[step]
+                    ok = False
+            if all(self.process_group.all_gather_json(ok, self.device.torch_device)):
+                return step if step in memory else self._load_stored(found)
+
+    def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
+        _, held = load_verified(slot, lambda payload: read_payload(payload, self.device.torch_device))
+        self.state.load_state_dict(held["state"])
+        # A dying-gasp checkpoint of the same step knows of the fault
+        # that stopped the job; the snapshot was taken before it.
+        stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
+            else None
+        self.history = stored or held["history"]
+        self.resumed_from = {"step": step, "source": source}
+        log.info("rank %d resumed at step %d from %s (%s)", self.rank, step, source, slot.path)
 
     def _load_stored(self, found: Verified) -> int:
         shards = found.manifest.get("layout", {}).get("shards", [])

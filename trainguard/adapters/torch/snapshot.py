@@ -52,6 +52,9 @@ class Snapshots(SnapshotRing):
     def __init__(self, directory: SnapshotDir, rank: int, *, count: int = 2, peer: str | None = None) -> None:
         super().__init__(directory, rank, count=count, peer=peer, naming="torch")
         self._views: dict[int, list[torch.Tensor]] = {}
+        self._cached: list[Entry] = []
+        self._sig: list = []
+        self._paths: list[str] = []
 
     def forget_views(self) -> None:
         self._views.clear()
@@ -72,7 +75,10 @@ class Snapshots(SnapshotRing):
             if any(t.is_cuda for t in tensors):
                 torch.cuda.synchronize()
 
-        return self.write(step, _entries(paths, tensors), {"names": paths, "skeleton": skeleton}, fill)
+        sig = [(t.dtype, t.shape) for t in tensors]
+        if sig != self._sig or paths != self._paths:  # entries only when the structure changed
+            self._cached, self._sig, self._paths = _entries(paths, tensors), sig, paths
+        return self.write(step, self._cached, {"names": paths, "skeleton": skeleton}, fill)
 
     @staticmethod
     def _make_views(payload: memoryview, layout, paths: list[str]) -> list[torch.Tensor]:

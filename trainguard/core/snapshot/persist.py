@@ -11,8 +11,9 @@ replies on its stdout (:class:`PersistWorker` is that side). Requests:
   still done: a restarted trainer loads sealed snapshots only.
 * ``persist``: copy a slot's payload (``sendfile``, kernel to kernel) as
   one file of a checkpoint's temporary directory, with the CRC32 it was
-  sealed with as its checksum, leave a record of it there, and, for the finalising rank, wait until every expected file's
-  record is there and finalise (manifest, rename, tracker last).
+  sealed with as its checksum, and leave a record of it there; the
+  finalising rank's worker then waits until every expected file's record
+  is there and finalises (manifest, rename, tracker last).
 
 Nothing the worker does is on the training loop's path. If it is killed,
 the trainer starts another and the checkpoint it was writing is simply

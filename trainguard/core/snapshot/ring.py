@@ -23,7 +23,7 @@ from .persist import PersistWorker
 from .segment import Entry, Layout, Slot, State
 from .shm import SnapshotDir
 
-__all__ = ["FORMAT", "SnapshotRing"]
+__all__ = ["FORMAT", "SnapshotRing", "load_verified"]
 
 log = logging.getLogger("trainguard.snapshot")
 
@@ -53,6 +53,7 @@ class SnapshotRing:
         self.worker = PersistWorker()
         self.layout: Layout | None = None
         self._key: tuple = ()
+        self._last_entries: Sequence[Entry] = ()
         self.held: dict[int, int] = {}  # slot -> step written there by this process
         self.pinned: dict[int, int] = {}  # slot -> request id of a persist not answered yet
         self.taken = self.skipped = 0
@@ -73,7 +74,8 @@ class SnapshotRing:
         """
         self.poll()
         text = json.dumps({"format": FORMAT, "step": step, **meta})
-        key = tuple((e.name, e.dtype, e.shape) for e in entries)
+        key = self._key if entries is self._last_entries else tuple((e.name, e.dtype, e.shape) for e in entries)
+        self._last_entries = entries
         if self.layout is None or key != self._key or len(text) * 2 > self.layout.header_bytes:
             self.forget_views()
             self.layout, self._key = Layout(entries, meta_reserve=max(4096, 4 * len(text))), key
@@ -152,11 +154,13 @@ class SnapshotRing:
             slot.close()
 
     # ------------------------------------------------------------ load
-    def available(self) -> dict[int, tuple[Slot, str]]:
-        """Verified snapshots of this rank in this node's memory: step ->
+    def available(self, *, verify: bool = True) -> dict[int, tuple[Slot, str]]:
+        """Sealed snapshots of this rank in this node's memory: step ->
         (slot, "memory" or "peer memory"); with a peer and none of its own
-        here, the copy fetched from the peer. Bad ones are logged and skipped."""
-        found = self._verified(self.directory.candidates(self.rank))
+        here, the copy fetched from the peer. Bad ones are logged and
+        skipped. Without ``verify`` the CRC32 is not checked here: the
+        caller checks the one it loads (:func:`load_verified`)."""
+        found = self._verified(self.directory.candidates(self.rank), verify)
         if self.peer and not any(source == "memory" for _, source in found.values()):
             # A new node in place of a lost one: the copy is on the node this rank pushed to.
             try:
@@ -166,10 +170,10 @@ class SnapshotRing:
                 copy = None
             if copy is not None:
                 copy.close()
-                found = self._verified(self.directory.candidates(self.rank))
+                found = self._verified(self.directory.candidates(self.rank), verify)
         return found
 
-    def _verified(self, slots: list[Slot]) -> dict[int, tuple[Slot, str]]:
+    def _verified(self, slots: list[Slot], verify: bool) -> dict[int, tuple[Slot, str]]:
         found: dict[int, tuple[Slot, str]] = {}
         peer_dir = self.directory.path / "peer"
         for slot in slots:
@@ -177,10 +181,28 @@ class SnapshotRing:
             try:
                 if not slot.lock(False):
                     continue
-                info = slot.verified()
+                info = slot.verified() if verify else slot.info()
+                if info is None or info.state is not State.SEALED:
+                    raise CheckpointError(f"{slot.path.name}: snapshot is "
+                                          f"{info.state.name.lower() if info else 'unreadable'}, not sealed")
                 found.setdefault(info.step, (slot, source))
             except CheckpointError as e:
                 log.warning("rank %d: not using snapshot %s: %s", self.rank, slot.path.name, e)
             finally:
                 slot.unlock()
         return found
+
+
+def load_verified(slot: Slot, read: Callable[[memoryview], object]) -> object:
+    """``read(payload)`` of a slot whose CRC32 checks out, under its lock.
+
+    Raises:
+        CheckpointError: the snapshot fails its check (or vanished).
+    """
+    try:
+        if not slot.lock(False, block=True):
+            raise CheckpointError(f"{slot.path.name}: gone")
+        slot.verified()
+        return read(slot.payload())
+    finally:
+        slot.close()
