@@ -30,6 +30,7 @@ two things:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import queue
@@ -130,8 +131,8 @@ class TrainguardAgent(LocalElasticAgent):
         workers find their snapshots) and, with several nodes, the server
         keeping the previous node's copies; the workers learn both from the
         environment."""
-        if self.snapshot_dir is None:
-            self.snapshot_dir = SnapshotDir.create(f"{self._config.job_id}-n{worker_group.group_rank}",
+        if self.snapshot_dir is None:  # one per agent: a replacement node may share a host with another
+            self.snapshot_dir = SnapshotDir.create(f"{self._config.job_id}-{os.getpid()}",
                                                    os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
         os.environ["TRAINGUARD_SNAPSHOT_DIR"] = str(self.snapshot_dir.path)
         nodes, me = worker_group.group_world_size, worker_group.group_rank
@@ -144,8 +145,11 @@ class TrainguardAgent(LocalElasticAgent):
             self.peer_server.start()
         self.peer_server.token = token
         port = self.peer_server.address.rsplit(":", 1)[1]
-        store.set(f"trainguard/peer/{me}", f"{'127.0.0.1' if loopback else socket.getfqdn()}:{port}")
-        os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"trainguard/peer/{(me + 1) % nodes}").decode()
+        # Keyed by this round's token, so a value left by a node of an
+        # earlier round (one that was lost) is never read.
+        key = f"trainguard/peer/{hashlib.sha256(token.encode()).hexdigest()[:16]}"
+        store.set(f"{key}/{me}", f"{'127.0.0.1' if loopback else socket.getfqdn()}:{port}")
+        os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"{key}/{(me + 1) % nodes}").decode()
 
     def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:
         """Give each round's workers a store of their own.
