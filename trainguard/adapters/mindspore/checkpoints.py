@@ -131,7 +131,7 @@ class Checkpoints(JobHistory):
         if self.snapshots is not None:
             if wait_s:
                 self.snapshots.wait(wait_s)
-            self.snapshots.close()
+            self.snapshots.close(wait=bool(wait_s))
             self.snapshots.directory.remove()
 
     def snapshot_report(self) -> dict:

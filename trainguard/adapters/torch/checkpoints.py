@@ -96,7 +96,7 @@ class Checkpoints(JobHistory):
             return
         if wait_s:
             self.snapshots.wait(wait_s)
-        self.snapshots.close()
+        self.snapshots.close(wait=bool(wait_s))
         self.snapshots.directory.remove()  # only when this process owns it
 
     def snapshot_report(self) -> dict:

@@ -248,17 +248,20 @@ class PersistWorker:
             out += self.poll(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
         return out
 
-    def close(self) -> None:
-        """Let the worker finish what it was asked and exit."""
+    def close(self, *, wait: bool = True) -> None:
+        """Let the worker finish what it was asked and exit; with ``wait``,
+        wait for that (up to a minute), else leave it to finish alone (a
+        process about to exit after a dying gasp)."""
         if self._proc is not None:
             try:
                 self._proc.stdin.close()
             except BrokenPipeError:
                 pass
-            try:
-                self._proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+            if wait:
+                try:
+                    self._proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
             self._proc = None
 
 

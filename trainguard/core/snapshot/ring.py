@@ -145,9 +145,9 @@ class SnapshotRing:
         while self.pinned and time.monotonic() < deadline:
             self.poll(timeout=0.2)
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
         self.poll()
-        self.worker.close()
+        self.worker.close(wait=wait)
         self.poll()
         self.forget_views()
         for slot in self.slots:
