@@ -10,8 +10,9 @@ from the node it pushed to (:func:`fetch`).
 
 The stream is plain TCP: ``TGPEER01``, a length-prefixed JSON header
 (``put``: rank, step, size; ``fetch``: rank) with an HMAC-SHA256 of it under
-the job token, then for a put the slot's bytes; the server answers one JSON
-line, followed for a fetch by the copy's bytes. A header that is malformed,
+the job token. For a put the server answers ``go`` (or why not) and only
+then reads the slot's bytes, then answers once more; for a fetch it answers
+one JSON line followed by the copy's bytes. A header that is malformed,
 too large or unauthenticated is refused before any payload is read; the
 payload is checked against the slot's own CRC32 before the copy replaces the
 previous one (bulk data is not HMACed: that would cost a SHA-256 pass over
@@ -73,9 +74,12 @@ def push(address: str, slot: Slot, *, rank: int, token: str, timeout_s: float = 
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
             sock.sendall(MAGIC + struct.pack("<I", len(header)) + header + _mac(token, header))
-            with open(slot.path, "rb") as f:
-                sock.sendfile(f, 0, size)
-            answer = json.loads(sock.makefile("r").readline() or "{}")
+            answers = sock.makefile("r")
+            answer = json.loads(answers.readline() or "{}")  # the header is accepted before any payload is sent
+            if answer.get("go"):
+                with open(slot.path, "rb") as f:
+                    sock.sendfile(f, 0, size)
+                answer = json.loads(answers.readline() or "{}")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"pushing rank {rank}'s snapshot to peer {address} failed: {e}") from None
     if not answer.get("ok"):
@@ -226,6 +230,7 @@ class PeerServer:
         free = shutil.disk_usage(self.directory.path).free
         if not 0 < size < free:
             raise CheckpointError(f"a snapshot of {size} bytes does not fit ({free} bytes free)")
+        sock.sendall(b'{"go": true}\n')
         slot = _store(self.directory, rank, meta["step"], size, lambda n: sock.recv(n))
         got = slot.info()
         slot.close()
