@@ -219,7 +219,7 @@ class Checkpoints(JobHistory):
             else None
         self.history = stored or history
         self.resumed_from = {"step": step, "source": source}
-        log.info("rank %d resumed at step %d from %s (%s)", self.rank, step, source, slot.path)
+        log.info("rank %d resumed from %s at step %d (%s)", self.rank, source, step, slot.path)
 
     def _load_stored(self, found: Verified) -> int:
         shards = found.manifest.get("layout", {}).get("shards", [])
@@ -234,7 +234,7 @@ class Checkpoints(JobHistory):
         else:
             self.history = load_checkpoint(found, self.rank, self.state)
         self.resumed_from = {"step": found.step, "source": "storage"}
-        log.info("rank %d resumed at step %d from storage (%s)", self.rank, found.step, found.path)
+        log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
         return found.step
 
 

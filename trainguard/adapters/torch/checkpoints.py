@@ -229,7 +229,7 @@ class Checkpoints(JobHistory):
             else None
         self.history = stored or held["history"]
         self.resumed_from = {"step": step, "source": source}
-        log.info("rank %d resumed at step %d from %s (%s)", self.rank, step, source, slot.path)
+        log.info("rank %d resumed from %s at step %d (%s)", self.rank, source, step, slot.path)
 
     def _load_stored(self, found: Verified) -> int:
         shards = found.manifest.get("layout", {}).get("shards", [])
@@ -243,7 +243,7 @@ class Checkpoints(JobHistory):
         self.state.load_state_dict(state)
         self.history = found.manifest.get("meta", {}).get("history", self.history)
         self.resumed_from = {"step": found.step, "source": "storage"}
-        log.info("rank %d resumed at step %d from storage (%s)", self.rank, found.step, found.path)
+        log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
         return found.step
 
 
