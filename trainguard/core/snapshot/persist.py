@@ -24,6 +24,7 @@ persists already asked of it and exits.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +65,15 @@ def _persist(req: dict, parent: int) -> dict:
         info = slot.info()
         if info is None or info.step != step or info.state not in (State.COMPLETE, State.SEALED):
             raise CheckpointError(f"slot {slot.path.name} no longer holds step {step}")
-        if info.state is State.COMPLETE:
-            info = slot.seal()
-        written = store.copy_file(step, name, slot.fileno(), PAGE, info.payload_bytes, info.crc32)
+        if info.state is State.SEALED:
+            written = store.copy_file(step, name, slot.fileno(), PAGE, info.payload_bytes, info.crc32)
+        else:
+            # Seal while the copy runs: the CRC pass and sendfile both run outside the GIL.
+            with ThreadPoolExecutor(1) as pool:
+                sealing = pool.submit(slot.seal)
+                written = store.copy_file(step, name, slot.fileno(), PAGE, info.payload_bytes, None)
+                info = sealing.result()
+            written = dataclasses.replace(written, crc32=info.crc32)
     finally:
         slot.close()
     tmp = store.tmp_path(step)
