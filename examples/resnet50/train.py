@@ -156,6 +156,7 @@ def main(cfg: DictConfig) -> None:
             log.info("step %d/%d  loss %.4f  lr %.4g  %.3f s/step", guard.step, cfg.steps, loss.item(),
                      scheduler.get_last_lr()[0], step_times[-1])
 
+    guard.close()  # waits for the last persist, so the report lists it
     report = guard.report()
     report.update({
         "world_size": world_size,
@@ -165,7 +166,6 @@ def main(cfg: DictConfig) -> None:
         "faults": read_fault_log(checkpoint_dir / ".trainguard" / "faults.jsonl") if checkpoint_dir else [],
         "config": OmegaConf.to_container(cfg, resolve=True),
     })
-    guard.close()
     if rank == 0:
         log.info("done: %d steps (this launch from %d), %d lost, median %.3f s/step, final state %s",
                  report["steps_completed"], start_step, report["lost_steps"], report["step_time_s"] or 0.0,

@@ -256,10 +256,10 @@ def train_guarded(cfg: DictConfig, net, optimizer, data, rank: int, timeline: Ti
         if guard.step != step + 1:
             continue  # the step failed and was recovered: it runs again
         log_step(cfg, rank, timeline, guard.step, loss, began, cpu, step_times)
+    guard.close()  # waits for the last persist, so the report lists it
     report = guard.report()
     report.update(start_step=start, faults=read_fault_log(checkpoint_dir / ".trainguard" / "faults.jsonl")
                   if checkpoint_dir is not None else [])
-    guard.close()
     return report
 
 

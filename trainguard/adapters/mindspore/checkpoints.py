@@ -191,23 +191,27 @@ class Checkpoints(JobHistory):
         from storage."""
         memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
         found = self.store.latest() if self.store is not None else None
-        while True:
-            every = _gather_lists(self, sorted(set(memory) | ({found.step} if found is not None else set())))
-            if not any(every):
-                return 0
-            common = set(every[0]).intersection(*every[1:])
-            if not common:
-                raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
-            step, ok = max(common), 1
-            if step in memory:
-                try:
-                    self._load_memory(step, *memory[step], found)
-                except CheckpointError as e:
-                    log.warning("rank %d: not using snapshot of step %d: %s", self.rank, step, e)
-                    del memory[step]
-                    ok = 0
-            if min(self.all_gather_ints([ok])) == 1:
-                return step if step in memory else self._load_stored(found)
+        try:
+            while True:
+                every = _gather_lists(self, sorted(set(memory) | ({found.step} if found is not None else set())))
+                if not any(every):
+                    return 0
+                common = set(every[0]).intersection(*every[1:])
+                if not common:
+                    raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
+                step, ok = max(common), 1
+                if step in memory:
+                    try:
+                        self._load_memory(step, *memory[step], found)
+                    except CheckpointError as e:
+                        log.warning("rank %d: not using snapshot of step %d: %s", self.rank, step, e)
+                        del memory[step]
+                        ok = 0
+                if min(self.all_gather_ints([ok])) == 1:
+                    return step if step in memory else self._load_stored(found)
+        finally:
+            for slot, _ in memory.values():  # the candidates not read
+                slot.close()
 
     def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
         _, arrays, history = load_verified(slot, read_arrays)

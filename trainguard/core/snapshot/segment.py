@@ -44,6 +44,7 @@ PAGE = 4096
 _HEAD = struct.Struct("<8sIIqQQQd")
 META_KEY = "trainguard"
 _CRC_CHUNK = 64 << 20
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
 class State(enum.IntEnum):
@@ -148,12 +149,15 @@ class Slot:
         if self._map is None or len(self._map) != size:
             if self._map is not None:
                 self._map.close()
-            self._map = mmap.mmap(self._fd, size) if size else None
+            # Every page mapped at once (one call instead of a fault per
+            # page), so neither a snapshot copy nor a CRC pass waits on faults.
+            self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | _POPULATE) if size else None
         return self._map
 
     def reserve(self, payload_bytes: int) -> mmap.mmap:
-        """Size the slot for ``payload_bytes`` and touch every page once, so a
-        snapshot copy never waits on page faults (the slot must be locked)."""
+        """Size the slot for ``payload_bytes`` (allocated now, so a full
+        ``/dev/shm`` is an error here and never a SIGBUS during a copy) and
+        map it (the slot must be locked)."""
         self._open(True)
         size = PAGE + payload_bytes
         if os.fstat(self._fd).st_size != size:
@@ -166,10 +170,6 @@ class Slot:
             except OSError as e:
                 raise CheckpointError(f"cannot reserve {size} bytes for snapshot slot {self.path}: "
                                       f"{e.strerror} (is /dev/shm large enough?)") from None
-            m = self._mapped()
-            zeros = bytes(1 << 20)
-            for pos in range(0, size, len(zeros)):
-                m[pos:pos + len(zeros)] = zeros[:size - pos]
         return self._mapped()
 
     def fileno(self) -> int:
