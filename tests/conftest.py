@@ -48,6 +48,8 @@ def run_job(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault: str
            *(extra_args or []), str(script or WORKERS / "tiny_train.py"), str(steps), str(report), str(ckpt),
            str(save_every)]
     proc = subprocess.run(cmd, env=full_env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:  # pytest shows a test's captured output when it fails: the log tail then reaches CI
+        print(f"--- {name}: exit {proc.returncode}; log tail ---\n{(proc.stdout + proc.stderr)[-8000:]}")
     data = json.loads(report.read_text()) if report.exists() else None
     return Job(proc.returncode, proc.stdout + proc.stderr, data, ckpt)
 
