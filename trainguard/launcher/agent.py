@@ -177,7 +177,8 @@ class TrainguardAgent(LocalElasticAgent):
             self.controller = None
 
     def shutdown_controller(self) -> None:
-        """Stop the relay and the controller (after the run), keeping its last status."""
+        """After the run: stop the relay, the controller (keeping its last
+        status) and the peer server, and remove the node's snapshots."""
         if self.relay is not None:
             self.relay.stop()
             self.relay = None

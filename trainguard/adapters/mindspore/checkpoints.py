@@ -15,7 +15,6 @@ save of a step memory already holds writes that payload as is.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 
@@ -25,7 +24,7 @@ from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import Verified
 from trainguard.core.history import JobHistory
 from trainguard.core.snapshot import Entry, SnapshotDir, SnapshotRing, payload_header
-from trainguard.core.snapshot.ring import FORMAT, load_verified
+from trainguard.core.snapshot.ring import FORMAT, check_settings, directory_for, load_verified, resume
 
 from .handlers import load_checkpoint, shard_name
 
@@ -100,22 +99,13 @@ class Checkpoints(JobHistory):
         """Snapshots every ``every`` steps in ``count`` slots (0: none).
 
         Raises:
-            ConfigError: ``every`` does not divide the save interval, or
-                ``count`` < 1.
+            ConfigError: see :func:`~trainguard.core.snapshot.ring.check_settings`.
         """
+        check_settings(every, count, self.save_every)
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
-        if not every:
-            return
-        if every < 0 or count < 1 or (self.save_every and self.save_every % every):
-            raise ConfigError(f"snapshot_every={every} must be >= 0 and divide save_every={self.save_every}; "
-                              f"snapshots_in_memory={count} must be >= 1")
-        path = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
-        directory = SnapshotDir.attach(path) if path else SnapshotDir.create(
-            f"{os.environ.get('TRAINGUARD_JOB_ID', 'ms')}-r{self.rank}-{os.getpid()}",
-            os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
-        self.snapshots = ParamSnapshots(directory, self.rank, count=count)
-        if directory.owned:
-            atexit.register(directory.remove)
+        if every:
+            directory = directory_for(f"{os.environ.get('TRAINGUARD_JOB_ID', 'ms')}-r{self.rank}-{os.getpid()}")
+            self.snapshots = ParamSnapshots(directory, self.rank, count=count)
 
     def take_snapshot(self, step: int, *, wait_s: float = 0.0) -> int | None:
         take = lambda: self.snapshots.take(self.state.arrays(), step, self.merged_history({}))  # noqa: E731
@@ -129,18 +119,10 @@ class Checkpoints(JobHistory):
 
     def close_snapshots(self, wait_s: float) -> None:
         if self.snapshots is not None:
-            if wait_s:
-                self.snapshots.wait(wait_s)
-            self.snapshots.close(wait=bool(wait_s))
-            self.snapshots.directory.remove()
+            self.snapshots.shutdown(wait_s)
 
     def snapshot_report(self) -> dict:
-        s = self.snapshots
-        if s is None:
-            return {}
-        return {"snapshots": {"taken": s.taken, "skipped": s.skipped, "persisted": list(s.persisted),
-                              "errors": list(s.errors), "worker_restarts": s.worker.restarts,
-                              "reused_for_dump": getattr(self, "_reused", []), "resumed_from": self.resumed_from}}
+        return {"snapshots": self.snapshots.report(self.resumed_from)} if self.snapshots is not None else {}
 
     def write_snapshot_file(self, step: int):
         """The dying-gasp file of ``step`` from its snapshot (taken now
@@ -149,7 +131,7 @@ class Checkpoints(JobHistory):
         if index is None:
             index = self.take_snapshot(step, wait_s=_save_timeout_s())
         else:
-            self._reused = getattr(self, "_reused", []) + [step]
+            self.snapshots.reused.append(step)
             log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
         slot = self.snapshots.slots[index]
         slot.lock(False, block=True)
@@ -191,27 +173,11 @@ class Checkpoints(JobHistory):
         from storage."""
         memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
         found = self.store.latest() if self.store is not None else None
-        try:
-            while True:
-                every = _gather_lists(self, sorted(set(memory) | ({found.step} if found is not None else set())))
-                if not any(every):
-                    return 0
-                common = set(every[0]).intersection(*every[1:])
-                if not common:
-                    raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
-                step, ok = max(common), 1
-                if step in memory:
-                    try:
-                        self._load_memory(step, *memory[step], found)
-                    except CheckpointError as e:
-                        log.warning("rank %d: not using snapshot of step %d: %s", self.rank, step, e)
-                        del memory[step]
-                        ok = 0
-                if min(self.all_gather_ints([ok])) == 1:
-                    return step if step in memory else self._load_stored(found)
-        finally:
-            for slot, _ in memory.values():  # the candidates not read
-                slot.close()
+        return resume(memory, found.step if found is not None else None,
+                      gather=lambda steps: _gather_lists(self, steps),
+                      agree=lambda ok: min(self.all_gather_ints([int(ok)])) == 1,
+                      load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found),
+                      load_stored=lambda: self._load_stored(found))
 
     def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
         _, arrays, history = load_verified(slot, read_arrays)

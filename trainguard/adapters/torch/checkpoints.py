@@ -17,7 +17,6 @@ all resume at the newest step every rank has, from memory where they can.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -25,11 +24,10 @@ from typing import Sequence
 
 import torch
 
-from trainguard.core import CheckpointError, ConfigError
+from trainguard.core import CheckpointError
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified, shard_file
 from trainguard.core.history import JobHistory
-from trainguard.core.snapshot import SnapshotDir
-from trainguard.core.snapshot.ring import load_verified
+from trainguard.core.snapshot.ring import check_settings, directory_for, load_verified, resume
 
 from .handlers import read_shard, shard_name
 from .process_group import job_namespace
@@ -53,28 +51,18 @@ class Checkpoints(JobHistory):
         copy on the next node when ``peer``.
 
         Raises:
-            ConfigError: a save interval that is not a multiple of ``every``,
-                or ``count`` < 1.
+            ConfigError: see :func:`~trainguard.core.snapshot.ring.check_settings`.
         """
+        check_settings(every, count, self.save_every)
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
         if not every:
             return
-        if every < 0 or count < 1 or (self.save_every and self.save_every % every):
-            raise ConfigError(f"snapshot_every={every} must be >= 0 and divide save_every={self.save_every}; "
-                              f"snapshots_in_memory={count} must be >= 1")
-        path = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
-        root = os.environ.get("TRAINGUARD_SNAPSHOT_ROOT")
-        # Under `trainguard run` the node agent owns the directory, so the
-        # snapshots outlive this process; otherwise this process does.
-        directory = SnapshotDir.attach(path) if path else \
-            SnapshotDir.create(f"{job_namespace()}-r{self.rank}-{os.getpid()}", root)
         address = os.environ.get("TRAINGUARD_SNAPSHOT_PEER") if peer else None
         if peer and not address:
             log.warning("snapshot_peer: no peer node (one node, or not launched by `trainguard run`); "
                         "snapshots stay on this node only")
+        directory = directory_for(f"{job_namespace()}-r{self.rank}-{os.getpid()}")
         self.snapshots = Snapshots(directory, self.rank, count=count, peer=address)
-        if directory.owned:  # a crash that unwinds still removes it; a kill -9 leaves it to sweep()
-            atexit.register(directory.remove)
 
     def snapshot_state(self, step: int) -> dict:
         state = self.state.committed_state_dict()
@@ -92,21 +80,11 @@ class Checkpoints(JobHistory):
         return index
 
     def close_snapshots(self, wait_s: float) -> None:
-        if self.snapshots is None:
-            return
-        if wait_s:
-            self.snapshots.wait(wait_s)
-        self.snapshots.close(wait=bool(wait_s))
-        self.snapshots.directory.remove()  # only when this process owns it
+        if self.snapshots is not None:
+            self.snapshots.shutdown(wait_s)
 
     def snapshot_report(self) -> dict:
-        s = self.snapshots
-        if s is None:
-            return {}
-        return {"snapshots": {"taken": s.taken, "skipped": s.skipped, "persisted": list(s.persisted),
-                              "errors": list(s.errors), "worker_restarts": s.worker.restarts,
-                              "reused_for_dump": getattr(self, "_reused", []),
-                              "resumed_from": self.resumed_from}}
+        return {"snapshots": self.snapshots.report(self.resumed_from)} if self.snapshots is not None else {}
 
     # ------------------------------------------------------------ saves
     def write_shard(self, step: int):
@@ -117,7 +95,7 @@ class Checkpoints(JobHistory):
         if self.snapshots is not None:
             index = self.snapshots.holding(step)
             if index is not None:
-                self._reused = getattr(self, "_reused", []) + [step]
+                self.snapshots.reused.append(step)
                 log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
             else:
                 index = self.take_snapshot(step, wait_s=self.save_timeout_s)
@@ -196,33 +174,15 @@ class Checkpoints(JobHistory):
     def _load(self) -> int:
         """Load the newest step every rank can load -- from this node's
         memory where a sealed snapshot holds it, else the newest complete
-        checkpoint on storage -- and return it (0: nothing to load). A
-        snapshot that fails its CRC32 when read drops out and the ranks
-        agree again."""
+        checkpoint on storage -- and return it (0: nothing to load)."""
         memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
         found = self.store.latest() if self.store is not None else None
-        try:
-            while True:
-                mine = sorted(set(memory) | ({found.step} if found is not None else set()))
-                every = self.process_group.all_gather_json(mine, self.device.torch_device)
-                if not any(every):
-                    return 0
-                common = set(every[0]).intersection(*every[1:])
-                if not common:
-                    raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
-                step, ok = max(common), True
-                if step in memory:
-                    try:
-                        self._load_memory(step, *memory[step], found)
-                    except CheckpointError as e:
-                        log.warning("rank %d: not using snapshot of step %d: %s", self.rank, step, e)
-                        del memory[step]
-                        ok = False
-                if all(self.process_group.all_gather_json(ok, self.device.torch_device)):
-                    return step if step in memory else self._load_stored(found)
-        finally:
-            for slot, _ in memory.values():  # the candidates not read
-                slot.close()
+        device = self.device.torch_device
+        return resume(memory, found.step if found is not None else None,
+                      gather=lambda steps: self.process_group.all_gather_json(steps, device),
+                      agree=lambda ok: all(self.process_group.all_gather_json(ok, device)),
+                      load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found),
+                      load_stored=lambda: self._load_stored(found))
 
     def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
         _, held = load_verified(slot, lambda payload: read_payload(payload, self.device.torch_device))

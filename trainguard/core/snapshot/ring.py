@@ -11,19 +11,20 @@ it cached about a slot's memory when the layout changes.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import time
 from typing import Callable, Sequence
 
-from ..api import CheckpointError
+from ..api import CheckpointError, ConfigError
 from .peer import fetch
 from .persist import PersistWorker
 from .segment import Entry, Layout, Slot, State
 from .shm import SnapshotDir
 
-__all__ = ["FORMAT", "SnapshotRing", "load_verified"]
+__all__ = ["FORMAT", "SnapshotRing", "check_settings", "directory_for", "load_verified", "resume"]
 
 log = logging.getLogger("trainguard.snapshot")
 
@@ -59,6 +60,7 @@ class SnapshotRing:
         self.taken = self.skipped = 0
         self.persisted: list[dict] = []
         self.errors: list[str] = []
+        self.reused: list[int] = []  # steps whose dying-gasp save wrote the snapshot
 
     def forget_views(self) -> None:
         """Drop every view into slot memory (the slots are about to be resized)."""
@@ -145,6 +147,20 @@ class SnapshotRing:
         while self.pinned and time.monotonic() < deadline:
             self.poll(timeout=0.2)
 
+    def report(self, resumed_from: dict | None) -> dict:
+        return {"taken": self.taken, "skipped": self.skipped, "persisted": list(self.persisted),
+                "errors": list(self.errors), "worker_restarts": self.worker.restarts,
+                "reused_for_dump": list(self.reused), "resumed_from": resumed_from}
+
+    def shutdown(self, wait_s: float) -> None:
+        """At the end of training: wait up to ``wait_s`` for the persists
+        asked (0: leave them to the worker), close, and remove the directory
+        when this process owns it."""
+        if wait_s:
+            self.wait(wait_s)
+        self.close(wait=bool(wait_s))
+        self.directory.remove()
+
     def close(self, *, wait: bool = True) -> None:
         self.poll()
         self.worker.close(wait=wait)
@@ -206,3 +222,64 @@ def load_verified(slot: Slot, read: Callable[[memoryview], object]) -> object:
         return read(slot.payload())
     finally:
         slot.close()
+
+
+def check_settings(every: int, count: int, save_every: int) -> None:
+    """Raises:
+        ConfigError: ``every`` < 0, ``count`` < 1, or a save interval that is
+            not a multiple of ``every``."""
+    if every < 0 or (every and (count < 1 or (save_every and save_every % every))):
+        raise ConfigError(f"snapshot_every={every} must be >= 0 and divide save_every={save_every}; "
+                          f"snapshots_in_memory={count} must be >= 1")
+
+
+def directory_for(name: str) -> SnapshotDir:
+    """The node agent's snapshot directory (``TRAINGUARD_SNAPSHOT_DIR``), so
+    snapshots outlive this process; without an agent one this process owns,
+    named ``name`` and removed at exit (a crash that unwinds included; a
+    kill -9 leaves it to :func:`~.shm.sweep`)."""
+    path = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+    if path:
+        return SnapshotDir.attach(path)
+    directory = SnapshotDir.create(name, os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
+    atexit.register(directory.remove)
+    return directory
+
+
+def resume(memory: dict[int, tuple[Slot, str]], stored: int | None, *, gather: Callable[[list[int]], list],
+           agree: Callable[[bool], bool], load_memory: Callable[[int, Slot, str], None],
+           load_stored: Callable[[], int]) -> int:
+    """Pick and load the step to resume at: the newest every rank can load,
+    from ``memory`` (sealed snapshots, step -> (slot, source)) where it holds
+    it, else from storage (``stored``: the newest complete checkpoint's
+    step). A snapshot that fails its check when ``load_memory`` reads it
+    drops out and the ranks agree again. Returns 0 when nothing anywhere.
+
+    Args:
+        gather: every rank's list of steps (a collective).
+        agree: whether every rank's flag is true (a collective).
+
+    Raises:
+        CheckpointError: the ranks share no step.
+    """
+    try:
+        while True:
+            every = gather(sorted(set(memory) | ({stored} if stored is not None else set())))
+            if not any(every):
+                return 0
+            common = set(every[0]).intersection(*every[1:])
+            if not common:
+                raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
+            step, ok = max(common), True
+            if step in memory:
+                try:
+                    load_memory(step, *memory[step])
+                except CheckpointError as e:
+                    log.warning("not using the snapshot of step %d: %s", step, e)
+                    del memory[step]
+                    ok = False
+            if agree(ok):
+                return step if step in memory else load_stored()
+    finally:
+        for slot, _ in memory.values():  # the candidates not read
+            slot.close()
