@@ -5,6 +5,8 @@
 * ``trainguard status [--controller HOST:PORT]`` -- a running job's state.
 * ``trainguard ckpt list|verify DIR`` -- the checkpoints in a directory and
   whether each passes verification.
+* ``trainguard slow-nodes DIR [--job ID] [--json] [--plot PNG]`` -- the slow
+  ranks of a job from its profiling records, with the evidence.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from typing import Sequence
 
 __all__ = ["main"]
 
-USAGE = """usage: trainguard {run,status,ckpt} ...
+USAGE = """usage: trainguard {run,status,ckpt,slow-nodes} ...
 
   run     launch a training script like torchrun, protected by trainguard
           (--framework mindspore: like msrun, with msrun's flags)
   status  show a running job's controller state
   ckpt    list or verify checkpoints in a directory
+  slow-nodes  find slow ranks in a job's profiling records (table, JSON, plot)
 """
 
 
@@ -69,6 +72,40 @@ def _ckpt(argv: Sequence[str]) -> int:
     return 1 if bad else 0
 
 
+def _slow_nodes(argv: Sequence[str]) -> int:
+    from trainguard.core import ConfigError
+    from trainguard.core.profiling.detect import DetectorConfig
+    from trainguard.core.profiling.records import find_job_dir
+    from trainguard.core.profiling.report import analyse, plot, table
+
+    p = argparse.ArgumentParser(prog="trainguard slow-nodes",
+                                description="Find the slow ranks of a job from its profiling records.")
+    p.add_argument("directory", type=Path, help="the profiling directory, or one job's directory in it")
+    p.add_argument("--job", help="the job id, when the directory holds several jobs")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="also draw the per-step times to this PNG file")
+    p.add_argument("--baseline-steps", type=int, default=DetectorConfig.baseline_steps,
+                   help="steps after warm-up that form each rank's baseline (default %(default)s)")
+    p.add_argument("--consecutive", type=int, default=DetectorConfig.consecutive,
+                   help="steps in a row a rank must exceed before it is named (default %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        config = DetectorConfig(baseline_steps=args.baseline_steps, consecutive=args.consecutive)
+        job_dir = find_job_dir(args.directory, args.job)
+        result = analyse(job_dir, config)
+    except ConfigError as e:
+        print(f"trainguard slow-nodes: {e}", file=sys.stderr)
+        return 2
+    if args.plot is not None:
+        try:
+            result["plot"] = str(plot(job_dir, result, args.plot))
+        except ImportError:
+            print("trainguard slow-nodes: --plot needs matplotlib (pip install 'trainguard[plot]')", file=sys.stderr)
+            return 2
+    print(json.dumps(result, indent=1) if args.json else table(result))
+    return 0
+
+
 def _framework(argv: list[str]) -> tuple[str, list[str]]:
     """``--framework NAME`` / ``--framework=NAME`` at the front of ``run``'s arguments."""
     first = argv[0]
@@ -98,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _status(rest)
     if command == "ckpt":
         return _ckpt(rest)
+    if command == "slow-nodes":
+        return _slow_nodes(rest)
     print(f"trainguard: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

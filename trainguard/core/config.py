@@ -56,6 +56,12 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_SNAPSHOT_ROOT": "where snapshot directories live in shared memory (default /dev/shm)",
     "TRAINGUARD_SNAPSHOT_DIR": "set by the node agent: this node's snapshot directory (do not set by hand)",
     "TRAINGUARD_SNAPSHOT_PEER": "set by the node agent: host:port of the next node's snapshot copies (do not set by hand)",
+    "TRAINGUARD_PROFILING_DIR": "where per-rank profiling markers are written (<dir>/<job id>/<rank>/<unix ts>); "
+                                "unset: no markers",
+    "TRAINGUARD_PROFILING_SWITCH": "the JSON switch file turning markers on and off at run time "
+                                   "(default <profiling dir>/profilingSwitch)",
+    "TRAINGUARD_PROFILING_CAP_MB": "size of the profiling directory past which each rank ages out its oldest "
+                                   "record files (default 5000)",
     "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
     "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",
     "TRAINGUARD_WATCHDOG": "'off' turns the in-process hang watchdog off (default on)",

@@ -30,7 +30,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from .api import (
     EXIT_HUNG,
@@ -108,6 +108,8 @@ class ControllerCore(Restarts):
         self._parsed: dict[tuple, ReplicaGroup] = {}
         self._last_tick = clock()
         self._next_heartbeat_scan = 0.0
+        #: Live slow-node detection (a :class:`~trainguard.core.profiling.live.LiveDetector`), when profiling is on.
+        self.slow_nodes: Any = None
 
     # ----------------------------------------------------------------- events
     def on_hello(self, hello: pb.Hello) -> None:
@@ -340,6 +342,7 @@ class ControllerCore(Restarts):
                 "plan": self.episode.plan.strategy.value if self.episode.plan else None,
                 "reason": self.episode.reason,
             },
+            "slow_nodes": None if self.slow_nodes is None else self.slow_nodes.status(),
         }
 
     # --------------------------------------------------------------- faults

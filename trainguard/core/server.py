@@ -21,6 +21,7 @@ from .api import ControllerState, ProtocolError, TrainguardError
 from .loop import LoopThread
 from .config import ControllerConfig
 from .controller import ControllerCore
+from .profiling.live import LiveDetector
 from .protocol import trainguard_pb2 as pb
 from .rpc import SERVICE, Refused, check_token, decoder, new_token, validate_rank_message
 
@@ -319,6 +320,7 @@ class Controller(LoopThread):
         self._server: Any = None
         self._service: _Service | None = None
         self._core: ControllerCore | None = None
+        self._live: LiveDetector | None = None
 
     thread_name = "trainguard-controller"
 
@@ -332,7 +334,16 @@ class Controller(LoopThread):
         host = self.config.host
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         log.info("controller listening on %s for %d ranks", self.address, self.world_size)
+        self._live = LiveDetector.from_env(self.config.job_id, self.world_size)
+        if self._live is not None:
+            self._core.slow_nodes = self._live.start()
+            log.info("live slow-node detection follows %s", self._live.job_dir)
         return self.address
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._live is not None:
+            self._live.stop()
+        super().stop(grace_s)
 
     async def _serve(self, ready: Future) -> None:
         self._core = ControllerCore(self.config, self.world_size, send=lambda r, c: self._service.deliver(r, c),

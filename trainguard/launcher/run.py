@@ -39,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
                     help="address the controller binds to (default: TRAINGUARD_HOST or 127.0.0.1)")
     tg.add_argument("--controller-port", type=int, default=None,
                     help="port the controller binds to (default: any free port)")
-    tg.add_argument("--job-id", default=None, help="job id in logs and reports (default: the rendezvous id)")
+    tg.add_argument("--job-id", default=None, help="job id in logs, reports and profiling directories (default: "
+                                                   "TRAINGUARD_JOB_ID, else the rendezvous id)")
     tg.add_argument("--spare-slots", type=int, default=None,
                     help="workers this node may start for other nodes' ranks under the `recover` strategy "
                          "(default: TRAINGUARD_SPARE_SLOTS or 0)")
@@ -76,7 +77,7 @@ def launch(argv: Sequence[str]) -> int:
         raise TrainguardError("elastic node counts (--nnodes MIN:MAX) need elastic-training; give one number")
     controller_config = ControllerConfig.from_env(
         strategies=args.strategies, host=args.controller_host, port=args.controller_port,
-        job_id=args.job_id or config.run_id)
+        job_id=args.job_id or os.environ.get("TRAINGUARD_JOB_ID") or config.run_id)
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,

@@ -51,3 +51,10 @@ def classifier() -> Classifier:
     c.register(r"CommunicationBroken", FaultKind.COMM)
     c.register(FAILED_COLLECTIVE.pattern, FaultKind.COMM)
     return c
+
+
+def world_group() -> str:
+    """The world communication group's name (for profiling records)."""
+    from mindspore.communication import GlobalComm
+
+    return GlobalComm.WORLD_COMM_GROUP if GlobalComm.INITED else "world"

@@ -44,7 +44,8 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Callable, Iterable, Iterator, Sequence
 
 import mindspore as ms
 import numpy as np
@@ -67,10 +68,12 @@ from trainguard.core import (
 )
 from trainguard.core import logs
 from trainguard.core.history import Protected
+from trainguard.core.profiling import recorder_from_env
 
 from . import context
 from .checkpoints import Checkpoints
 from .handlers import MindSporeHandlers
+from .markers import MindSporeMarkers
 from .optimizer import OptTFTWrapper
 from .state import ModelState
 
@@ -119,6 +122,8 @@ class Guard(Checkpoints):
         compiled_step: graph mode only (given by ``TrainFaultTolerance``):
             ``compiled_step(inputs)`` runs the compiled train step on a
             batch, which the drain replays.
+        profiling_dir: where profiling markers go (default
+            ``TRAINGUARD_PROFILING_DIR``; unset: none); see the torch Guard.
         save_fn: writes the dying-gasp checkpoint instead of trainguard
             (``TrainFaultTolerance``'s ``ckpt_save_fn``): called with the
             step on the rank that saves, with the state at that step; its
@@ -149,6 +154,7 @@ class Guard(Checkpoints):
         classifier: Classifier | None = None,
         compiled_step: Callable[[tuple], object] | None = None,
         save_fn: Callable[[int], None] | None = None,
+        profiling_dir: str | os.PathLike | None = None,
     ) -> None:
         self._graph = ms.get_context("mode") != ms.PYNATIVE_MODE
         if self._graph and compiled_step is None:
@@ -187,10 +193,13 @@ class Guard(Checkpoints):
         self._in_collective = False  # for the hang watchdog: waiting on peers is not a hang of ours
         self._step_started = 0.0
 
-        ids = self.all_gather_ints([os.getpid(), context.host_id()])
-        self.pids = {r: ids[2 * r] for r in range(self.world_size)}
+        ids = self.all_gather_ints([os.getpid(), context.host_id(), int(time.time())])
+        self.pids = {r: ids[3 * r] for r in range(self.world_size)}
         #: Which ranks share a machine (a repair between them goes through shared memory).
-        self.hosts = {r: ids[2 * r + 1] for r in range(self.world_size)}
+        self.hosts = {r: ids[3 * r + 1] for r in range(self.world_size)}
+        self.recorder = recorder_from_env(rank=self.rank, started_at=ids[2], directory=profiling_dir)
+        self._markers = MindSporeMarkers(self.recorder, None if self._graph else network, lambda: self._step,
+                                         context.world_group(), list(range(self.world_size))) if self.recorder else None
         self.setup_snapshots(snapshot_every, snapshots_in_memory)
         self._step = self._load()
         self.state.commit(self._step)
@@ -232,15 +241,18 @@ class Guard(Checkpoints):
         mine = Tensor(np.asarray(values, np.int64))
         if self.world_size == 1:
             return [int(v) for v in values]
-        return [int(v) for v in self._collective(lambda: ops.AllGather()(mine).asnumpy())]
+        return [int(v) for v in self._collective(lambda: ops.AllGather()(mine).asnumpy(), "allgather")]
 
-    def _collective(self, fn):
+    def _collective(self, fn, op: str = "collective"):
         """Run a collective; a failure means the communicator is no longer
         usable by this process (MindSpore cannot abort one cleanly)."""
         if self.comm_broken:
             raise CommunicationBroken(f"rank {self.rank}: {self.comm_broken}")
         self._in_collective = True
         try:
+            if getattr(self, "_markers", None) is not None:
+                with self._markers.collective(op):
+                    return fn()
             return fn()
         except RuntimeError as e:
             self.comm_broken = f"a collective failed ({str(e).splitlines()[0]})"
@@ -257,7 +269,7 @@ class Guard(Checkpoints):
         if self.world_size == 1:
             return healthy
         flag = Tensor(np.array([1.0 if healthy else 0.0], np.float32))  # CPU AllReduce takes floats only
-        total = self._collective(lambda: int(self._allreduce(flag).asnumpy()[0]))
+        total = self._collective(lambda: int(self._allreduce(flag).asnumpy()[0]), "vote")
         return total == self.world_size
 
     def section(self, name: str):
@@ -280,6 +292,8 @@ class Guard(Checkpoints):
         leaves the same step."""
         while self._step < total:
             self._entered = False
+            if self._markers is not None:
+                self._markers.iteration_start()
             yield self._step
             if not self._entered:
                 raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
@@ -288,11 +302,18 @@ class Guard(Checkpoints):
         """Context manager around one step's body; see the module docstring."""
         return Protected(self)
 
+    def loader(self, iterable: Iterable) -> Iterator:
+        """Iterate ``iterable`` (a dataset iterator), timing each fetch as the
+        DataLoader marker when profiling is on (see the torch Guard)."""
+        return self._markers.loader(iterable) if self._markers is not None else iter(iterable)
+
     def _begin(self) -> None:
         self._entered = True
         self._updated = self._skipped = False
         self._phase = _COMPUTE
         self._step_started = time.perf_counter()
+        if self._markers is not None:
+            self._markers.step_started()  # Model.train's callback: no iteration top of ours
         self.injector.strike("gc", self._step)  # a pause only: nothing raised in __enter__
 
     def _begin_compiled(self, inputs: tuple) -> None:
@@ -334,7 +355,7 @@ class Guard(Checkpoints):
         self._phase = _REDUCING
         self.injector.strike("reduce", self._step)
         if self._reduce:
-            gradients = self._collective(lambda: self.reducer(gradients))
+            gradients = self._collective(lambda: self.reducer(gradients), "gradient allreduce")
         return gradients
 
     def update(self, gradients):
@@ -375,9 +396,12 @@ class Guard(Checkpoints):
         self.state.commit(self._step)
         self.injector.after_step(self._step, time.perf_counter() - self._step_started)
         if self.save_every and self._step % self.save_every == 0:
-            self.save()
+            with self._markers.save() if self._markers is not None else nullcontext():
+                self.save()
         elif self.snapshot_every and self._step % self.snapshot_every == 0:
             self.take_snapshot(self._step)
+        if self._markers is not None:
+            self._markers.step_end()
 
     def _drain(self) -> None:
         """Release the peers of a rank that failed in a step: replay the
@@ -465,7 +489,7 @@ class Guard(Checkpoints):
     def report(self) -> dict:
         """Steps, lost steps, PIDs per rank, recoveries and a hash of the state."""
         return {"steps_completed": self._step, **self.history_report(), "final_state_sha256": self.state.sha256(),
-                **self.snapshot_report()}
+                **self.snapshot_report(), **({"profiling": self.recorder.report()} if self.recorder else {})}
 
     def close(self, *, finished: bool = True) -> None:
         """Say goodbye to the controller and detach from the optimizer."""
@@ -475,5 +499,8 @@ class Guard(Checkpoints):
         if self._graph:
             self.optimizer.set_health(True)  # the vote stays compiled in: without a Guard every step updates
         self.optimizer.guard = None
+        if self._markers is not None:
+            self._markers.close()
+            self._markers = None
         self.close_snapshots(wait_s=float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800")) if finished else 0.0)
         self.processor.close(finished=finished)

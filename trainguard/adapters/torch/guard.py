@@ -34,7 +34,7 @@ import time
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,11 +56,13 @@ from trainguard.core import (
 )
 from trainguard.core import logs
 from trainguard.core.history import Protected
+from trainguard.core.profiling import recorder_from_env
 
 from .checkpoints import Checkpoints
 from .device import for_module
 from .handlers import TorchHandlers
 from .join import joining
+from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .process_group import AbortableProcessGroup, GroupRef, allreduce_hook, job_namespace
 from .state import state_sha256
@@ -96,6 +98,9 @@ class Guard(Checkpoints):
             state: 12 bytes per parameter with fp32 Adam).
         snapshot_peer: keep a copy of each snapshot on the next node
             (``trainguard run`` with several nodes).
+        profiling_dir: where per-rank profiling markers go, switched at run
+            time by a JSON file (default: ``TRAINGUARD_PROFILING_DIR``;
+            unset: no markers; see :mod:`trainguard.core.profiling`).
         replicas: this rank's replica groups (default: every rank holds the
             whole state, as in DDP).
         processor, injector, classifier: collaborators, from the
@@ -129,6 +134,7 @@ class Guard(Checkpoints):
         classifier: Classifier | None = None,
         comm_timeout: timedelta = timedelta(minutes=30),
         elastic_lr: str = "keep",
+        profiling_dir: str | os.PathLike | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise ConfigError("call torch.distributed.init_process_group() before creating a Guard")
@@ -175,15 +181,20 @@ class Guard(Checkpoints):
                 raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
             self.attach_ddp()
         self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer)
+        started_at = time.time()
         if join:
             # The others are paused in a recovery: no start-up collectives;
             # the state, the step and the history come from a replica.
             self.pids = {self.rank: os.getpid()}
         else:
-            self.pids = {int(r): p for r, p in enumerate(self.process_group.all_gather_json(
-                os.getpid(), self.device.torch_device))}
+            ids = self.process_group.all_gather_json([os.getpid(), started_at], self.device.torch_device)
+            self.pids = {r: pid for r, (pid, _) in enumerate(ids)}
+            started_at = ids[0][1]  # one default profiling job id for every rank
             self._step = self._load()
         self.state.commit(self._step)
+        self.recorder = recorder_from_env(rank=self.rank, started_at=started_at, directory=profiling_dir)
+        self._markers = TorchMarkers(self.recorder, [self.state.module], lambda: self._step,
+                                     lambda: self.process_group) if self.recorder else None
 
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
         self.injector = injector or FaultInjector.from_env(self.rank, log_path=log_path)
@@ -301,9 +312,22 @@ class Guard(Checkpoints):
                 self._handle(ForceStop("stopped at a step boundary"))
                 continue
             self._entered = False
+            if self._markers is not None:
+                self._markers.iteration_start()
             yield self._step
             if not self._entered:
                 raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
+
+    def loader(self, iterable: Iterable) -> Iterator:
+        """Iterate ``iterable`` (a DataLoader), timing each batch fetch as the
+        DataLoader marker when profiling is on::
+
+            batches = guard.loader(train_loader)
+            for step in guard.steps(total):
+                with guard.protect():
+                    x, y = next(batches)
+        """
+        return self._markers.loader(iterable) if self._markers is not None else iter(iterable)
 
     def protect(self) -> Protected:
         """Context manager around one step's body; see the module docstring."""
@@ -337,9 +361,15 @@ class Guard(Checkpoints):
             self.keep_bucket_layout()
         self.injector.after_step(self._step, time.perf_counter() - self._step_started)
         if self.save_every and self._step % self.save_every == 0:
-            self.save()
+            if self._markers is not None:
+                with self._markers.save():
+                    self.save()
+            else:
+                self.save()
         elif self.snapshot_every and self._step % self.snapshot_every == 0:
             self.take_snapshot(self._step)
+        if self._markers is not None:
+            self._markers.step_end()
 
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left and carry out the recovery."""
@@ -413,6 +443,7 @@ class Guard(Checkpoints):
             "final_state_sha256": state_sha256(self.state.model_and_optimizer()),
             "replicas": list(self.replicas),
             **self.snapshot_report(),
+            **({"profiling": self.recorder.report()} if self.recorder else {}),
         }
 
     def close(self, *, finished: bool = True) -> None:
@@ -420,6 +451,9 @@ class Guard(Checkpoints):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self._markers is not None:
+            self._markers.close()
+            self._markers = None
         self.close_snapshots(wait_s=self.save_timeout_s if finished else 0.0)
         self.processor.close(finished=finished)
 

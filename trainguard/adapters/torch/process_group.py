@@ -149,6 +149,8 @@ class AbortableProcessGroup(dist.ProcessGroup):
         self._halted = False
         self._black_hole = False
         self.generation = generation
+        #: Told of every collective issued: ``observer(op, args, work)`` (profiling markers).
+        self.observer: Callable[[str, tuple, Any], None] | None = None
         self._inner = self._build(generation) if build else None
 
     # ------------------------------------------------------------ lifecycle
@@ -240,7 +242,10 @@ class AbortableProcessGroup(dist.ProcessGroup):
             work = _Work(self, None, result)
             work.finish(error=ForceStop(f"{op} refused: the process group is stopped"))
             return work
-        return _Work(self, getattr(self._inner, op)(*args), result)
+        work = _Work(self, getattr(self._inner, op)(*args), result)
+        if self.observer is not None:
+            self.observer(op, args, work)
+        return work
 
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()

@@ -42,6 +42,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 from trainguard.core import (
@@ -59,6 +60,7 @@ from trainguard.core import (
 from trainguard.core import logs
 from trainguard.core.classify import Classifier
 
+from . import markers
 from .handlers import TtpHandlers
 from .state import TTP, checked_int
 
@@ -163,19 +165,21 @@ def tft_start_processor(master_ip: str, port: int, **_: Any) -> int:
                       restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     processor.add_stop_listener(lambda: TTP.call("stop", optional=True))
     TTP.processor = processor
-    TTP.pids = _all_pids()
+    TTP.pids, started_at = _all_pids()
+    markers.start(started_at)
     atexit.register(TTP.exit_now)
     return 0
 
 
-def _all_pids() -> dict[int, int]:
-    """Every rank's PID (for the job's history), when torch.distributed is up."""
+def _all_pids() -> tuple[dict[int, int], float]:
+    """Every rank's PID (for the job's history) and rank 0's clock (one
+    default profiling job id), when torch.distributed is up."""
     tdist = sys.modules.get("torch.distributed")
     if tdist is None or not tdist.is_initialized():
-        return {TTP.rank: os.getpid()}
-    pids: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(pids, os.getpid())
-    return dict(enumerate(pids))
+        return {TTP.rank: os.getpid()}, time.time()
+    ids: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(ids, (os.getpid(), time.time()))
+    return {r: pid for r, (pid, _) in enumerate(ids)}, ids[0][1]
 
 
 def tft_set_optimizer_replica(rank: int, replica_info: Sequence[Mapping[str, Any]]) -> None:
@@ -212,6 +216,7 @@ def ttp_register_rename_handler(fn: Callable) -> None:
 def ttp_set_ckpt_args(args: Any) -> None:
     """What the save handler gets as ``args``, set after every iteration."""
     TTP.args = args
+    markers.set_args(args)
 
 
 tft_set_step_args = ttp_set_ckpt_args
@@ -271,6 +276,7 @@ def ttp_end_updating_os(step: int) -> None:
     """The update ended; the state is that of ``step`` completed updates."""
     TTP.live().end_update(checked_int("step", step))
     TTP.step = step
+    markers.step_end()
 
 
 tft_start_updating_os = ttp_start_updating_os
@@ -326,6 +332,7 @@ def _handle(error: Exception) -> None:
         return
     TTP.call("exit", optional=True)
     log.warning("rank %d exits with code %d: %s", processor.rank, outcome.exit_code, outcome.reason)
+    markers.close()
     processor.close(finished=False)
     TTP.exit_code = outcome.exit_code
     raise SystemExit(outcome.exit_code)

@@ -44,6 +44,7 @@ class _State(JobHistory):
         self.history: dict = {"records": [], "pids": {}}  # earlier launches', from the checkpoint loaded
         self.records: list[dict] = []  # this launch's recoveries
         self.pids: dict[int, int] = {}  # this process's, once connected
+        self.markers: Any = None  # profiling markers (trainguard.adapters.torch.markers), when configured
         self.finalizing: tuple | None = None  # (step, shards, history) while the rename handler runs
 
     def groups(self) -> tuple[ReplicaGroup, ...]:
