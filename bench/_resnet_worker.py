@@ -8,6 +8,10 @@
   ``torchrun --max-restarts`` relaunches everyone.
 * ``guard``: the same loop protected by trainguard's Guard (faults come from
   ``TRAINGUARD_FAULT``, set by the benchmark).
+* ``markers``: the guarded loop with profiling markers, everything on
+  (Communication included) and everything off in turn, 4 steps each,
+  switched in process (the switch file is not polled), so neighbouring
+  blocks compare the two; each ``step`` event says which it was.
 * ``ab``: both at once, interleaved step by step in the same processes: a
   plain DDP copy of the model on the default group and a guarded copy (same
   seed, same batches), alternating which goes first. Adjacent steps see the
@@ -57,7 +61,7 @@ def note(path: Path, **event) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["plain", "guard", "ab"], required=True)
+    p.add_argument("--mode", choices=["plain", "guard", "ab", "markers"], required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--timeline", type=Path, required=True)
     p.add_argument("--ckpt", type=Path, required=True)
@@ -66,6 +70,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--idle-s", type=float, default=10.0)
+    p.add_argument("--profiling-dir", type=Path, default=None)
     args = p.parse_args()
     if args.mode == "ab":
         return _ab(args)
@@ -82,10 +87,17 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.steps, 1))
     data = data_mod.SyntheticImages(0, 10, args.batch_size, args.image_size)
 
-    if args.mode == "guard":
+    marked = args.mode == "markers"
+    if args.mode in ("guard", "markers"):
+        from trainguard.core.profiling import Switch
         from trainguard.torch import Guard
 
-        guard = Guard(model, opt, scheduler=sched, checkpoint_dir=args.ckpt, save_every=args.save_every)
+        guard = Guard(model, opt, scheduler=sched, checkpoint_dir=args.ckpt, save_every=args.save_every,
+                      profiling_dir=args.profiling_dir if marked else None)
+        if marked:
+            wanted = [Switch(True, True)]
+            guard.recorder.switch.poll = lambda: wanted[0]  # switched here, step by step
+            guard.recorder.apply(wanted[0])
         steps, optimizer, start = guard.steps(args.steps), guard.optimizer, guard.step
         protect = guard.protect
     else:
@@ -102,14 +114,17 @@ def main() -> None:
             _CURRENT[0] = step
             _one_step(model, optimizer, sched, data, step, rank)
         done = step + 1
-        if args.mode == "guard" and guard.step != done:
+        if args.mode in ("guard", "markers") and guard.step != done:
             continue  # the step failed and was recovered: it runs again
         if args.mode == "plain" and args.save_every and done % args.save_every == 0:
             _plain_save(args.ckpt, done, model, opt, sched)
         if timeline:
             note(timeline, event="step", step=done, seconds=time.perf_counter() - t0,
-                 cpu_seconds=time.process_time() - c0)
-    if args.mode == "guard":
+                 cpu_seconds=time.process_time() - c0, **({"markers": guard.recorder.markers} if marked else {}))
+        if marked:  # blocks of 4 steps on, 4 off, on every rank alike
+            wanted[0] = Switch((done // 4) % 2 == 0, (done // 4) % 2 == 0)
+            guard.recorder.apply(wanted[0])
+    if args.mode in ("guard", "markers"):
         guard.close()
     dist.destroy_process_group()
 

@@ -132,9 +132,10 @@ sys.exit(main())
 """
 
 
-def gpt(tmp: Path, name: str, *, launcher: list[str], fault: str | None = None) -> tuple[int, dict | None, str]:
+def gpt(tmp: Path, name: str, *, launcher: list[str], fault: str | None = None,
+        extra_env: dict | None = None) -> tuple[int, dict | None, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1"})
+    env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1", **(extra_env or {})})
     if fault:
         env["TRAINGUARD_FAULT"] = fault
     cmd = [*launcher, "--nproc-per-node", "2", "--monitor-interval", "0.1", str(EXAMPLE), "steps=6", "log_every=0",
@@ -163,10 +164,25 @@ def test_gpt3_recipe_crash_dying_gasp_and_resume_is_bit_identical(tmp_path):
     manifest = json.loads((ckpt_dir / "iter_0000003" / "manifest.json").read_text())
     assert manifest["layout"]["shards"][0]["saved_by"] == 0  # the survivor saved for the lost rank
 
-    rc, resumed, log = gpt(tmp_path, "crash", launcher=trainguard_run)
+    # The relaunch records profiling markers: they change no number.
+    prof = tmp_path / "prof"
+    prof.mkdir()
+    (prof / "profilingSwitch").write_text('{"CommunicationOperator":"on","Step":"on","SaveCheckpoint":"on",'
+                                          '"FP":"on","DataLoader":"on"}')
+    rc, resumed, log = gpt(tmp_path, "crash", launcher=trainguard_run,
+                           extra_env={"TRAINGUARD_PROFILING_DIR": str(prof), "TRAINGUARD_JOB_ID": "gpt"})
     assert rc == 0, log[-4000:]
     assert resumed["start_step"] == 3 and resumed["steps_completed"] == 6
     assert resumed["final_state_sha256"] == ref["final_state_sha256"]
+    for rank in (0, 1):
+        recs = [json.loads(line) for p in (prof / "gpt" / str(rank)).iterdir() if p.name.isdigit()
+                for line in p.read_text().splitlines()]
+        assert sorted(r["step"] for r in recs if r["name"] == "Step") == [3, 4, 5]  # ttp_end_updating_os closes each
+        assert {r["step"] for r in recs if r["name"] == "FP"} == {3, 4, 5}  # the model chunks from ttp_set_ckpt_args
+        groups = json.loads((prof / "gpt" / str(rank) / "parallel_group.json").read_text())
+        dp = {r["group"] for r in recs if r["name"] == "Communication" and r["op"] == "allreduce"
+              and groups[r["group"]]["global_ranks"] == [0, 1]}
+        assert dp, "the data-parallel gradient all-reduce (a plain dist.all_reduce on megatron's group)"
     assert resumed["lost_steps"] == 0
     assert [(r["strategy"], r["step"], r["rank"]) for r in resumed["recoveries"]] == [("dump", 3, 1)]
     assert {k: len(v) for k, v in resumed["pids"].items()} == {"0": 2, "1": 2}  # two launches, every rank

@@ -208,8 +208,9 @@ def test_bad_worker_arguments_are_refused(args, expected):
 
 @pytest.mark.timeout(10)
 def test_worker_points_the_guard_at_the_manager(monkeypatch):
+    monkeypatch.delenv("TRAINGUARD_PROFILING_CAP_MB", raising=False)  # restored to unset afterwards
     assert init_taskd_worker(3, 2048) is True
-    assert taskd_worker_api.taskd_worker.upper_limit_of_disk_in_mb == 2048  # kept for profiling
+    assert taskd_worker_api.taskd_worker.upper_limit_of_disk_in_mb == 2048
     with pytest.raises(ConfigError, match=r"MASTER_ADDR is not set.*export MASTER_ADDR=\$\{POD_IP\}"):
         start_taskd_worker()
     assert "TRAINGUARD_CONTROLLER" not in os.environ
@@ -217,6 +218,7 @@ def test_worker_points_the_guard_at_the_manager(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
     assert start_taskd_worker() is True
     assert os.environ["TRAINGUARD_CONTROLLER"] == "10.1.2.3:9601"
+    assert os.environ["TRAINGUARD_PROFILING_CAP_MB"] == "2048"  # the Guard's profiling cap
     config = ProcessorConfig.from_env(rank=3, world_size=8)  # what the Guard reads
     assert (config.controller, config.token, config.rank) == ("10.1.2.3:9601", TOKEN, 3)
 

@@ -31,6 +31,29 @@ def baseline(tmp_path_factory) -> MsJob:
 
 @needs_mindspore
 @pytest.mark.timeout(300)
+def test_profiling_markers_leave_the_numbers_alone(tmp_path, baseline):
+    prof = tmp_path / "prof"
+    prof.mkdir()
+    (prof / "profilingSwitch").write_text('{"CommunicationOperator":"on","Step":"on","SaveCheckpoint":"on",'
+                                          '"FP":"on","DataLoader":"on"}')
+    job = run_ms(tmp_path, "prof", strategies=None, env={"TRAINGUARD_PROFILING_DIR": str(prof),
+                                                          "TRAINGUARD_JOB_ID": "ms"})
+    assert job.rc == 0 and job.report["final_state_sha256"] == baseline.report["final_state_sha256"], job
+    for rank in (0, 1):
+        recs = [json.loads(line) for p in (prof / "ms" / str(rank)).iterdir() if p.name.isdigit()
+                for line in p.read_text().splitlines()]
+        assert {r["name"] for r in recs} == {"Step", "FP", "DataLoader", "Communication"}, rank
+        assert sorted({r["step"] for r in recs if r["name"] == "Step"}) == list(range(STEPS))
+        assert {r["op"] for r in recs if r["name"] == "Communication"} >= {"vote", "gradient allreduce"}
+        groups = json.loads((prof / "ms" / str(rank) / "parallel_group.json").read_text())
+        assert list(groups.values())[0]["global_ranks"] == [0, 1]
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "slow-nodes", str(prof), "--json"],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["ranks"] == [0, 1]
+
+
+@needs_mindspore
+@pytest.mark.timeout(300)
 # The repair goes through shared memory (same machine), and once through MindSpore's Broadcast.
 @pytest.mark.parametrize("rank,phase,shm", [(1, "forward", "1"), (0, "backward", "1"), (1, "optimizer", "1"),
                                             (1, "backward", "0")])

@@ -109,3 +109,17 @@ def test_detection_on_real_runs(tmp_path, factor, within):
     # the controller's live check named the same rank while the job ran
     assert live["slow_ranks"] == [1], live
     assert "slow node: step" in job.log
+
+
+def test_markers_leave_the_numbers_alone(tmp_path):
+    prof = tmp_path / "prof"
+    prof.mkdir()
+    (prof / "profilingSwitch").write_text(ALL_ON)
+    plain = run_job(tmp_path, "plain", nproc=2, steps=20, script=SCRIPT, save_every=10, env={"PROF_WIDTH": "64"})
+    marked = run_job(tmp_path, "marked", nproc=2, steps=20, script=SCRIPT, save_every=10,
+                     env={"PROF_WIDTH": "64", "TRAINGUARD_PROFILING_DIR": str(prof), "TRAINGUARD_JOB_ID": "m"})
+    assert plain.rc == 0 and marked.rc == 0, (plain, marked)
+    assert marked.report["final_state_sha256"] == plain.report["final_state_sha256"]
+    assert "profiling" not in plain.report
+    counts = marked.report["profiling"]["by_name"]
+    assert counts["Step"] == 20 and counts["SaveCheckpoint"] == 2 and counts["FP"] == 20, counts

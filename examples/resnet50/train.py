@@ -140,7 +140,8 @@ def main(cfg: DictConfig) -> None:
     for step in guard.steps(cfg.steps):
         began = time.perf_counter()
         with guard.protect():
-            x, y = synthetic.batch(step, rank) if synthetic is not None else loader.next()
+            with guard.loading():  # the DataLoader marker, when profiling is on
+                x, y = synthetic.batch(step, rank) if synthetic is not None else loader.next()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             guard.optimizer.zero_grad(set_to_none=True)

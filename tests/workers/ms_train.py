@@ -47,9 +47,10 @@ grad_fn = ms.value_and_grad(nn.WithLossCell(net, loss_fn), None, guard.optimizer
 rank = get_rank()
 for step in guard.steps(steps):
     with guard.protect():
-        data = np.random.default_rng(1000 * step + rank)
-        x = Tensor(data.standard_normal((8, 16)).astype(np.float32))
-        y = Tensor(data.integers(0, 4, 8).astype(np.int32))
+        with guard.loading():
+            data = np.random.default_rng(1000 * step + rank)
+            x = Tensor(data.standard_normal((8, 16)).astype(np.float32))
+            y = Tensor(data.integers(0, 4, 8).astype(np.int32))
         loss, grads = grad_fn(x, y)
         guard.optimizer(grads)
 out = guard.report()

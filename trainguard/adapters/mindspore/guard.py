@@ -303,9 +303,12 @@ class Guard(Checkpoints):
         return Protected(self)
 
     def loader(self, iterable: Iterable) -> Iterator:
-        """Iterate ``iterable`` (a dataset iterator), timing each fetch as the
-        DataLoader marker when profiling is on (see the torch Guard)."""
+        """Iterate ``iterable`` timing each fetch as the DataLoader marker (see the torch Guard)."""
         return self._markers.loader(iterable) if self._markers is not None else iter(iterable)
+
+    def loading(self):
+        """Time a batch fetch that is a function of the step (see the torch Guard)."""
+        return self._markers.loading() if self._markers is not None else nullcontext()
 
     def _begin(self) -> None:
         self._entered = True

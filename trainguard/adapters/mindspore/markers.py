@@ -39,26 +39,17 @@ class MindSporeMarkers(LoopMarkers):
         super().__init__(recorder, step)
         self._network, self._group = network, group
         self._fp_hooks: list[Any] = []
-        self._fp_start = 0.0
         recorder.group(group, ranks, "mindspore")
 
     def install(self, markers: bool, communication: bool) -> None:
         if markers and not self._fp_hooks and self._network is not None:
-            self._fp_hooks = [self._network.register_forward_pre_hook(self._fp_begin),
-                              self._network.register_forward_hook(self._fp_end)]
+            self._fp_hooks = [self._network.register_forward_pre_hook(self.fp_begin),
+                              self._network.register_forward_hook(self.fp_end)]
         elif not markers and self._fp_hooks:
             for hook in self._fp_hooks:
                 hook.remove()
             self._fp_hooks = []
         super().install(markers, communication)
-
-    def _fp_begin(self, cell, inputs) -> None:
-        self._fp_start = time.time()
-
-    def _fp_end(self, cell, inputs, output) -> None:
-        if self._fp_start:
-            self.recorder.add("FP", self.current, self._fp_start, time.time() - self._fp_start)
-            self._fp_start = 0.0
 
     def collective(self, op: str, nbytes: int = 0) -> AbstractContextManager:
         """Time one of the Guard's collectives."""

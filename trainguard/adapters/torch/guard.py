@@ -31,7 +31,7 @@ import os
 import sys
 import threading
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -328,6 +328,11 @@ class Guard(Checkpoints):
                     x, y = next(batches)
         """
         return self._markers.loader(iterable) if self._markers is not None else iter(iterable)
+
+    def loading(self) -> AbstractContextManager:
+        """Time a batch fetch made by a function of the step as the
+        DataLoader marker (``with guard.loading(): x, y = batch(step)``)."""
+        return self._markers.loading() if self._markers is not None else nullcontext()
 
     def protect(self) -> Protected:
         """Context manager around one step's body; see the module docstring."""

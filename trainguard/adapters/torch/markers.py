@@ -72,7 +72,6 @@ class TorchMarkers(LoopMarkers):
         super().__init__(recorder, step)
         self._modules, self._group = list(modules), group
         self._fp_hooks: list[Any] = []
-        self._fp_start = 0.0
         self._library: torch.library.Library | None = None
         self._observed: Any = None
         self._group_names: set[str] = set()
@@ -89,8 +88,8 @@ class TorchMarkers(LoopMarkers):
             self._fp_hooks = []
         if markers:
             for module in self._modules:
-                self._fp_hooks += [module.register_forward_pre_hook(self._fp_begin),
-                                   module.register_forward_hook(self._fp_end)]
+                self._fp_hooks += [module.register_forward_pre_hook(self.fp_begin),
+                                   module.register_forward_hook(self.fp_end)]
         if communication and self._library is None:
             self._library = self._register_kernels()
             self._observe(self._group())
@@ -104,14 +103,6 @@ class TorchMarkers(LoopMarkers):
         """Time the forward of ``modules`` from now on (hooks move at once)."""
         self._modules = list(modules)
         self.install(*self.installed)
-
-    def _fp_begin(self, module, args) -> None:
-        self._fp_start = time.time()
-
-    def _fp_end(self, module, args, output) -> None:
-        if self._fp_start:
-            self.recorder.add("FP", self.current, self._fp_start, time.time() - self._fp_start)
-            self._fp_start = 0.0
 
     # -------------------------------------------------- communication
     def _observe(self, group: Any) -> None:

@@ -17,7 +17,8 @@ What each TaskD name does in trainguard:
     127.0.0.1, and blocks until every rank finished (``True``). After a
     dying gasp it serves a fresh controller for the relaunch.
 ``init_taskd_worker(rank_id, upper_limit_of_disk_in_mb=5000, framework="pt")``
-    Checks the rank and the profiling disk cap and keeps both.
+    Checks the rank and the profiling disk cap and keeps both; the cap
+    becomes ``TRAINGUARD_PROFILING_CAP_MB`` at ``start_taskd_worker``.
 ``start_taskd_worker()``
     Sets ``TRAINGUARD_CONTROLLER`` to the manager (``MASTER_ADDR:9601``) so
     the :class:`trainguard.torch.Guard` built next connects to it: the Guard
@@ -27,9 +28,10 @@ What each TaskD name does in trainguard:
 
 Not provided: TaskD's proxy and agent (``init_taskd_proxy``,
 ``init_taskd_agent``), whose jobs (one upstream stream per node, restarting
-single processes) ``trainguard run`` does with its relay and elastic agent;
-and the lightweight profiling of the worker (markers, run-time switch, disk
-cap enforcement), which lands with trainguard's slow-node detection.
+single processes) ``trainguard run`` does with its relay and elastic agent.
+The worker's lightweight profiling is the Guard's markers
+(:mod:`trainguard.core.profiling`), pointed at TaskD's directories by
+``start_taskd_worker``; ``trainguard slow-nodes`` reads them.
 
 How a TaskD deployment maps, pod by pod: the pod of rank 0 runs
 ``manager.py`` in the background (TaskD's ``export MASTER_ADDR=${POD_IP};

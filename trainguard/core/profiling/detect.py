@@ -12,14 +12,17 @@ check beside the controller (files as they grow):
   divided by the median over the ranks. A rank is slow when the median of
   that ratio over a short window (fast, for large slowdowns) or a long one
   (for small ones) stays above its threshold for ``consecutive`` steps, its
-  excess is a real share of the step (not noise on a tiny span), and -- for
+  excess is a real share of the step (10% / 4%: not noise on a small span), and -- for
   compute -- it waits least in communication.
-* **Time series** (TaskD's FD-OL). Each rank's own compute (or step) time
-  against a baseline from its first ``baseline_steps`` steps after warm-up:
-  above ``max(mean * (1 + excess_ratio), mean + sigmas * std)`` for
-  ``consecutive`` steps is a degradation. Found on fewer than half of the
-  ranks it names them; on more it is a job-wide slowdown (a slow network,
-  storage, or all of them), which no one rank explains.
+* **Time series** (TaskD's FD-OL). Each rank's own compute (or step) time,
+  smoothed by a median over 5 steps, against a baseline from its first
+  ``baseline_steps`` steps after warm-up: above ``max(mean * (1 +
+  excess_ratio), mean + sigmas * std)`` for ``consecutive`` steps is a
+  degradation. On more than half of the ranks at once it is a job-wide
+  slowdown (network, storage), which no one rank explains; on fewer, it
+  names a rank only while that rank is also slower than the others now --
+  a rank's own history cannot tell a slow node from a machine that got
+  busier for everyone.
 """
 
 from __future__ import annotations
@@ -49,7 +52,12 @@ class DetectorConfig:
     short_ratio: float = 1.2
     long_window: int = 40
     long_ratio: float = 1.06
-    min_share: float = 0.02  # a rank's excess must be at least this share of the step
+    # A rank's excess must also be this share of the step: a big slowdown
+    # (short window) slows the job by a tenth at least; a small one (long
+    # window) by a few percent. It keeps noise on a small span (a 5 ms
+    # forward pass running 2x for a few steps) from naming a rank.
+    short_share: float = 0.10
+    long_share: float = 0.04
 
     def __post_init__(self) -> None:
         for name in ("baseline_steps", "consecutive", "short_window", "long_window"):
@@ -170,9 +178,10 @@ class Detector:
         c = self.config
         t = self._tracks[rank]
         ratios, shares = list(t.ratios[metric]), list(t.shares[metric])
-        for window, limit in ((c.short_window, c.short_ratio), (c.long_window, c.long_ratio)):
+        for window, limit, share in ((c.short_window, c.short_ratio, c.short_share),
+                                     (c.long_window, c.long_ratio, c.long_share)):
             if (len(ratios) >= window and statistics.median(ratios[-window:]) >= limit
-                    and statistics.median(shares[-window:]) >= c.min_share):
+                    and statistics.median(shares[-window:]) >= share):
                 if metric != "compute":
                     return True
                 # The rank that computes slowly is the one the others wait for: it waits least.

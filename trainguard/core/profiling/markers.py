@@ -32,6 +32,7 @@ class LoopMarkers:
         self.current = step()
         self.installed = (False, False)  # (markers, communication) as hooks stand now
         self._iter_start = 0.0
+        self._fp_start = 0.0
 
     def install(self, markers: bool, communication: bool) -> None:
         """Add or remove the framework's hooks to match the switch."""
@@ -59,11 +60,27 @@ class LoopMarkers:
             self.recorder.add("Step", self.current, self._iter_start, time.time() - self._iter_start)
         self._iter_start = 0.0
 
+    def fp_begin(self, *_: object) -> None:
+        """A forward pre-hook (any framework's: the arguments are ignored)."""
+        self._fp_start = time.time()
+
+    def fp_end(self, *_: object) -> None:
+        """The matching forward hook: one FP record."""
+        if self._fp_start:
+            self.recorder.add("FP", self.current, self._fp_start, time.time() - self._fp_start)
+            self._fp_start = 0.0
+
     def save(self) -> AbstractContextManager:
         """Time a checkpoint save."""
         if not self.recorder.markers:
             return nullcontext()
         return self.recorder.span("SaveCheckpoint", self.current)
+
+    def loading(self) -> AbstractContextManager:
+        """Time a batch fetch that is not an iteration (a function of the step)."""
+        if not self.recorder.markers:
+            return nullcontext()
+        return self.recorder.span("DataLoader", self.current)
 
     def loader(self, iterable: Iterable) -> Iterator:
         """Yield from ``iterable``, timing each fetch as DataLoader."""

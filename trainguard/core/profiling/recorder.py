@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,7 +131,8 @@ class Recorder:
         #: Read on the hot path: Communication on.
         self.communication = False
         self.counters = _Counters()
-        self._buffer: list[tuple] = []
+        # A deque: spans arrive from other threads too (a collective's completion callback).
+        self._buffer: deque[tuple] = deque()
         self._groups: dict[str, dict] = {}
         self._groups_written = 0
         self._lock = threading.Lock()  # one writer at a time (the thread, or close)
@@ -190,7 +192,7 @@ class Recorder:
     def flush(self) -> None:
         """Write what is buffered (called by the thread; safe to call any time)."""
         with self._lock:
-            batch, self._buffer = self._buffer, []
+            batch = [self._buffer.popleft() for _ in range(len(self._buffer))]
             if len(self._groups) != self._groups_written:
                 try:
                     self.files.write_groups(dict(self._groups))
@@ -232,6 +234,8 @@ class Recorder:
         self.flush()
 
     def report(self) -> dict:
+        """What was recorded (after writing what is buffered)."""
+        self.flush()
         return {"directory": str(self.files.dir), "switch": self.switch.current.describe(),
                 "records_written": self.counters.written, "records_dropped": self.counters.dropped,
                 "write_errors": self.counters.write_errors, "files_aged_out": self.files.deleted,

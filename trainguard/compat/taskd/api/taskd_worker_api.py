@@ -20,12 +20,14 @@ exports ``MASTER_ADDR=${POD_IP}`` in the manager's pod) or ``MS_SCHED_HOST``
 run``, or you set it) it is left alone. Without a Guard nothing connects:
 these calls alone protect nothing.
 
-**What waits on the profiling issue.** TaskD's worker is also the per-rank
-agent of lightweight profiling (Step/FP/Communication/SaveCheckpoint/DataLoader
-markers, the run-time switch file, on-disk records capped at
-``upper_limit_of_disk_in_mb``). trainguard does not profile yet: the cap is
-checked and kept in :data:`taskd_worker` (``upper_limit_of_disk_in_mb``)
-for that feature to read, and nothing is written to disk today.
+**Lightweight profiling.** TaskD's worker is also the per-rank agent of
+lightweight profiling. In trainguard the Guard records the markers
+(:mod:`trainguard.core.profiling`); :func:`start_taskd_worker` points it at
+TaskD's places unless ``TRAINGUARD_PROFILING_*`` already say otherwise:
+records under ``/user/cluster-info/profiling`` when that directory exists
+(TaskD's mount), the switch at
+``/user/cluster-info/datatrace-config/profilingSwitch`` when that file
+exists, and the disk cap ``upper_limit_of_disk_in_mb``.
 
 Differences from TaskD, on purpose: bad arguments raise
 :class:`~trainguard.core.ConfigError` naming the problem instead of
@@ -57,8 +59,8 @@ MANAGER_HOST_ENV = {"pt": "MASTER_ADDR", "ms": "MS_SCHED_HOST"}
 class WorkerSettings:
     """What ``init_taskd_worker`` was given.
 
-    ``upper_limit_of_disk_in_mb`` is the profiling disk cap (all ranks'
-    records together); trainguard's profiling, when it lands, reads it here.
+    ``upper_limit_of_disk_in_mb`` is the profiling disk cap (everything
+    under the profiling directory), handed to the Guard's profiling.
     """
 
     rank: int
@@ -85,8 +87,8 @@ def init_taskd_worker(rank_id: int, upper_limit_of_disk_in_mb: int = 5000, frame
 
     Args:
         rank_id: the global rank of this process (``dist.get_rank()``).
-        upper_limit_of_disk_in_mb: profiling disk cap in MB (kept for the
-            profiling feature; see the module docstring).
+        upper_limit_of_disk_in_mb: profiling disk cap in MB (see the
+            module docstring; 0 leaves trainguard's default).
         framework: ``"pt"`` (PyTorch) or ``"ms"`` (MindSpore).
 
     Returns:
@@ -163,6 +165,7 @@ def start_taskd_worker() -> bool:
     if _previous_controller is None:
         _previous_controller = (os.environ.get("TRAINGUARD_CONTROLLER"),)
     (outside,) = _previous_controller
+    _point_profiling(taskd_worker, os.environ)
     level = logging.INFO if taskd_worker.rank == 0 else logging.DEBUG
     if outside:
         log.log(level, "TRAINGUARD_CONTROLLER is already set (%s); the Guard connects there, not to a TaskD "
@@ -171,6 +174,21 @@ def start_taskd_worker() -> bool:
     os.environ["TRAINGUARD_CONTROLLER"] = address = manager_address(taskd_worker.framework)
     log.log(level, "the Guard will connect to the TaskD manager at %s", address)
     return True
+
+
+#: Where TaskD's containers mount the profiling directory and the switch ConfigMap.
+TASKD_PROFILING_DIR = "/user/cluster-info/profiling"
+TASKD_SWITCH = "/user/cluster-info/datatrace-config/profilingSwitch"
+
+
+def _point_profiling(settings: WorkerSettings, environ) -> None:
+    """TaskD's profiling places and cap, where the environment names none."""
+    if settings.upper_limit_of_disk_in_mb > 0:
+        environ.setdefault("TRAINGUARD_PROFILING_CAP_MB", str(settings.upper_limit_of_disk_in_mb))
+    if not environ.get("TRAINGUARD_PROFILING_DIR") and os.path.isdir(TASKD_PROFILING_DIR):
+        environ["TRAINGUARD_PROFILING_DIR"] = TASKD_PROFILING_DIR
+    if not environ.get("TRAINGUARD_PROFILING_SWITCH") and os.path.exists(TASKD_SWITCH):
+        environ["TRAINGUARD_PROFILING_SWITCH"] = TASKD_SWITCH
 
 
 def destroy_taskd_worker() -> bool:
