@@ -99,6 +99,11 @@ class TorchMarkers(LoopMarkers):
             self._observe(None)
         super().install(markers, communication)
 
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The modules whose forward is FP."""
+        return list(self._modules)
+
     def set_modules(self, modules: Sequence[torch.nn.Module]) -> None:
         """Time the forward of ``modules`` from now on (hooks move at once)."""
         self._modules = list(modules)

@@ -37,7 +37,7 @@ def start(started_at: float) -> None:
 
 
 def set_args(args: Any) -> None:
-    if TTP.markers is not None and not TTP.markers._modules:
+    if TTP.markers is not None and not TTP.markers.modules:
         modules = _modules(args)
         if modules:
             TTP.markers.set_modules(modules)
