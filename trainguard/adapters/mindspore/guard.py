@@ -193,6 +193,7 @@ class Guard(Checkpoints):
         self._in_collective = False  # for the hang watchdog: waiting on peers is not a hang of ours
         self._step_started = 0.0
 
+        self._markers = None  # profiling, set up once the ranks agree on a start time
         ids = self.all_gather_ints([os.getpid(), context.host_id(), int(time.time())])
         self.pids = {r: ids[3 * r] for r in range(self.world_size)}
         #: Which ranks share a machine (a repair between them goes through shared memory).
@@ -250,7 +251,7 @@ class Guard(Checkpoints):
             raise CommunicationBroken(f"rank {self.rank}: {self.comm_broken}")
         self._in_collective = True
         try:
-            if getattr(self, "_markers", None) is not None:
+            if self._markers is not None:
                 with self._markers.collective(op):
                     return fn()
             return fn()

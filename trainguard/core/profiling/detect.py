@@ -86,14 +86,22 @@ class Finding:
 
 @dataclass
 class _RankTrack:
-    ratios: dict = field(default_factory=lambda: {m: deque(maxlen=0) for m in METRICS})
-    shares: dict = field(default_factory=dict)
+    """One rank's recent history (windows of ``window`` steps)."""
+
+    window: int
+    ratios: dict = field(init=False)
+    shares: dict = field(init=False)
+    waits: deque = field(init=False)
     runs: dict = field(default_factory=lambda: {m: 0 for m in METRICS})
-    waits: deque = field(default_factory=lambda: deque(maxlen=0))
     baseline: list = field(default_factory=list)
     recent: deque = field(default_factory=lambda: deque(maxlen=5))
     bound: float | None = None
     ts_run: int = 0
+
+    def __post_init__(self) -> None:
+        self.ratios = {m: deque(maxlen=self.window) for m in METRICS}
+        self.shares = {m: deque(maxlen=self.window) for m in METRICS}
+        self.waits = deque(maxlen=self.window)
 
 
 class Detector:
@@ -111,16 +119,8 @@ class Detector:
         self.slow: dict[int, Finding] = {}
         self.steps_seen = 0
         self.communication = False
-        self._tracks = {r: self._track() for r in self.ranks}
+        self._tracks = {r: _RankTrack(config.long_window) for r in self.ranks}
         self._job_wide_at: int | None = None
-
-    def _track(self) -> _RankTrack:
-        c = self.config
-        t = _RankTrack()
-        t.ratios = {m: deque(maxlen=c.long_window) for m in METRICS}
-        t.shares = {m: deque(maxlen=c.long_window) for m in METRICS}
-        t.waits = deque(maxlen=c.long_window)
-        return t
 
     def feed(self, step: int, rows: dict[int, StepRow]) -> list[Finding]:
         """One step's rows (rank -> row; ranks missing from it are skipped
