@@ -62,6 +62,9 @@ ENV: Mapping[str, str] = {
                                    "(default <profiling dir>/profilingSwitch)",
     "TRAINGUARD_PROFILING_CAP_MB": "size of the profiling directory past which each rank ages out its oldest "
                                    "record files (default 5000)",
+    "TRAINGUARD_COMPILE_CACHE": "directory of the job's compile cache (torch.compile, MindSpore graphs), reached by "
+                                "every rank and relaunch; 'off': none (default <checkpoint dir>/.trainguard/"
+                                "compile_cache)",
     "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
     "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",
     "TRAINGUARD_WATCHDOG": "'off' turns the in-process hang watchdog off (default on)",

@@ -55,10 +55,12 @@ from trainguard.core import (
     report_left_step,
 )
 from trainguard.core import logs
+from trainguard.core.compile_cache import resolve_root
 from trainguard.core.history import Protected
 from trainguard.core.profiling import recorder_from_env
 
 from .checkpoints import Checkpoints
+from .compile_cache import TorchCompileCache, key_parts
 from .device import for_module
 from .handlers import TorchHandlers
 from .join import joining
@@ -111,6 +113,14 @@ class Guard(Checkpoints):
             size, so the global batch shrinks with them): ``"keep"`` it, or
             ``"linear"``: scale it by replicas / world size (the linear
             scaling rule), back to 1 when the job is whole again.
+        compile_cache: where torch.compile's artifacts are kept for
+            restarted and relaunched processes, on storage every rank
+            reaches (default: ``TRAINGUARD_COMPILE_CACHE``, else
+            ``<checkpoint_dir>/.trainguard/compile_cache``; ``False``: none).
+            Create the Guard before the compiled model's first call.
+        compile_cache_key: more that the compiled graphs depend on (input
+            shapes, compile options), as JSON values; see
+            :mod:`trainguard.adapters.torch.compile_cache`.
     """
 
     def __init__(
@@ -135,6 +145,8 @@ class Guard(Checkpoints):
         comm_timeout: timedelta = timedelta(minutes=30),
         elastic_lr: str = "keep",
         profiling_dir: str | os.PathLike | None = None,
+        compile_cache: str | os.PathLike | bool | None = None,
+        compile_cache_key: Mapping[str, Any] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise ConfigError("call torch.distributed.init_process_group() before creating a Guard")
@@ -168,6 +180,10 @@ class Guard(Checkpoints):
         self.joined_default_group: Any = None  # kept alive after survivors met a new process
         join = joining()
         self.replacement = join is not None  # until its history came from a replica
+        cache_root = resolve_root(compile_cache, checkpoint_dir)
+        self.compile_cache = TorchCompileCache(
+            cache_root, key_parts(model, self.device.torch_device, compile_cache_key) if cache_root else {},
+            warn=self.rank == 0 or join is not None, owner=f"rank {self.rank}")
 
         self.process_group = AbortableProcessGroup(
             dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
@@ -364,6 +380,7 @@ class Guard(Checkpoints):
         self.state.commit(self._step)
         if self.ddp is not None:
             self.keep_bucket_layout()
+        self.compile_cache.after_step()
         self.injector.after_step(self._step, time.perf_counter() - self._step_started)
         if self.save_every and self._step % self.save_every == 0:
             if self._markers is not None:
@@ -449,6 +466,7 @@ class Guard(Checkpoints):
             "replicas": list(self.replicas),
             **self.snapshot_report(),
             **({"profiling": self.recorder.report()} if self.recorder else {}),
+            "compile_cache": self.compile_cache.report(),
         }
 
     def close(self, *, finished: bool = True) -> None:
@@ -461,6 +479,7 @@ class Guard(Checkpoints):
             self._markers = None
         self.close_snapshots(wait_s=self.save_timeout_s if finished else 0.0)
         self.processor.close(finished=finished)
+        self.compile_cache.close()
 
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
