@@ -28,11 +28,15 @@ from __future__ import annotations
 import enum
 import errno
 import hashlib
+import inspect
 import json
 import logging
 import os
+import platform
 import shutil
 import socket
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path, PurePosixPath
@@ -40,7 +44,8 @@ from typing import Any, Iterable, Mapping
 
 from .api import ConfigError
 
-__all__ = ["CompileCache", "Lookup", "cache_key", "resolve_root"]
+__all__ = ["CompileCache", "LocalCache", "Lookup", "cache_key", "code_hash", "cpu_model", "resolve_root",
+           "script_hash"]
 
 log = logging.getLogger("trainguard.compile_cache")
 
@@ -132,8 +137,8 @@ class CompileCache:
     def __init__(self, root: str | os.PathLike, parts: Mapping[str, Any], *, warn: bool = True,
                  owner: str = "") -> None:
         self.root = Path(root)
+        self.key = cache_key(parts)
         self.parts = json.loads(json.dumps(dict(parts), sort_keys=True))  # a plain, comparable copy
-        self.key = cache_key(self.parts)
         self.entry = self.root / self.key
         self.owner = owner
         self._warn = warn
@@ -292,6 +297,97 @@ class CompileCache:
         """For ``guard.report()["compile_cache"]``."""
         return {"dir": str(self.root), "key": self.key, "state": self.state.value, "reason": self.reason,
                 **self.counters, "restored": dict(self.restored)}
+
+
+class LocalCache:
+    """A process's private copy of the framework's cache directory: filled
+    from the entry at start, published after the first completed step when
+    there was no usable entry, removed at close.
+
+    Args:
+        root: the job's cache directory, or ``None`` for none (a no-op object).
+        parts, warn, owner: see :class:`CompileCache`.
+        prefix: name prefix of the private directory (under the system's temp directory).
+        skip: top-level names in it never published (lock files).
+    """
+
+    def __init__(self, root: Path | None, parts: Mapping[str, Any], *, prefix: str, warn: bool = True,
+                 owner: str = "", skip: Iterable[str] = ()) -> None:
+        self.cache = CompileCache(root, parts, warn=warn, owner=owner) if root is not None else None
+        self.prefix, self.skip = prefix, tuple(skip)
+        self.local: Path | None = None
+        self.local_name = ""
+        self._published = False
+        if self.cache is not None:
+            remove_orphans(prefix)
+            self.local = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+            self.local_name = str(self.local)
+            self.cache.restore(self.local)
+
+    def after_step(self) -> None:
+        """Publish once, after the first completed step, unless it was a hit."""
+        if self._published or self.cache is None or self.local is None:
+            return
+        self._published = True
+        if self.cache.state is not Lookup.HIT:
+            self.cache.publish(self.local, skip=self.skip)
+
+    def report(self) -> dict:
+        return {**self.cache.report(), "local_dir": self.local_name} if self.cache else {"state": Lookup.OFF.value}
+
+    def close(self) -> None:
+        if self.local is not None:
+            shutil.rmtree(self.local, ignore_errors=True)
+            self.local = None
+
+
+def remove_orphans(prefix: str) -> None:
+    """Private directories left on this machine by processes that died (a
+    killed rank cannot clean up after itself); named ``<prefix><pid>-...``."""
+    for path in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        try:
+            if pid.isdigit() and path.stat().st_uid == os.getuid():
+                os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def code_hash(classes: Iterable[type]) -> str:
+    """SHA-256 over the names and source code of ``classes`` (a model's
+    module classes): editing a layer's code changes it."""
+    digest = hashlib.sha256()
+    for cls in sorted(set(classes), key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            source = ""  # built in or generated: its name and the framework's version identify it
+        digest.update(f"{cls.__module__}.{cls.__qualname__}\n{source}\n".encode())
+    return digest.hexdigest()
+
+
+def script_hash() -> str:
+    """SHA-256 of the running script (``sys.argv[0]``), or ``""``."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    try:
+        return hashlib.sha256(script.read_bytes()).hexdigest() if script and script.is_file() else ""
+    except OSError:
+        return ""
+
+
+def cpu_model() -> str:
+    """The CPU's architecture and model name (compiled CPU kernels depend on them)."""
+    name = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}:{name}"
 
 
 def _size(path: Path) -> int:

@@ -67,11 +67,13 @@ from trainguard.core import (
     report_left_step,
 )
 from trainguard.core import logs
+from trainguard.core.compile_cache import resolve_root
 from trainguard.core.history import Protected
 from trainguard.core.profiling import recorder_from_env
 
 from . import context
 from .checkpoints import Checkpoints
+from .compile_cache import MindSporeCompileCache, key_parts
 from .handlers import MindSporeHandlers
 from .markers import MindSporeMarkers
 from .optimizer import OptTFTWrapper
@@ -129,6 +131,9 @@ class Guard(Checkpoints):
             step on the rank that saves, with the state at that step; its
             files are the user's to verify and resume from (nothing is
             renamed, as in MindSpore).
+        compile_cache, compile_cache_key: where compiled graphs are kept
+            for restarts (``MS_COMPILER_CACHE_PATH`` is set per rank; see
+            the torch Guard and :mod:`.compile_cache`).
 
     Raises:
         ConfigError: graph mode without ``compiled_step`` (a hand-written
@@ -155,6 +160,8 @@ class Guard(Checkpoints):
         compiled_step: Callable[[tuple], object] | None = None,
         save_fn: Callable[[int], None] | None = None,
         profiling_dir: str | os.PathLike | None = None,
+        compile_cache: str | os.PathLike | bool | None = None,
+        compile_cache_key: dict | None = None,
     ) -> None:
         self._graph = ms.get_context("mode") != ms.PYNATIVE_MODE
         if self._graph and compiled_step is None:
@@ -170,6 +177,10 @@ class Guard(Checkpoints):
             raise ConfigError("this optimizer wrapper already belongs to another Guard")
         self.network = network
         self.state = ModelState(network, self.optimizer.opt)
+        cache_root = resolve_root(compile_cache, checkpoint_dir)  # before the first graph is compiled
+        self.compile_cache = MindSporeCompileCache(cache_root, key_parts(
+            network, network.get_parameters(), rank=self.rank, world_size=self.world_size, extra=compile_cache_key)
+            if cache_root else {}, warn=self.rank == 0, owner=f"rank {self.rank}")
         self.groups = tuple(replicas) if replicas else (context.data_parallel_group(self.world_size),)
         self.store = CheckpointStore(checkpoint_dir, MINDSPORE, keep=keep) if checkpoint_dir is not None else None
         self.save_every, self.steps_per_epoch = save_every, steps_per_epoch
@@ -398,6 +409,7 @@ class Guard(Checkpoints):
         self._step += 1
         self._phase = _COMPUTE
         self.state.commit(self._step)
+        self.compile_cache.after_step()
         self.injector.after_step(self._step, time.perf_counter() - self._step_started)
         if self.save_every and self._step % self.save_every == 0:
             with self._markers.save() if self._markers is not None else nullcontext():
@@ -493,7 +505,8 @@ class Guard(Checkpoints):
     def report(self) -> dict:
         """Steps, lost steps, PIDs per rank, recoveries and a hash of the state."""
         return {"steps_completed": self._step, **self.history_report(), "final_state_sha256": self.state.sha256(),
-                **self.snapshot_report(), **({"profiling": self.recorder.report()} if self.recorder else {})}
+                **self.snapshot_report(), **({"profiling": self.recorder.report()} if self.recorder else {}),
+                "compile_cache": self.compile_cache.report()}
 
     def close(self, *, finished: bool = True) -> None:
         """Say goodbye to the controller and detach from the optimizer."""
@@ -508,3 +521,4 @@ class Guard(Checkpoints):
             self._markers = None
         self.close_snapshots(wait_s=float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800")) if finished else 0.0)
         self.processor.close(finished=finished)
+        self.compile_cache.close()

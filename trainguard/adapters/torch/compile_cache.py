@@ -18,30 +18,23 @@ so the directory is what is kept.
 from __future__ import annotations
 
 import hashlib
-import inspect
-import json
 import logging
 import os
 import platform
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from trainguard.core.compile_cache import CompileCache, Lookup
+from trainguard.core.compile_cache import LocalCache, code_hash, cpu_model, script_hash
 
 __all__ = ["TorchCompileCache", "key_parts"]
 
 log = logging.getLogger("trainguard.torch")
 
-_PREFIX = "trainguard-inductor-"
-
-#: torch's own counters worth showing beside trainguard's (torch._dynamo.utils.counters).
-_TORCH_COUNTERS = {("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
-                   ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss")}
+#: torch's own counters shown beside trainguard's (torch._dynamo.utils.counters).
+_TORCH_COUNTERS = (("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"),
+                   ("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"))
 
 
 def key_parts(model: torch.nn.Module, device: torch.device, extra: Mapping[str, Any] | None = None, *,
@@ -49,7 +42,11 @@ def key_parts(model: torch.nn.Module, device: torch.device, extra: Mapping[str, 
     """What compiled artifacts of ``model`` depend on: torch and Python
     versions, the device, the code of every module class in the model and
     of the script, parameter and buffer shapes, and ``extra`` (the user's
-    configuration: input shapes, compile options)."""
+    configuration: input shapes, compile options).
+
+    Raises:
+        ConfigError: ``extra`` is not JSON (see :func:`~trainguard.core.compile_cache.cache_key`).
+    """
     shapes = hashlib.sha256()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         shapes.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
@@ -58,10 +55,10 @@ def key_parts(model: torch.nn.Module, device: torch.device, extra: Mapping[str, 
         "torch": torch_version or torch.__version__,
         "python": platform.python_version(),
         "device": _device_name(device),
-        "model_code": _code_hash({type(m) for m in model.modules()}),
+        "model_code": code_hash(type(m) for m in model.modules()),
         "model_shapes": shapes.hexdigest(),
-        "script": _script_hash(),
-        "config": json.loads(json.dumps(dict(extra or {}), sort_keys=True, default=str)),
+        "script": script_hash(),
+        "config": dict(extra or {}),
     }
 
 
@@ -77,76 +74,47 @@ class TorchCompileCache:
     """
 
     def __init__(self, root: Path | None, parts: Mapping[str, Any], *, warn: bool = True, owner: str = "") -> None:
-        self.cache: CompileCache | None = None
-        self.local: Path | None = None
-        self.note = ""
-        self._published = False
-        if root is None:
-            self.note = "off"
-            return
+        self.note = "off" if root is None else ""
         mine = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        if mine and os.path.abspath(mine) != os.path.abspath(_default_dir()):
+        if root is not None and mine and os.path.abspath(mine) != os.path.abspath(_default_dir()):
             self.note = f"TORCHINDUCTOR_CACHE_DIR={mine} is set by the job: trainguard leaves Inductor's cache to it"
             log.info("%s: %s", owner, self.note)
-            return
-        import torch._inductor.config as inductor
+            root = None
+        if root is not None:
+            import torch._inductor.config as inductor
 
-        if not inductor.fx_graph_cache or inductor.force_disable_caches:
-            self.note = "Inductor's FX graph cache is off (TORCHINDUCTOR_FX_GRAPH_CACHE=0): nothing to keep"
-            log.warning("%s: %s", owner, self.note)
-            return
-        self.cache = CompileCache(root, parts, warn=warn, owner=owner)
-        _remove_orphans()
-        self.local = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
-        self._local_name = str(self.local)
-        self.cache.restore(self.local)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.local)
+            if not inductor.fx_graph_cache or inductor.force_disable_caches:
+                self.note = "Inductor's FX graph cache is off (TORCHINDUCTOR_FX_GRAPH_CACHE=0): nothing to keep"
+                log.warning("%s: %s", owner, self.note)
+                root = None
+        self.cache = LocalCache(root, parts if root is not None else {}, prefix="trainguard-inductor-",
+                                warn=warn, owner=owner, skip=("locks",))
+        if self.cache.local is not None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache.local)  # read by Inductor at each use
         self._counters_at_start = _torch_counters()
 
     def after_step(self) -> None:
-        """Called after each completed step; publishes once, after the
-        first, when there was no usable entry."""
-        if self._published or self.cache is None:
-            return
-        self._published = True
-        if self.cache.state is not Lookup.HIT:
-            self.cache.publish(self.local, skip=("locks",))
+        """Called after each completed step (publishes once, after the first)."""
+        self.cache.after_step()
 
     def report(self) -> dict:
         """trainguard's counters, and torch's own cache hits and misses in this process."""
-        if self.cache is None:
-            return {"state": Lookup.OFF.value, "reason": self.note}
+        if self.cache.cache is None:
+            return {"state": "off", "reason": self.note}
         start = self._counters_at_start
-        return {**self.cache.report(), "local_dir": self._local_name,
-                "torch": {k: v - start.get(k, 0) for k, v in _torch_counters().items()}}
+        return {**self.cache.report(), "torch": {k: v - start.get(k, 0) for k, v in _torch_counters().items()}}
 
     def close(self) -> None:
-        """Remove the private directory (loaded kernels stay mapped)."""
-        if self.local is not None:
-            if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(self.local):
-                del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-            shutil.rmtree(self.local, ignore_errors=True)
-            self.local = None
-
-
-def _remove_orphans() -> None:
-    """Private directories of this machine's processes that died (a killed
-    rank cannot clean up after itself)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
-        pid = path.name[len(_PREFIX):].split("-", 1)[0]
-        try:
-            if pid.isdigit() and path.stat().st_uid == os.getuid():
-                os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
+        """Remove the private directory (kernels already loaded stay mapped)."""
+        if self.cache.local is not None and os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(self.cache.local):
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        self.cache.close()
 
 
 def _torch_counters() -> dict:
     from torch._dynamo.utils import counters
 
-    return {name: counters[group][name] for group, name in sorted(_TORCH_COUNTERS)}
+    return {name: counters[group][name] for group, name in _TORCH_COUNTERS}
 
 
 def _default_dir() -> str:
@@ -160,34 +128,5 @@ def _device_name(device: torch.device) -> str:
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}:cuda{torch.version.cuda}"
     if device.type == "cpu":
-        return f"cpu:{platform.machine()}:{_cpu_model()}:{torch.backends.cpu.get_cpu_capability()}"
+        return f"cpu:{cpu_model()}:{torch.backends.cpu.get_cpu_capability()}"
     return device.type
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _code_hash(classes) -> str:
-    digest = hashlib.sha256()
-    for cls in sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
-            source = ""  # built-in or generated: its name (and torch's version) identify it
-        digest.update(f"{cls.__module__}.{cls.__qualname__}\n{source}\n".encode())
-    return digest.hexdigest()
-
-
-def _script_hash() -> str:
-    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    try:
-        return hashlib.sha256(script.read_bytes()).hexdigest() if script and script.is_file() else ""
-    except OSError:
-        return ""
