@@ -106,13 +106,13 @@ def resolve_root(setting: str | os.PathLike | bool | None, checkpoint_dir: str |
             return None
         setting = Path(checkpoint_dir) / ".trainguard" / "compile_cache"
     root = Path(setting).expanduser().absolute()
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"compile cache {root} is not a directory")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"compile cache directory {root} cannot be created ({e.strerror}); set "
                           f"TRAINGUARD_COMPILE_CACHE to a writable directory, or to 'off'") from None
-    if not root.is_dir():
-        raise ConfigError(f"compile cache {root} is not a directory")
     return root
 
 
@@ -146,6 +146,7 @@ class CompileCache:
         self.reason = "not looked up yet"
         self.counters = {"hits": 0, "misses": 0, "invalid": 0, "published": 0, "publish_lost": 0}
         self.restored = {"files": 0, "bytes": 0, "seconds": 0.0}
+        self._bad: tuple[int, int] | None = None  # identity of the entry found unusable
 
     # ------------------------------------------------------------- reading
     def restore(self, dest: str | os.PathLike) -> Lookup:
@@ -168,6 +169,7 @@ class CompileCache:
                 total += _copy_checked(self.entry / FILES / rel, dest / rel, meta)
         except _Invalid as e:
             _empty(dest)
+            self._bad = _identity(self.entry)
             return self._found(Lookup.INVALID, str(e))
         self.restored = {"files": len(files), "bytes": total, "seconds": round(time.perf_counter() - started, 3)}
         return self._found(Lookup.HIT, f"restored {len(files)} files ({total / 1e6:.1f} MB) from {self.entry}")
@@ -228,7 +230,7 @@ class CompileCache:
         """
         source, skip = Path(source), set(skip)
         self._clear_stale()
-        if self._entry_ok():
+        if self._bad != _identity(self.entry) and self._entry_ok():
             self.counters["publish_lost"] += 1
             log.info("compile cache: entry %s was published by another process", self.key)
             return False
@@ -249,7 +251,7 @@ class CompileCache:
                                     "unix_time": round(time.time(), 3)}}
             _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
             _fsync_dir(tmp)
-            if self.entry.exists() and not self._entry_ok():
+            if self.entry.exists() and (self._bad == _identity(self.entry) or not self._entry_ok()):
                 self._move_aside()
             os.rename(tmp, self.entry)
             _fsync_dir(self.root)
@@ -388,6 +390,15 @@ def cpu_model() -> str:
     except OSError:
         pass
     return f"{platform.machine()}:{name}"
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which directory is at ``path`` now (a new publication is a new one)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _size(path: Path) -> int:
