@@ -7,7 +7,8 @@ a graph, so trainguard sets them in the process itself: a job needs no
 change to its launch script. The path is a private directory filled from
 the job's validated entry for this rank; after the first step a process
 that found no usable entry publishes it. Entries are per rank (MindSpore's
-graphs and cache directories are).
+graphs and cache directories are). Graph mode only: in PyNative mode
+nothing is compiled ahead and MindSpore's cache is left off.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class MindSporeCompileCache:
 
     def __init__(self, root: Path | None, parts: Mapping[str, Any], *, warn: bool = True, owner: str = "") -> None:
         self.note = "off" if root is None else ""
+        if root is not None and ms.get_context("mode") == ms.PYNATIVE_MODE:
+            self.note = "PyNative mode: no graphs to keep (the compile cache serves graph mode)"
+            root = None
         theirs = {k: os.environ[k] for k in _ENV if os.environ.get(k)}
         if root is not None and theirs:
             self.note = (f"{', '.join(f'{k}={v}' for k, v in theirs.items())} set by the job: trainguard leaves "
