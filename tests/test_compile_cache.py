@@ -170,6 +170,7 @@ def test_ranks_publishing_at_once_leave_one_valid_entry(tmp_path):
 def test_where_the_cache_lives(tmp_path):
     env = {"TRAINGUARD_COMPILE_CACHE": str(tmp_path / "env")}
     assert resolve_root(None, tmp_path / "ckpt", {}) == tmp_path / "ckpt" / ".trainguard" / "compile_cache"
+    assert not (tmp_path / "ckpt").exists()  # the default place is made by the first publication
     assert resolve_root(None, tmp_path / "ckpt", env) == tmp_path / "env"
     assert resolve_root(tmp_path / "arg", tmp_path / "ckpt", env) == tmp_path / "arg"  # the argument wins
     assert resolve_root(None, None, {}) is None

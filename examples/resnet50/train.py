@@ -123,12 +123,15 @@ def main(cfg: DictConfig) -> None:
 
     torch.manual_seed(cfg.seed)  # every rank builds the same initial model (DDP broadcasts rank 0's anyway)
     net = resnet50(num_classes, stem=cfg.model.stem, zero_init_residual=cfg.model.zero_init_residual).to(device)
+    if cfg.compile:  # compiled at the first step; the Guard keeps the artifacts for restarted processes
+        net = torch.compile(net)
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = make_optimizer(cfg, model.parameters())
     scheduler = make_scheduler(cfg, optimizer)
     guard = Guard(model, optimizer, scheduler=scheduler, data=loader, checkpoint_dir=checkpoint_dir,
                   save_every=cfg.save_every, keep=cfg.keep, snapshot_every=cfg.snapshot_every,
-                  snapshots_in_memory=cfg.snapshots_in_memory)
+                  snapshots_in_memory=cfg.snapshots_in_memory,
+                  compile_cache_key={"batch_size": cfg.batch_size, "image_size": cfg.image_size})
     start_step = guard.step
     if rank == 0:
         log.info("ResNet-50 (%.1fM parameters, %s stem, %d classes) on %d ranks (%s/%s), %dx%d images, "
@@ -137,6 +140,7 @@ def main(cfg: DictConfig) -> None:
                  cfg.image_size, cfg.batch_size, start_step, cfg.steps)
 
     step_times: list[float] = []
+    first_step_s = None  # from the script's start to this launch's first completed step
     for step in guard.steps(cfg.steps):
         began = time.perf_counter()
         with guard.protect():
@@ -153,6 +157,8 @@ def main(cfg: DictConfig) -> None:
         if guard.step != step + 1:
             continue  # the step failed and was recovered: it runs again (or training resumes elsewhere)
         step_times.append(time.perf_counter() - began)
+        if first_step_s is None:
+            first_step_s = time.perf_counter() - SCRIPT_STARTED
         if rank == 0 and cfg.log_every and (guard.step % cfg.log_every == 0 or guard.step == cfg.steps):
             log.info("step %d/%d  loss %.4f  lr %.4g  %.3f s/step", guard.step, cfg.steps, loss.item(),
                      scheduler.get_last_lr()[0], step_times[-1])
@@ -164,6 +170,7 @@ def main(cfg: DictConfig) -> None:
         "start_step": start_step,
         "wall_s": round(time.perf_counter() - SCRIPT_STARTED, 3),
         "step_time_s": round(statistics.median(step_times), 4) if step_times else None,
+        "first_step_s": round(first_step_s, 3) if first_step_s is not None else None,
         "faults": read_fault_log(checkpoint_dir / ".trainguard" / "faults.jsonl") if checkpoint_dir else [],
         "config": OmegaConf.to_container(cfg, resolve=True),
     })

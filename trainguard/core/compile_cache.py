@@ -89,10 +89,11 @@ def resolve_root(setting: str | os.PathLike | bool | None, checkpoint_dir: str |
     ``setting`` (a Guard argument) wins; ``None`` falls back to
     ``TRAINGUARD_COMPILE_CACHE``, then to ``<checkpoint_dir>/.trainguard/
     compile_cache`` (storage every rank and every relaunch of the job
-    reaches). ``False`` or ``"off"`` turns it off.
+    reaches; created when the first entry is published). ``False`` or
+    ``"off"`` turns it off.
 
     Raises:
-        ConfigError: the directory cannot be created or is a file.
+        ConfigError: a directory given explicitly cannot be created, or a file.
     """
     environ = os.environ if environ is None else environ
     if setting is None:
@@ -104,7 +105,7 @@ def resolve_root(setting: str | os.PathLike | bool | None, checkpoint_dir: str |
     if setting is None:
         if checkpoint_dir is None:
             return None
-        setting = Path(checkpoint_dir) / ".trainguard" / "compile_cache"
+        return Path(checkpoint_dir).expanduser().absolute() / ".trainguard" / "compile_cache"
     root = Path(setting).expanduser().absolute()
     if root.exists() and not root.is_dir():
         raise ConfigError(f"compile cache {root} is not a directory")
@@ -229,6 +230,11 @@ class CompileCache:
             Whether this process's copy became the entry.
         """
         source, skip = Path(source), set(skip)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.warning("compile cache: cannot create %s (%s); the next restart compiles afresh", self.root, e)
+            return False
         self._clear_stale()
         if self._bad != _identity(self.entry) and self._entry_ok():
             self.counters["publish_lost"] += 1
