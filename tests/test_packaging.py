@@ -18,7 +18,7 @@ class Block:
         return None
 sys.meta_path.insert(0, Block())
 import trainguard.core as core
-from trainguard.core import checkpoint, classify, client, config, controller, decide, faults, processor
+from trainguard.core import checkpoint, classify, client, compile_cache, config, controller, decide, faults, processor
 from trainguard.core import recovery, replicas, rpc, server, transitions
 import trainguard.cli
 assert not any(m.split(".")[0] in {"torch", "mindspore", "megatron"} for m in sys.modules)
