@@ -78,7 +78,8 @@ def launch(tmp: Path, framework: str, env: dict, tag: str, fault: str | None) ->
 
 def cycle(framework: str, variant: str, work: Path) -> dict:
     """A crash, then the relaunch that is measured."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"{framework}-{variant}-", dir=work))
+    # No spaces in the path: Inductor's C++ build commands do not quote it.
+    tmp = Path(tempfile.mkdtemp(prefix=f"{framework}-{variant.replace(' ', '_').replace(',', '')}-", dir=work))
     inductor = tmp / "inductor"
 
     def env(launch_no: int) -> dict:
