@@ -27,9 +27,11 @@ synthetic ~1 GB state (fp32 params in 400 tensors + AdamW state; ~100 MB with
    snapshot every step and persist every K, against no checkpoints; launches
    alternate; rank 0's per-step times from its log, first 3 left out; the
    goal takes the median over launch pairs undisturbed by other processes.
-6. **GPU**: device-to-host take() against copy_ into pinned memory (CUDA only).
+6. **GPU** (CUDA only; ``--gpu-only`` runs this alone): the same two states on
+   the GPU, blocked per checkpoint as in 1, and take()'s device-to-host
+   bandwidth against one flat copy_ into pinned memory.
 
-usage: python bench/checkpoint.py [--quick]
+usage: python bench/checkpoint.py [--quick] [--gpu-only]
 """
 
 from __future__ import annotations
@@ -76,28 +78,28 @@ def wrap(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
             "history": {"records": [], "pids": {}}}
 
 
-def resnet_state() -> tuple:
+def resnet_state(device: str = "cpu") -> tuple:
     from omegaconf import OmegaConf
     sys.path.insert(0, str(EXAMPLE))
     from model import resnet50
     cfg = OmegaConf.load(EXAMPLE / "conf" / "config.yaml")
     torch.manual_seed(0)
-    model = resnet50(cfg.model.num_classes or 10, stem=cfg.model.stem)
+    model = resnet50(cfg.model.num_classes or 10, stem=cfg.model.stem).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.optim.betas),
                             weight_decay=cfg.optim.weight_decay)
-    x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
-    torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (cfg.batch_size,))).backward()
+    x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=device)
+    torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (cfg.batch_size,), device=device)).backward()
     opt.step()
     n = sum(p.numel() for p in model.parameters())
     return wrap(model, opt), f"ResNet-50 ({n / 1e6:.1f}M params) + AdamW", model, opt
 
 
-def synthetic_state(layers: int) -> tuple:
+def synthetic_state(layers: int, device: str = "cpu") -> tuple:
     torch.manual_seed(0)
     model = torch.nn.ParameterList()
     for _ in range(layers):  # a 1024x832 matrix, its bias and a norm's weight and bias
         for shape in ((1024, 832), (1024,), (1024,), (1024,)):
-            model.append(torch.nn.Parameter(torch.randn(shape)))
+            model.append(torch.nn.Parameter(torch.randn(shape, device=device)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model:
         p.grad = torch.randn_like(p)
@@ -296,25 +298,103 @@ def train(tmp: Path, tag: str, steps: int, every: int, snapshot: bool) -> tuple[
     return [times[s] for s in sorted(times)], json.loads((tmp / f"{tag}.json").read_text()), others
 
 
-def gpu_rows(reps: int, job: str) -> tuple[list[dict], float]:
-    """take() of 1 GiB of fp32 on the GPU against copy_ into pinned host tensors (not run here: no GPU)."""
-    t = [torch.randn(1 << 20, device="cuda") for _ in range(256)]
-    pinned, shm = [torch.empty(x.shape, pin_memory=True) for x in t], SnapshotDir.create(f"{job}-gpu")
+def gpu_rows(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], dict]:
+    """Measure 6 for one state on the GPU: blocked per checkpoint (take() into
+    pinned slots + persist request, against torch.save and DCP async_save of
+    the same CUDA state), and take()'s device-to-host bandwidth against one
+    flat copy_ of the same bytes into a pinned tensor."""
+    state, label, _, _ = made
+    tensors = flatten(state)[1]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def flat_copy() -> None:
+        pinned.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+    saves = [on_disk(tmp / "save.pt", lambda f: torch.save(state, f)) for _ in range(reps + 1)]
+    dcp_ret = []
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=str(tmp / f"dcp{i}"))
+        dcp_ret.append(time.perf_counter() - t)
+        fut.result()
+        shutil.rmtree(tmp / f"dcp{i}")
+    shm, root = SnapshotDir.create(job), tmp / f"ckpt-{job}"
     snaps = Snapshots(shm, 0, count=2)
+    blocked, take, flat = [], [], []
     try:
-        ours = mean([clock(lambda: snaps.take({"t": t}, i)) for i in range(reps + 2)][2:])
+        first = [clock(lambda: snaps.take(state, step)) for step in (1, 2)]
+        while snaps.worker.pending:
+            snaps.poll(0.5)
+        for i in range(reps):
+            flat.append(clock(flat_copy))
+            t0 = time.perf_counter()
+            index = snaps.take(state, 10 + i)
+            t1 = time.perf_counter()
+            snaps.persist(index, 10 + i, root=str(root), name=NAME, finalize={
+                "expected": [NAME], "timeout_s": 600, "keep": 0, "meta": {"finalised_by": 0},
+                "layout": {"world_size": 1, "shards": [{"kind": 0, "copies": [0], "full": True, "saved_by": 0,
+                                                        "files": [NAME]}]}})
+            blocked.append(time.perf_counter() - t0)
+            take.append(t1 - t0)
+            snaps.wait(600)
+            if snaps.errors or index is None:
+                raise RuntimeError(f"persist failed: slot {index}, {snaps.errors}")
+            for old in CheckpointStore(root).steps()[1:]:
+                shutil.rmtree(CheckpointStore(root).final_path(old))
+        pins = snaps.pins
     finally:
         snaps.close()
         shm.remove()
-    pin = lambda: ([p.copy_(x, non_blocking=True) for p, x in zip(pinned, t)], torch.cuda.synchronize())  # noqa: E731
-    base = mean([clock(pin) for _ in range(reps + 1)][1:])
-    return [{"measure": "6 GPU->host", "state": "1 GiB fp32 on GPU", "method": m, "seconds": s,
-             "GB_s": (1 << 30) / s / GB} for m, s in (("trainguard take()", ours), ("pinned copy_", base))], \
-        100 * base / ours
+    ours, save, async_ = mean(blocked), mean(saves[1:]), mean(dcp_ret[1:])
+    rows = [{"measure": m, "state": label, "method": how, "seconds": sec, "GB_s": size / sec / GB if size else None,
+             "note": note} for m, how, sec, size, note in (
+        ("6 GPU blocked/ckpt", "trainguard take()+persist() req", ours, None,
+         f"mean of {reps}; {nbytes / 1e6:.0f} MB in {len(tensors)} tensors; {pins} slots pinned"),
+        ("6 GPU blocked/ckpt", "trainguard first take (allocates, pins)", mean(first), None,
+         "per slot: " + ", ".join(f"{x:.3g}" for x in first) + " s"),
+        ("6 GPU blocked/ckpt", "torch.save + fsync", save, None, f"mean of {reps}"),
+        ("6 GPU blocked/ckpt", "DCP async_save (until return)", async_, None, f"mean of {reps}"),
+        ("6 GPU->host", "trainguard take()", med(take), nbytes, f"median of {reps}"),
+        ("6 GPU->host", "pinned copy_: one flat tensor", med(flat), nbytes, f"median of {reps}; goal baseline"))]
+    return rows, {"vs_save": 100 * ours / save, "vs_async": ours / async_, "d2h": 100 * med(flat) / med(take),
+                  "samples": {"blocked": blocked, "take": take, "flat": flat, "torch_save": saves,
+                              "async_save": dcp_ret}}
+
+
+NOTE_6 = ("state on the GPU (ResNet-50 + AdamW after one step; the synthetic state); ours: take() copies each "
+          "tensor with non_blocking into slots page-locked by cudaHostRegister, one synchronize, then a persist "
+          "request (the worker writes from host memory); torch.save of the CUDA state + fsync; DCP async_save until "
+          "it returns (it stages to CPU first); the baseline of the bandwidth: one flat device-to-host copy_ of the "
+          "same bytes into a pinned tensor")
+GPU_GOALS = [("blocked per checkpoint, ours / torch.save", "vs_save", 5, "%"),
+             ("blocked per checkpoint, ours / DCP async_save", "vs_async", 1, "x"),
+             ("take() device-to-host bandwidth / pinned copy", "d2h", 80, "%", True)]
+
+
+def run_gpu(reps: int, layers: int, job: str, per_state: dict) -> tuple[list[dict], list]:
+    rows, goals = [], []
+    with tempfile.TemporaryDirectory(prefix="tg-bench-ckpt-gpu-") as d:
+        tmp = Path(d)
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "pg"), 1), rank=0, world_size=1)
+        try:
+            for i, make in enumerate((lambda: resnet_state("cuda"), lambda: synthetic_state(layers, "cuda"))):
+                made = make()
+                got, r = gpu_rows(made, reps, tmp, f"{job}-gpu{i}")
+                rows, per_state[f"GPU {made[1]}"] = rows + got, r
+                goals += [common.Goal(f"GPU {made[1].split(' (')[0]}: {what}", r[k], *target)
+                          for what, k, *target in GPU_GOALS]
+                del made
+        finally:
+            dist.destroy_process_group()
+    return rows, goals
 
 
 def main() -> None:
-    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    ap = common.parser(__doc__.splitlines()[0])
+    ap.add_argument("--gpu-only", action="store_true", help="measure 6 alone (bench/results/checkpoint-gpu.json)")
+    args = ap.parse_args()
     load_avg = os.getloadavg()
     git = ["git", "-C", str(EXAMPLE.parent.parent)]  # the code measured: the tree may hold uncommitted changes
     tree = lambda: [subprocess.run([*git, *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
@@ -323,6 +403,15 @@ def main() -> None:
     layers, reps = (10, 3) if args.quick else (100, 8)
     steps, every, pairs, skip = (12, 5, 1, 3) if args.quick else (30, 10, 3, 3)
     rows, goals, per_state, job = [], [], {}, f"bench-checkpoint-{os.getpid()}"
+    if args.gpu_only:
+        if not torch.cuda.is_available():
+            sys.exit("--gpu-only needs a CUDA device")
+        rows, goals = run_gpu(reps, layers, job, per_state)
+        common.report("checkpoint-gpu", rows, ["measure", "state", "method", "seconds", "GB_s", "note"], goals,
+                      quick=args.quick, out=args.out, extra={"per_state": per_state, "note": NOTE_6,
+                                                             "trainguard_tree": {"start": tree_at_start,
+                                                                                 "end": tree()}})
+        return
     with tempfile.TemporaryDirectory(prefix="tg-bench-ckpt-") as d:
         tmp = Path(d)
         dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "pg"), 1), rank=0, world_size=1)
@@ -358,10 +447,12 @@ def main() -> None:
                              f"{len(quiet or ratios)} {'quiet ' if quiet else ''}launch pairs)", med(quiet or ratios),
                              97, "%", True))
 
-    gpu = gpu_rows(reps, job) if torch.cuda.is_available() else None
-    rows += gpu[0] if gpu else [{"measure": "6 GPU->host", "state": "-", "method": "trainguard take() vs pinned copy_",
-                                 "note": "no GPU in this run"}]
-    goals.append(common.Goal("GPU: take() device-to-host bandwidth / pinned copy", gpu and gpu[1], 80, "%", True))
+    if torch.cuda.is_available():
+        got, gpu_goals = run_gpu(reps, layers, job, per_state)
+        rows, goals = rows + got, goals + gpu_goals
+    else:
+        rows.append({"measure": "6 GPU", "state": "-", "method": "-", "note": "no GPU in this run: see "
+                     "bench/results/checkpoint-gpu.json (--gpu-only on a GPU machine)"})
 
     left = sorted(p.name for p in Path("/dev/shm").glob(f"trainguard-{job}-*"))  # only ours: tests may run beside
     extra = {"notes": {
@@ -378,7 +469,7 @@ def main() -> None:
              f"snapshot_every=1` vs `save_every=0 snapshot_every=0` (default optimizer SGD, batch 8, 32x32), "
              f"{pairs} alternating launch pair(s); per pair, mean of rank 0's logged step times (first {skip} left "
              f"out); the goal: median over pairs where other processes used < 0.25 cores (else over all)"},
-        "per_state": per_state, "step_times_s": {"base": base, "ckpt": ckpt}, "snapshot_reports": reports,
+        "6": NOTE_6, "per_state": per_state, "step_times_s": {"base": base, "ckpt": ckpt}, "snapshot_reports": reports,
         "shm_left": left, "tmp_dir": tempfile.gettempdir(), "load_avg": {"start": load_avg, "end": os.getloadavg()},
         "trainguard_tree": {"start": tree_at_start, "end": tree()}}
     common.report("checkpoint", rows, ["measure", "state", "method", "seconds", "GB_s", "note"], goals,

@@ -49,6 +49,8 @@ def machine() -> str:
         import torch
 
         torch_v = f", torch {torch.__version__}"
+        if torch.cuda.is_available():
+            torch_v += f", GPU {torch.cuda.get_device_name()}"
     except ImportError:
         torch_v = ""
     mem = ""

@@ -4,7 +4,8 @@
 
 Snapshots every step, saves every SAVE_EVERY. With ``CORRUPT_ON_RESTART=R`` set, rank
 R flips a byte in each of its snapshots in memory when it is a restarted
-process, before the Guard looks at them. Each rank writes its report to
+process, before the Guard looks at them. ``SNAP_DEVICE=cuda`` trains on
+GPU ``LOCAL_RANK % device_count`` (gloo: ranks may share one GPU). Each rank writes its report to
 ``REPORT.<rank>`` (rank 0 to REPORT too).
 """
 
@@ -32,11 +33,15 @@ def main() -> None:
     steps, report, ckpt, save_every = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    device = torch.device("cpu")
+    if os.environ.get("SNAP_DEVICE") == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if os.environ.get("CORRUPT_ON_RESTART") == str(rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT") != "0":
         corrupt_own_snapshots(rank)
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
-    model = torch.nn.parallel.DistributedDataParallel(net)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(device)
+    model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every, snapshot_every=1,
@@ -45,7 +50,7 @@ def main() -> None:
         with guard.protect():
             gen = torch.Generator().manual_seed(step * 100 + rank)
             x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 8, (16,), generator=gen)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
             guard.optimizer.zero_grad()
             loss.backward()
             guard.optimizer.step()

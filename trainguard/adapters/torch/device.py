@@ -6,7 +6,9 @@
   cannot be cleaned in-process, so the device reports itself not repairable
   and the controller escalates a UCE to a process-level strategy (dump).
   Communication faults are still retried in-process: the NCCL communicator
-  is aborted and rebuilt.
+  is aborted and rebuilt. A job that chose gloo for its default group
+  (several ranks sharing one GPU, which NCCL refuses) gets gloo here too:
+  gloo runs collectives on CUDA tensors through host memory.
 * ``npu``: HCCL through ``torch_npu``; when ``torch_npu.npu`` offers
   ``stop_device`` / ``restart_device`` (the calls MindSpeed uses for UCE
   repair), the device is cleaned in-process.
@@ -69,6 +71,8 @@ class CudaDevice(Device):
         return torch.device("cuda", self.index)
 
     def backend(self, store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            return super().backend(store, rank, size, timeout)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)
