@@ -66,6 +66,39 @@ def test_a_stalled_controller_does_not_declare_everyone_hung():
     assert core.records[-1].fault == "hang" and core.records[-1].strategy == "exit"
 
 
+def test_a_rank_that_does_not_stop_is_told_to_exit_and_the_others_dump():
+    """A rank stuck in a collective with a peer that has left it (megatron's
+    own groups cannot be aborted) keeps its heartbeat but never stops: at the
+    prelock deadline it is counted hung and sent an exit (its processor then
+    ends the process), and the dump goes on without it."""
+    now, sent = [0.0], []
+    core = ControllerCore(ControllerConfig(prelock_timeout_s=5), 4, send=lambda r, c: sent.append((r, c)),
+                          clock=lambda: now[0])
+    for rank in range(4):
+        core.on_hello(pb.Hello(rank=rank, world_size=4, pid=1 + rank, replicas=[_pb_group(ReplicaGroup.full(range(4)))],
+                               status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
+    core.on_process_exit(1, 2, -9)
+    for rank in (0, 3):  # their collectives with rank 1 broke; rank 2 waits on rank 0 in another group
+        core.on_stopped(rank, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
+    def beat() -> None:  # every live process heartbeats, rank 2's too
+        for rank in (0, 3):
+            core.on_heartbeat(rank, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
+        core.on_heartbeat(2, pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED))
+    while now[0] < 4.5:
+        now[0] += 0.5
+        beat()
+        core.tick()
+    assert core.state is ControllerState.ABNORMAL and not [c for r, c in sent if r == 2 and c.HasField("exit")]
+    now[0] = 5.5
+    beat()
+    core.tick()
+    exits = [c for r, c in sent if r == 2 and c.HasField("exit")]
+    assert len(exits) == 1 and exits[0].exit.code == 77 and "did not stop within 5 s" in exits[0].exit.reason
+    assert core.state is ControllerState.DUMPING
+    saves = {r for r, c in sent if c.HasField("save")}
+    assert saves and saves <= {0, 3}, saves
+
+
 def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
     """recover-in-place with a rank lost on each of two nodes: the first
     agent makes the store, the second is ordered onto it; the survivors are

@@ -302,10 +302,14 @@ class ControllerCore(Restarts):
             for rank in sorted(ep.unstopped):
                 self._send(rank, stop)
         if self.state is ControllerState.ABNORMAL and ep.unstopped and now > ep.stop_deadline:
+            why = f"did not stop within {self.config.prelock_timeout_s:g} s"
             for rank in sorted(ep.unstopped):
                 self._lose(self.ranks[rank])
-                ep.faults.append(Fault(kind=FaultKind.HANG, rank=rank, detected_at=self._wall(),
-                                       message=f"did not stop within {self.config.prelock_timeout_s:g} s"))
+                # Stuck in a collective with a peer that left it, it still
+                # talks: tell it to go, or it waits for commands forever.
+                self._exiting.add(rank)
+                self._send(rank, self._command(exit=pb.Exit(code=EXIT_HUNG, reason=why)))
+                ep.faults.append(Fault(kind=FaultKind.HANG, rank=rank, detected_at=self._wall(), message=why))
             self._check_prelock()
         phase = self._current_phase()
         if phase is not None and phase.waiting and now > phase.deadline:
