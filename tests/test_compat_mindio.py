@@ -87,8 +87,8 @@ def _trained(seed: int):
 
 
 def _save(store, step, model, opt):
-    info = ckpt.write_rank(store, step, model, opt, None)
-    ckpt.finalize(store, step, [SavedShard(kind=0, copies=(0, 1), full=True, rank=0, files=(info,))], {}, 0)
+    files = ckpt.write_rank(store, step, model, opt, None)
+    ckpt.finalize(store, step, [SavedShard(kind=0, copies=(0, 1), full=True, rank=0, files=tuple(files))], {}, 0)
 
 
 def test_checkpoints_use_megatrons_layout_and_skip_a_corrupted_one(tmp_path):

@@ -75,3 +75,16 @@ def test_two_optimizer_instances_are_two_copies_of_each_shard(layouts):
     for r in range(4):
         assert dense(layouts, "distopt2", r) == {"ranks": [0, 1, 2, 3], "replica_cnt": 2,
                                                  "shards": [[0, 2], [1, 3]]}
+
+
+def test_a_distributed_optimizers_shards_are_saved_once_each_and_load_back(layouts):
+    """2 instances of 2 ranks: shard 0 on ranks 0 and 2, shard 1 on ranks 1
+    and 3. One copy of each shard is written (by instance 0), the model file
+    once, and every rank gets its own shard's main parameters and moments back."""
+    for r in range(4):
+        got = layouts[r]["sharded"]
+        assert got["step"] == 5 and got["restored"] and got["model_restored"], (r, got)
+        assert got["files"] == ["mp_rank_00/distrib_optim_shard_000.pt", "mp_rank_00/distrib_optim_shard_001.pt",
+                                "mp_rank_00/model_optim_rng.pt"], got
+        assert sorted((s["copies"], s["saved_by"], s["full"]) for s in got["shards"]) == \
+            [([0, 2], 0, False), ([1, 3], 1, False)], got

@@ -34,7 +34,8 @@ def build(cfg, *, tensor_parallel: int, device: str) -> GPTModel:
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size, tensor_model_parallel_size=tensor_parallel,
         hidden_dropout=m.dropout, attention_dropout=m.dropout, use_cpu_initialization=True,
-        pipeline_dtype=torch.float32)
+        bf16=bool(cfg.get("bf16", False)), params_dtype=torch.bfloat16 if cfg.get("bf16", False) else torch.float32,
+        pipeline_dtype=torch.bfloat16 if cfg.get("bf16", False) else torch.float32)
     spec = get_gpt_layer_local_spec()
     if device == "cpu":
         spec.submodules.self_attention.submodules.core_attention = HostDotProductAttention

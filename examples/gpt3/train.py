@@ -13,6 +13,10 @@ model-parallel slice writes a dying-gasp checkpoint in Megatron's layout
 (``iter_0000123/mp_rank_00/model_optim_rng.pt``), every rank exits with 75,
 and relaunching the same command resumes from it: compare
 ``final_state_sha256`` with a fault-free run.
+
+On GPUs, ``optimizer=replicated`` trains with megatron's DDP and distributed
+optimizer kept in ``replicas`` instances (``device=cuda``); the dying gasp
+then writes one copy of each optimizer shard.
 """
 
 from __future__ import annotations
@@ -31,12 +35,17 @@ import hydra
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.module import Float16Module
 from omegaconf import DictConfig
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import trainguard.compat.mindio_ttp.framework_ttp as ttp
 import trainguard.compat.mindio_ttp.megatron_ttp as mega
+from trainguard.adapters.megatron.checkpoint import shard_state
 from trainguard.adapters.torch.state import state_sha256
 from trainguard.compat.mindio_ttp.state import TTP
 from trainguard.core import FaultInjector
@@ -63,6 +72,45 @@ def reduce_grads(model: torch.nn.Module, group) -> None:
         g.copy_(reduced)
 
 
+def megatron_optimizer(cfg: DictConfig, model: torch.nn.Module, instances: int):
+    """megatron's DDP around ``model`` and its distributed optimizer, kept in
+    ``instances`` copies (trainguard's replicated optimizer)."""
+    if cfg.device != "cuda":
+        raise SystemExit(f"optimizer={cfg.optimizer} is megatron's distributed optimizer, which allocates on CUDA: "
+                         f"set device=cuda (or optimizer=torch)")
+    if cfg.bf16:  # as Megatron-LM wraps it: bf16 weights, inputs cast on the way in, outputs back to fp32
+        model = Float16Module(model.config, model)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=instances, grad_reduce_in_fp32=True),
+        model)
+    o = cfg.optim
+    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                             adam_beta1=o.betas[0], adam_beta2=o.betas[1], clip_grad=o.clip_grad, bf16=cfg.bf16,
+                             params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
+    return ddp, mega.replicated_optimizer(config, [ddp])
+
+
+def optimizer_state_mb(optimizer, own_main_params: bool) -> float:
+    """This rank's optimizer state: the moments, plus the fp32 main parameters
+    when they are copies of their own (a bf16 model; with fp32 the main
+    parameters are views of the model's)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
+    if own_main_params:
+        tensors += [p for g in inner.param_groups for p in g["params"]]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+def state_digest(model, optimizer) -> str:
+    """SHA-256 of the model and the optimizer state (every rank's shard of it
+    with a distributed optimizer)."""
+    if not isinstance(model, DistributedDataParallel):
+        return state_sha256({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    shards: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, state_sha256(shard_state(optimizer)))
+    return state_sha256({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "shards": shards})
+
+
 @ttp.ttp_to_persist
 def train(cfg: DictConfig, model, optimizer, opt_param_scheduler, iteration: int, injector: FaultInjector) -> int:
     # begin to init ttp processor & controller (the recipe's lines, unchanged)
@@ -81,6 +129,7 @@ def train(cfg: DictConfig, model, optimizer, opt_param_scheduler, iteration: int
     ttp.ttp_set_ckpt_args((iteration, model, optimizer, opt_param_scheduler))
 
     dp_group, dp_rank = mpu.get_data_parallel_group(), mpu.get_data_parallel_rank()
+    megatron_ddp = isinstance(model, DistributedDataParallel)
     global_batch = cfg.micro_batch_size * mpu.get_data_parallel_world_size()
     times = []
     while iteration < cfg.steps:
@@ -88,11 +137,17 @@ def train(cfg: DictConfig, model, optimizer, opt_param_scheduler, iteration: int
         injector.strike("forward", iteration)
         data = batch(cfg.seed, iteration, dp_rank, micro_batch=cfg.micro_batch_size,
                      seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, device=cfg.device)
-        loss = model(data["input_ids"], data["position_ids"], data["attention_mask"], labels=data["labels"]).mean()
+        loss = model(data["input_ids"], data["position_ids"], data["attention_mask"],
+                     labels=data["labels"]).float().mean()
+        if megatron_ddp:
+            model.zero_grad_buffer()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         injector.strike("backward", iteration)
-        reduce_grads(model, dp_group)
+        if megatron_ddp:
+            model.finish_grad_sync()  # reduce-scatter within an instance, all-reduce across instances
+        else:
+            reduce_grads(model, dp_group)
         torch.distributed.barrier()  # all ranks meet before the update (the recipe's barrier)
         ttp.ttp_start_updating_os(-1)
         optimizer.step()
@@ -102,6 +157,8 @@ def train(cfg: DictConfig, model, optimizer, opt_param_scheduler, iteration: int
         iteration += 1
         ttp.ttp_set_ckpt_args((iteration, model, optimizer, opt_param_scheduler))
         injector.after_step(iteration, time.perf_counter() - started)
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
         if cfg.log_every and iteration % cfg.log_every == 0 and cur_rank == 0:
             log.info("iteration %d loss %.4f lr %.3g step %.3fs", iteration, loss.item(),
@@ -122,15 +179,26 @@ def main(cfg: DictConfig) -> None:
     os.environ["TRAINGUARD_CHECKPOINT_DIR"] = str(checkpoint_dir)
     dist.init_process_group(cfg.backend)
     p = cfg.parallel
+    if cfg.optimizer not in ("torch", "replicated"):
+        raise SystemExit(f"optimizer={cfg.optimizer}: choose torch or replicated")
+    instances = cfg.replicas if cfg.optimizer == "replicated" else 1
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     mpu.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                  context_parallel_size=p.context_parallel_size)
+                                  context_parallel_size=p.context_parallel_size,
+                                  num_distributed_optimizer_instances=instances)
     if p.pipeline_model_parallel_size != 1 or p.context_parallel_size != 1:
         raise SystemExit("this example's training step runs TP x DP; PP and CP need megatron's schedules "
                          "(parallel_state accepts them, see tests/test_megatron_layout.py)")
     torch.manual_seed(cfg.seed)
+    if cfg.device == "cuda":  # megatron's CUDA RNG tracker (dropout inside tensor-parallel regions), as Megatron-LM seeds it
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     model = build(cfg, tensor_parallel=p.tensor_model_parallel_size, device=cfg.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                                  betas=tuple(cfg.optim.betas))
+    if cfg.optimizer == "torch":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                      betas=tuple(cfg.optim.betas))
+    else:
+        model, optimizer = megatron_optimizer(cfg, model, instances)
     global_batch = cfg.micro_batch_size * mpu.get_data_parallel_world_size()
     opt_param_scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
@@ -147,12 +215,15 @@ def main(cfg: DictConfig) -> None:
         "steps_completed": iteration,
         "start_step": start,
         **TTP.history_report(),
-        "final_state_sha256": state_sha256({"model": model.state_dict(), "optimizer": optimizer.state_dict()}),
+        "final_state_sha256": state_digest(model, optimizer),
         "step_time_s": sorted(times)[len(times) // 2] if times else None,
         "periodic_save_s": getattr(TTP, "save_times", []),  # each save_checkpoint call, on this rank
         "wall_s": time.perf_counter() - SCRIPT_STARTED,
         "faults": read_fault_log(checkpoint_dir / ".trainguard" / "faults.jsonl"),
         "parallel": {"tp": p.tensor_model_parallel_size, "dp": mpu.get_data_parallel_world_size()},
+        "optimizer": {"kind": cfg.optimizer, "instances": instances, "bf16": bool(cfg.bf16),
+                      "state_MB": optimizer_state_mb(optimizer, cfg.optimizer != "torch" and cfg.bf16)},
+        "cuda_max_allocated_MB": torch.cuda.max_memory_allocated() / 2**20 if cfg.device == "cuda" else None,
     }
     TTP.processor.close(finished=True)
     if rank == 0:

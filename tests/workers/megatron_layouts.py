@@ -1,15 +1,19 @@
 """Under torchrun (4 ranks, gloo): the replica groups trainguard reads from
-megatron's parallel_state for several layouts; writes <out>/rank<r>.json."""
+megatron's parallel_state for several layouts, and a sharded checkpoint of a
+distributed optimizer kept in 2 instances saved and loaded back; writes
+<out>/rank<r>.json."""
 
 import json
 import sys
 import warnings
 
+import torch
 import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 from megatron.core import parallel_state as ps  # noqa: E402
 
+from trainguard.adapters.megatron import checkpoint as ckpt  # noqa: E402
 from trainguard.adapters.megatron import parallel_rank, replica_groups  # noqa: E402
 from trainguard.core import ConfigError  # noqa: E402
 
@@ -37,6 +41,44 @@ for name, (init, kwargs) in LAYOUTS.items():
         out[name] = {"error": str(e)}
     ps.destroy_model_parallel()
     dist.barrier()
+
+
+class DistributedOptimizer:
+    """megatron's DistributedOptimizer as the checkpoint code sees it (its
+    own needs CUDA): an inner torch optimizer over this rank's shard of the
+    main parameters; ``state_dict()`` holds no parameter state."""
+
+    def __init__(self, shard: torch.Tensor) -> None:
+        self.optimizer = torch.optim.AdamW([shard], lr=0.1)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": {"param_groups": [{"lr": 0.1}]}}
+
+
+def shard_setup(value: float) -> tuple:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)  # the same on every rank
+    shard = torch.nn.Parameter(torch.arange(6.0) + 100 * ps.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True))
+    opt = DistributedOptimizer(shard)
+    shard.grad = torch.full_like(shard, value)
+    opt.optimizer.step()
+    return model, shard, opt
+
+
+ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+store = ckpt.megatron_store(f"{sys.argv[1]}/ckpt")
+model, shard, opt = shard_setup(1.0)
+saved = {"main": shard.detach().clone(), **{k: v.clone() for k, v in opt.optimizer.state[shard].items()}}
+ckpt.save(store, 5, model, opt, None)
+found = store.latest()
+model2, shard2, opt2 = shard_setup(-3.0)  # other values: the load must bring back the saved ones
+step, _ = ckpt.load(store, model2, opt2, None)
+back = {"main": shard2.detach(), **opt2.optimizer.state[shard2]}
+out["sharded"] = {"step": step, "files": sorted(found.manifest["files"]),
+                  "shards": found.manifest["layout"]["shards"],
+                  "restored": all(torch.equal(saved[k], back[k]) for k in saved),
+                  "model_restored": all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))}
+ps.destroy_model_parallel()
 with open(f"{sys.argv[1]}/rank{dist.get_rank()}.json", "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()

@@ -12,7 +12,14 @@ manifest and falls back to the newest complete checkpoint.
 
 Only one rank per data-parallel group writes each file (any replica holds
 the same state), so the dying gasp, where one rank is gone, writes the same
-files as a periodic save. Megatron's ``torch_dist`` format is not used: its
+files as a periodic save. With megatron's distributed optimizer (kept in
+``r`` instances: :mod:`.optimizer`) the parameter state is sharded: one copy
+of each shard ``j`` writes ``distrib_optim_shard_{j:03d}.pt`` beside
+``model_optim_rng.pt`` (the fp32 main parameters and the inner optimizer's
+``state_dict``, for that shard alone; written by shard 0's saver, the
+model file carries megatron's ``optimizer.state_dict()``, as Megatron-LM's
+does). No collective is needed, so a job with a dead rank can write it; it
+loads back into the same data-parallel and instance layout. Megatron's ``torch_dist`` format is not used: its
 save is a collective of the whole world, which a job with a lost rank
 cannot run.
 """
@@ -32,12 +39,17 @@ from trainguard.core.checkpoint import MEGATRON, FileInfo, SavedShard
 
 from .layout import ParallelRank, parallel_rank
 
-__all__ = ["FILE", "load", "megatron_store", "rank_state", "save", "write_rank"]
+__all__ = ["FILE", "load", "megatron_store", "rank_state", "save", "shard_file", "write_rank"]
 
 log = logging.getLogger("trainguard.megatron")
 
 FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
+SHARD_FORMAT = "trainguard-distrib-optim-1"
+
+
+def shard_file(index: int) -> str:
+    return f"distrib_optim_shard_{index:03d}.pt"
 
 
 def megatron_store(root) -> CheckpointStore:
@@ -46,14 +58,70 @@ def megatron_store(root) -> CheckpointStore:
 
 def _chunks(model: Any) -> list[torch.nn.Module]:
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    return [getattr(m, "module", m) for m in chunks]  # torch / megatron DDP wrap the model in .module
+    out = []
+    for m in chunks:  # DDP (torch's, megatron's) and megatron's Float16Module wrap the model in .module
+        while isinstance(getattr(m, "module", None), torch.nn.Module):
+            m = m.module
+        out.append(m)
+    return out
 
 
-def _refuse_sharded(optimizer: Any) -> None:
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    if any(type(o).__name__ in ("DistributedOptimizer", "ReplicatedOptimizer") for o in inner):
-        raise CheckpointError("saving a distributed optimizer's shards in Megatron's layout is not implemented yet "
-                              "(a dense optimizer is); see the README's Megatron section")
+def _distributed(optimizer: Any) -> list:
+    """The distributed optimizers inside ``optimizer`` (megatron chains one per
+    parameter kind); empty for a dense optimizer."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []
+    found = [o for o in inner if any(c.__name__ == "DistributedOptimizer" for c in type(o).__mro__)]
+    if found and len(found) != len(inner):
+        raise CheckpointError("a chain of distributed and dense optimizers (MoE experts?) is not supported by the "
+                              "sharded save yet")
+    return found
+
+
+def _shard() -> tuple[int, int, int]:
+    """(shard index, data-parallel size, instances) of this rank's distributed-optimizer state."""
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_data_parallel_world_size(with_context_parallel=True)
+    intra = ps.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
+    return ps.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True), size, size // intra
+
+
+def _mains(opt: Any) -> list[torch.Tensor]:
+    return [p for g in opt.optimizer.param_groups for p in g["params"]]
+
+
+def shard_state(optimizer: Any) -> dict:
+    """This rank's shard of a distributed optimizer: the fp32 main parameters
+    (copied: some are views into the whole parameter buffer) and the inner
+    optimizer's state, per optimizer in the chain."""
+    index, size, instances = _shard()
+    return {"format": SHARD_FORMAT, "shard": index, "data_parallel": size, "instances": instances,
+            "optimizers": [{"main": [p.detach().clone() for p in _mains(o)], "inner": o.optimizer.state_dict()}
+                           for o in _distributed(optimizer)]}
+
+
+def _load_shard(path: Any, optimizer: Any, device: Any) -> None:
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} could not be loaded safely: {e}") from None
+    index, size, instances = _shard()
+    if state.get("format") != SHARD_FORMAT or (state.get("shard"), state.get("data_parallel"),
+                                               state.get("instances")) != (index, size, instances):
+        raise CheckpointError(f"{path} was saved for shard {state.get('shard')} of {state.get('data_parallel')} "
+                              f"ranks in {state.get('instances')} instances; this rank holds shard {index} of "
+                              f"{size} in {instances}: load it with the layout it was saved with")
+    opts = _distributed(optimizer)
+    if len(state["optimizers"]) != len(opts):
+        raise CheckpointError(f"{path} holds {len(state['optimizers'])} optimizers, the chain here has {len(opts)}")
+    with torch.no_grad():
+        for saved, opt in zip(state["optimizers"], opts):
+            mains = _mains(opt)
+            if [t.shape for t in saved["main"]] != [p.shape for p in mains]:
+                raise CheckpointError(f"{path}: the shard's main parameters do not fit this model")
+            for p, t in zip(mains, saved["main"]):
+                p.copy_(t)
+            opt.optimizer.load_state_dict(saved["inner"])
 
 
 def _rng_state() -> dict:
@@ -67,13 +135,14 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
+    cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731 (generator states are host tensors)
     random.setstate(state["random_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
+    torch.set_rng_state(cpu(state["torch_rng_state"]))
     if "cuda_rng_state" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
+        torch.cuda.set_rng_state(cpu(state["cuda_rng_state"]))
         from megatron.core import tensor_parallel
 
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+        tensor_parallel.get_cuda_rng_tracker().set_states({k: cpu(v) for k, v in state["rng_tracker_states"].items()})
 
 
 def rank_state(iteration: int, model: Any, optimizer: Any, scheduler: Any) -> dict:
@@ -85,8 +154,7 @@ def rank_state(iteration: int, model: Any, optimizer: Any, scheduler: Any) -> di
     else:
         state.update({f"model{i}": m.state_dict() for i, m in enumerate(chunks)})
     if optimizer is not None:
-        _refuse_sharded(optimizer)
-        state["optimizer"] = optimizer.state_dict()
+        state["optimizer"] = optimizer.state_dict()  # a distributed optimizer's holds no parameter state
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     state["rng_state"] = [_rng_state()]
@@ -101,10 +169,19 @@ def _here() -> ParallelRank:
     return ParallelRank(0, 0, 0, 1, 1, 1, world, world)
 
 
-def write_rank(store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any) -> FileInfo:
-    """Write this rank's file of ``step`` under the temporary name."""
-    state = rank_state(step, model, optimizer, scheduler)
-    return store.write(step, f"{_here().subdir}/{FILE}", lambda f: torch.save(state, f))
+def write_rank(store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any) -> list[FileInfo]:
+    """Write this rank's files of ``step`` under the temporary name: the
+    model file, and with a distributed optimizer this rank's shard file
+    (the model file only from shard 0's saver)."""
+    subdir, files = _here().subdir, []
+    sharded = bool(_distributed(optimizer))
+    if not sharded or _shard()[0] == 0:
+        state = rank_state(step, model, optimizer, scheduler)
+        files.append(store.write(step, f"{subdir}/{FILE}", lambda f: torch.save(state, f)))
+    if sharded:
+        shard = shard_state(optimizer)
+        files.append(store.write(step, f"{subdir}/{shard_file(shard['shard'])}", lambda f: torch.save(shard, f)))
+    return files
 
 
 def finalize(store: CheckpointStore, step: int, shards: Sequence[SavedShard], history: dict, rank: int) -> None:
@@ -116,18 +193,24 @@ def finalize(store: CheckpointStore, step: int, shards: Sequence[SavedShard], hi
 
 def save(store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any, *,
          history: dict | None = None) -> None:
-    """A periodic save (every rank calls it): the first rank of each
-    data-parallel group writes its file, rank 0 finalises."""
+    """A periodic save (every rank calls it): one copy of each shard writes
+    it (the first rank of each data-parallel group when the optimizer is
+    dense), rank 0 finalises."""
     here, rank = _here(), dist.get_rank()
-    mine = None
-    if rank == min(here.dp_cp_ranks):
-        info = write_rank(store, step, model, optimizer, scheduler)
-        mine = {"copies": list(here.dp_cp_ranks), "file": [info.name, info.bytes, info.sha256]}
+    sharded = bool(_distributed(optimizer))
+    copies = [list(here.dp_cp_ranks)]
+    if sharded:
+        _, size, instances = _shard()
+        span = size // instances  # megatron's instances are contiguous blocks of the group
+        copies = [list(here.dp_cp_ranks[j::span]) for j in range(span)]
+    mine = next(({"copies": c, "files": []} for c in copies if c[0] == rank), None)
+    if mine is not None:
+        mine["files"] = [[f.name, f.bytes, f.sha256] for f in write_rank(store, step, model, optimizer, scheduler)]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
-        shards = [SavedShard(kind=0, copies=tuple(s["copies"]), full=True, rank=min(s["copies"]),
-                             files=(FileInfo(*s["file"]),)) for s in gathered if s]
+        shards = [SavedShard(kind=0, copies=tuple(s["copies"]), full=not sharded, rank=s["copies"][0],
+                             files=tuple(FileInfo(*f) for f in s["files"])) for s in gathered if s]
         finalize(store, step, shards, history or {}, rank)
     dist.barrier()
 
@@ -165,7 +248,15 @@ def load(store: CheckpointStore, model: Any, optimizer: Any, scheduler: Any, *,
     try:
         for key, chunk in zip(keys, chunks):
             chunk.load_state_dict(state[key])
-        if optimizer is not None:
+        if _distributed(optimizer):
+            shard = f"{_here().subdir}/{shard_file(_shard()[0])}"
+            if shard not in found.manifest.get("files", {}):
+                raise CheckpointError(f"{found.path} has no {shard} (saved without a distributed optimizer, or "
+                                      f"with another layout?)")
+            _load_shard(found.file(shard), optimizer, device)
+            if getattr(optimizer, "grad_scaler", None) is not None and "grad_scaler" in state["optimizer"]:
+                optimizer.grad_scaler.load_state_dict(state["optimizer"]["grad_scaler"])
+        elif optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -21,7 +21,8 @@ Build it as megatron-core does::
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                num_distributed_optimizer_instances=2)
     model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
-    optimizer = replicated_optimizer(OptimizerConfig(optimizer="adam", lr=..., bf16=True), model)
+    optimizer = replicated_optimizer(OptimizerConfig(optimizer="adam", lr=..., bf16=True,
+                                                     use_distributed_optimizer=True), model)
 
 (CUDA only: megatron-core allocates its buffers on the current GPU.)
 """
@@ -62,6 +63,9 @@ def replicated_optimizer(config: Any, model_chunks: Sequence[Any], **kwargs: Any
     Raises:
         ConfigError: a single instance, or chunks that disagree with parallel_state.
     """
+    if not getattr(config, "use_distributed_optimizer", False):
+        raise ConfigError("the replicated optimizer is megatron's distributed optimizer: pass "
+                          "OptimizerConfig(use_distributed_optimizer=True, ...)")
     groups = replica_groups(distributed_optimizer=True)
     copies = groups[0].replica_cnt
     for chunk in model_chunks:

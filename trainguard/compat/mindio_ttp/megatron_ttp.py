@@ -17,9 +17,12 @@
     ``ttp_set_ckpt_args`` got: ``(iteration, model, optimizer, opt_param_scheduler)``.
 ``save_checkpoint(iteration, model, optimizer, opt_param_scheduler)``
     A periodic save in the same layout (every rank calls it).
-``ReplicatedOptimizer``
+``ReplicatedOptimizer`` / ``replicated_optimizer(config, model_chunks)``
     megatron-core's ``DistributedOptimizer`` kept in ``replica_cnt``
-    instances (see :mod:`trainguard.adapters.megatron.optimizer`).
+    instances (see :mod:`trainguard.adapters.megatron.optimizer`); the
+    function is ``get_megatron_optimizer`` for that layout. Either tells the
+    processor the replica layout, so the dying gasp saves one copy of each
+    shard (``distrib_optim_shard_{j:03d}.pt``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from trainguard.core.checkpoint import FileInfo
 
 from .state import TTP
 
-__all__ = ["ReplicatedOptimizer", "load_checkpoint", "rename_save_result", "save_checkpoint",
+__all__ = ["ReplicatedOptimizer", "load_checkpoint", "rename_save_result", "replicated_optimizer", "save_checkpoint",
            "tft_rename_save_result", "tft_save_checkpoint", "ttp_save_checkpoint"]
 
 log = logging.getLogger("trainguard.compat.mindio")
@@ -70,7 +73,7 @@ def ttp_save_checkpoint(save_rank: int, step: int, rank_list: Sequence[int], arg
     if iteration != step:
         # end_updating_os(step) ran but the loop had not yet set the new args: same objects, newer state
         log.info("rank %d saves step %d (the checkpoint args still said iteration %d)", save_rank, step, iteration)
-    return [ckpt.write_rank(ckpt.megatron_store(_directory("save")), step, model, optimizer, scheduler)]
+    return ckpt.write_rank(ckpt.megatron_store(_directory("save")), step, model, optimizer, scheduler)
 
 
 def rename_save_result(args: Any) -> None:
@@ -108,6 +111,17 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, *, dev
     if history:
         TTP.history = history
     return iteration
+
+
+def replicated_optimizer(config: Any, model_chunks: Sequence[Any], **kwargs: Any) -> Any:
+    """megatron-core's ``get_megatron_optimizer(config, model_chunks)`` with
+    the distributed optimizer kept in parallel_state's instances (two or
+    more); tells this process's processor the replica layout."""
+    from trainguard.adapters.megatron.optimizer import replicated_optimizer as build
+
+    optimizer = build(config, model_chunks, **kwargs)
+    TTP.replicas = optimizer.replica_groups
+    return optimizer
 
 
 _replicated: Any = None
