@@ -39,7 +39,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     model = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, num_distributed_optimizer_instances=instances, grad_reduce_in_fp32=True), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, lr=1e-4, bf16=bf16, clip_grad=1.0,
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, lr=1e-4, bf16=bf16,
+                                                 clip_grad=1.0,
                                                  params_dtype=torch.bfloat16 if bf16 else torch.float32), [model])
     times = []
     for it in range(steps):

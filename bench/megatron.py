@@ -65,7 +65,8 @@ def optimizer_rows(model: dict, bf16: bool) -> tuple[list[dict], dict]:
     one, two = by[1], by[2]
     per_param = 12 if bf16 else 8  # bytes of sharded state per parameter: (fp32 main +) two fp32 moments
     expected = (2 - 1) * per_param * got[0]["params"] / GPU_RANKS
-    return rows, {"bf16": bf16, "extra_optimizer_MB": (two["optimizer_state_bytes"] - one["optimizer_state_bytes"]) / 2**20,
+    extra = two["optimizer_state_bytes"] - one["optimizer_state_bytes"]
+    return rows, {"bf16": bf16, "extra_optimizer_MB": extra / 2**20,
                   "expected_extra_MB": expected / 2**20,
                   "peak_overhead_pct": 100 * (two["max_allocated_bytes"] / one["max_allocated_bytes"] - 1),
                   "step_overhead_pct": 100 * (two["step_s"] / one["step_s"] - 1)}
@@ -78,7 +79,8 @@ def run(tmp: Path, name: str, model: list[str], *, fault: str | None = None, ext
     if fault:
         env["TRAINGUARD_FAULT"] = fault
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1",
-           *map(str, prefix), str(EXAMPLE), "steps=6", "log_every=0", f"report={name}.json", f"checkpoint_dir={name}-ckpt",
+           *map(str, prefix), str(EXAMPLE), "steps=6", "log_every=0", f"report={name}.json",
+           f"checkpoint_dir={name}-ckpt",
            *model, *extra]
     out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
     return out.returncode, out.stdout + out.stderr

@@ -84,7 +84,8 @@ def megatron_optimizer(cfg: DictConfig, model: torch.nn.Module, instances: int):
         use_distributed_optimizer=True, num_distributed_optimizer_instances=instances, grad_reduce_in_fp32=True),
         model)
     o = cfg.optim
-    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, lr=o.lr, min_lr=o.min_lr,
+                             weight_decay=o.weight_decay,
                              adam_beta1=o.betas[0], adam_beta2=o.betas[1], clip_grad=o.clip_grad, bf16=cfg.bf16,
                              params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
     return ddp, mega.replicated_optimizer(config, [ddp])
@@ -191,7 +192,7 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit("this example's training step runs TP x DP; PP and CP need megatron's schedules "
                          "(parallel_state accepts them, see tests/test_megatron_layout.py)")
     torch.manual_seed(cfg.seed)
-    if cfg.device == "cuda":  # megatron's CUDA RNG tracker (dropout inside tensor-parallel regions), as Megatron-LM seeds it
+    if cfg.device == "cuda":  # megatron's CUDA RNG tracker (dropout in tensor-parallel regions), seeded as Megatron-LM does
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     model = build(cfg, tensor_parallel=p.tensor_model_parallel_size, device=cfg.device)
     if cfg.optimizer == "torch":

@@ -58,7 +58,8 @@ class DistributedOptimizer:
 def shard_setup(value: float) -> tuple:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)  # the same on every rank
-    shard = torch.nn.Parameter(torch.arange(6.0) + 100 * ps.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True))
+    index = ps.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True)
+    shard = torch.nn.Parameter(torch.arange(6.0) + 100 * index)
     opt = DistributedOptimizer(shard)
     shard.grad = torch.full_like(shard, value)
     opt.optimizer.step()
