@@ -141,6 +141,32 @@ def raw_write(f, view: memoryview) -> None:
             chunk = chunk[os.write(f.fileno(), chunk):]
 
 
+FINALIZE = {"expected": [NAME], "timeout_s": 600, "keep": 0, "meta": {"finalised_by": 0},  # one rank's persist
+            "layout": {"world_size": 1, "shards": [{"kind": 0, "copies": [0], "full": True, "saved_by": 0,
+                                                    "files": [NAME]}]}}
+
+
+def torch_saves(state: dict, reps: int, tmp: Path) -> tuple[list[float], list[float], list[float]]:
+    """The baselines of measure 1: torch.save + fsync, and DCP async_save
+    until it returns and until it is done (each ``reps + 1`` times)."""
+    saves = [on_disk(tmp / "save.pt", lambda f: torch.save(state, f)) for _ in range(reps + 1)]
+    returned, done = [], []
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=str(tmp / f"dcp{i}"))
+        returned.append(time.perf_counter() - t)
+        fut.result()
+        done.append(time.perf_counter() - t)
+        shutil.rmtree(tmp / f"dcp{i}")
+    return saves, returned, done
+
+
+def table_rows(label: str, measured) -> list[dict]:
+    """Rows from ``(measure, method, seconds, bytes or None, note)``."""
+    return [{"measure": m, "state": label, "method": how, "seconds": sec, "GB_s": size / sec / GB if size else None,
+             "note": note} for m, how, sec, size, note in measured]
+
+
 def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], dict]:
     """Rows of measures 1-4 for one state, and what the goals judge."""
     state, label, model, opt = made
@@ -153,21 +179,9 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict]
     del dsts
     view = memoryview(src.numpy()).cast("B")  # the state's bytes, for the raw-write baseline
 
-    saves = [on_disk(tmp / "save.pt", lambda f: torch.save(state, f)) for _ in range(reps + 1)]
-    dcp_ret, dcp_done = [], []
-    for i in range(reps + 1):
-        t = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=str(tmp / f"dcp{i}"))
-        dcp_ret.append(time.perf_counter() - t)
-        fut.result()
-        dcp_done.append(time.perf_counter() - t)
-        shutil.rmtree(tmp / f"dcp{i}")
-
+    saves, dcp_ret, dcp_done = torch_saves(state, reps, tmp)
     shm, root = SnapshotDir.create(job), tmp / f"ckpt-{job}"
     snaps = Snapshots(shm, 0, count=2)
-    finalize = {"expected": [NAME], "timeout_s": 600, "keep": 0, "meta": {"finalised_by": 0},
-                "layout": {"world_size": 1, "shards": [{"kind": 0, "copies": [0], "full": True, "saved_by": 0,
-                                                        "files": [NAME]}]}}
     blocked, take, persist, raw, flat = [], [], [], [], []
 
     def baselines() -> None:
@@ -184,7 +198,7 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict]
             t0 = time.perf_counter()
             index = snaps.take(state, step)
             t1 = time.perf_counter()
-            snaps.persist(index, step, root=str(root), name=NAME, finalize=finalize)
+            snaps.persist(index, step, root=str(root), name=NAME, finalize=FINALIZE)
             t2 = time.perf_counter()
             snaps.wait(600)
             persist.append(time.perf_counter() - t1)
@@ -211,14 +225,14 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict]
             found = CheckpointStore(root).latest()
             verified = time.perf_counter() - t
             assert found.step == step
-            checksum[:] = [k for k in ("sha256", "crc32") if found.manifest["files"][NAME].get(k)]
+            checksum[:] = [k for k in ("sha256", "xxh3", "crc32") if found.manifest["files"][NAME].get(k)]
             load(read_stored_snapshot(found.file(NAME), "cpu"))
             return time.perf_counter() - t, verified
 
         def from_memory() -> tuple[float, float]:
             t = time.perf_counter()
             again = Snapshots(SnapshotDir.attach(shm.path), 0)
-            held = again.available(verify=False)  # as the Guard loads: CRC32 of the one slot it reads
+            held = again.available(verify=False)  # as the Guard loads: checksum of the one slot it reads
             verified = time.perf_counter() - t
             got, loaded = load_verified(held[max(held)][0], read_payload)
             load(loaded["state"])
@@ -244,8 +258,7 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict]
     t_memory, t_storage = min(t for t, _ in memory), min(t for t, _ in storage)
     ours, save, async_ = mean(blocked), mean(saves[1:]), mean(dcp_ret[1:])
     cold = "page cache dropped" if dropped else "warm page cache"
-    rows = [{"measure": m, "state": label, "method": how, "seconds": sec, "GB_s": size / sec / GB if size else None,
-             "note": note} for m, how, sec, size, note in (
+    rows = table_rows(label, (
         ("1 blocked/ckpt", "trainguard take()+persist() req", ours, None,
          f"mean of {reps}; {nbytes / 1e6:.0f} MB in {len(tensors)} tensors"),
         ("1 blocked/ckpt", "trainguard first take (allocates)", mean(first), None,
@@ -264,7 +277,7 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict]
          f"available(verify=False) {min(v for _, v in memory):.2g} s"),
         ("4 load", "storage: latest()+read_stored+load", t_storage, fbytes,
          f"best of {reps} (median {med(t for t, _ in storage):.3g} s); latest() {min(v for _, v in storage):.3g} s "
-         f"({'/'.join(checksum)}); {cold}"))]
+         f"({'/'.join(checksum)}); {cold}")))
     samples = {"blocked": blocked, "take": take, "flat": flat, "persist": persist, "raw": raw, "torch_save": saves,
                "async_save": dcp_ret, "memory": [t for t, _ in memory], "storage": [t for t, _ in storage]}
     return rows, {"vs_save": 100 * ours / save, "vs_async": ours / async_, "copy": 100 * med(flat) / med(take),
@@ -312,14 +325,7 @@ def gpu_rows(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], d
     def flat_copy() -> None:
         pinned.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
-    saves = [on_disk(tmp / "save.pt", lambda f: torch.save(state, f)) for _ in range(reps + 1)]
-    dcp_ret = []
-    for i in range(reps + 1):
-        t = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=str(tmp / f"dcp{i}"))
-        dcp_ret.append(time.perf_counter() - t)
-        fut.result()
-        shutil.rmtree(tmp / f"dcp{i}")
+    saves, dcp_ret, _ = torch_saves(state, reps, tmp)
     shm, root = SnapshotDir.create(job), tmp / f"ckpt-{job}"
     snaps = Snapshots(shm, 0, count=2)
     blocked, take, flat = [], [], []
@@ -332,10 +338,7 @@ def gpu_rows(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], d
             t0 = time.perf_counter()
             index = snaps.take(state, 10 + i)
             t1 = time.perf_counter()
-            snaps.persist(index, 10 + i, root=str(root), name=NAME, finalize={
-                "expected": [NAME], "timeout_s": 600, "keep": 0, "meta": {"finalised_by": 0},
-                "layout": {"world_size": 1, "shards": [{"kind": 0, "copies": [0], "full": True, "saved_by": 0,
-                                                        "files": [NAME]}]}})
+            snaps.persist(index, 10 + i, root=str(root), name=NAME, finalize=FINALIZE)
             blocked.append(time.perf_counter() - t0)
             take.append(t1 - t0)
             snaps.wait(600)
@@ -348,8 +351,7 @@ def gpu_rows(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], d
         snaps.close()
         shm.remove()
     ours, save, async_ = mean(blocked), mean(saves[1:]), mean(dcp_ret[1:])
-    rows = [{"measure": m, "state": label, "method": how, "seconds": sec, "GB_s": size / sec / GB if size else None,
-             "note": note} for m, how, sec, size, note in (
+    rows = table_rows(label, (
         ("6 GPU blocked/ckpt", "trainguard take()+persist() req", ours, None,
          f"mean of {reps}; {nbytes / 1e6:.0f} MB in {len(tensors)} tensors; {pins} slots pinned"),
         ("6 GPU blocked/ckpt", "trainguard first take (allocates, pins)", mean(first), None,
@@ -357,7 +359,7 @@ def gpu_rows(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], d
         ("6 GPU blocked/ckpt", "torch.save + fsync", save, None, f"mean of {reps}"),
         ("6 GPU blocked/ckpt", "DCP async_save (until return)", async_, None, f"mean of {reps}"),
         ("6 GPU->host", "trainguard take()", med(take), nbytes, f"median of {reps}"),
-        ("6 GPU->host", "pinned copy_: one flat tensor", med(flat), nbytes, f"median of {reps}; goal baseline"))]
+        ("6 GPU->host", "pinned copy_: one flat tensor", med(flat), nbytes, f"median of {reps}; goal baseline")))
     return rows, {"vs_save": 100 * ours / save, "vs_async": ours / async_, "d2h": 100 * med(flat) / med(take),
                   "samples": {"blocked": blocked, "take": take, "flat": flat, "torch_save": saves,
                               "async_save": dcp_ret}}
@@ -459,9 +461,9 @@ def main() -> None:
         "1": "ours: copy into a shared-memory slot + header + seal request, then a persist request; torch.save: "
              "buffered file + flush + fsync; DCP async_save with its defaults (a CPU copy per save, thread executor, "
              "FileSystemWriter with sync_files). floor_pct = flat memcpy / torch.save: the least ours can reach",
-        "3": "persist() to reply: the worker's CRC32 seal (when it had not sealed the slot yet), the copy to the "
+        "3": "persist() to reply: the worker's XXH3-64 seal (when it had not sealed the slot yet), the copy to the "
              "file, fsync, manifest, rename and tracker",
-        "4": "memory, as the Guard loads: available(verify=False) + load_verified (CRC32 of the slot read) + "
+        "4": "memory, as the Guard loads: available(verify=False) + load_verified (XXH3-64 of the slot read) + "
              "read_payload (copies out); storage: latest() (the manifest's checksum, named in the row) + "
              "safetensors (maps the file); both then load_state_dict and "
              "add_(0) on every optimizer state tensor. drop_caches drops the guest's page cache only",

@@ -45,7 +45,7 @@ def test_take_pins_the_slot_and_reads_back_exactly(tmp_path):
         for step in (1, 2, 3):  # both slots, then the first again (registered once each)
             assert snaps.take(state, step) is not None
         assert snaps.pins == 2 and snaps.pin_failed == "", snaps.report(None)
-        while snaps.worker.pending:  # the worker seals each snapshot (CRC32) in the background
+        while snaps.worker.pending:  # the worker seals each snapshot (XXH3-64) in the background
             snaps.poll(0.5)
         held = snaps.available()
         step, back = load_verified(held[max(held)][0], lambda p: read_payload(p, "cuda"))

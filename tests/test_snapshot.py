@@ -99,9 +99,9 @@ def test_snapshot_round_trip_persist_and_safetensors(shm, tmp_path):
         assert _equal(read_stored_snapshot(found.file("shard_k0_r0.safetensors"), "cpu"), _state(3)["state"])
         with safe_open(str(found.file("shard_k0_r0.safetensors")), "pt") as f:
             assert json.loads(f.metadata()["trainguard"])["step"] == 3
-        # Its checksum is the CRC32 the slot was sealed with; a flipped byte is caught at load.
+        # Its checksum is the XXH3-64 the slot was sealed with; a flipped byte is caught at load.
         record = found.manifest["files"]["shard_k0_r0.safetensors"]
-        assert set(record) == {"bytes", "crc32"} and record["crc32"] == snaps.slots[i3].info().crc32
+        assert set(record) == {"bytes", "xxh3"} and record["xxh3"] == snaps.slots[i3].info().checksum
         with open(found.file("shard_k0_r0.safetensors"), "r+b") as f:
             f.seek(-2, 2)
             f.write(b"\x00\x01")
@@ -116,7 +116,7 @@ def test_corrupt_unsealed_and_half_written_snapshots_are_never_loaded(shm, caplo
     try:
         for step in (1, 2):
             _wait_sealed(snaps, snaps.take(_state(step), step))
-        # Flip one byte of step 2's tensors: CRC mismatch.
+        # Flip one byte of step 2's tensors: checksum mismatch.
         slot2 = next(s for s in snaps.slots if s.info() and s.info().step == 2)
         with open(slot2.path, "r+b") as f:
             f.seek(os.path.getsize(slot2.path) - 5)
@@ -130,7 +130,7 @@ def test_corrupt_unsealed_and_half_written_snapshots_are_never_loaded(shm, caplo
         third.unlock()
         memory = snaps.available()
         assert sorted(memory) == [1]
-        assert "fails its CRC32" in caplog.text and "snapshot is writing, not sealed" in caplog.text
+        assert "fails its checksum" in caplog.text and "snapshot is writing, not sealed" in caplog.text
     finally:
         snaps.close()
 
@@ -206,7 +206,7 @@ def test_peer_copy_is_authenticated_checked_and_fetched_back(shm, tmp_path, monk
         with open(slot.path, "r+b") as f:
             f.seek(PAGE + 200)
             f.write(b"\xff\xff")
-        with pytest.raises(CheckpointError, match="CRC32"):
+        with pytest.raises(CheckpointError, match="checksum"):
             push(address, slot, rank=3, token="secret")
         assert other.candidates(3)[0].verified().step == 5  # the good copy is kept
         # The process restarted on the peer node finds rank 3's copy there.

@@ -62,10 +62,10 @@ def test_corrupt_snapshot_in_memory_falls_back_to_storage(job_runner, fault_free
     assert job.rc == 0, job
     assert job.report["final_state_sha256"] == fault_free, job
     reports = _rank_reports(job)
-    # Rank 1's snapshots fail their CRC, so it takes the newest complete
+    # Rank 1's snapshots fail their checksum, so it takes the newest complete
     # checkpoint on storage (step 4), and rank 0 resumes at the same step
     # (from its memory if a slot still holds step 4, else from storage).
     assert reports[1]["snapshots"]["resumed_from"] == {"step": 4, "source": "storage"}, job
     assert reports[0]["snapshots"]["resumed_from"]["step"] == 4, job
-    assert "fails its CRC32 (corrupted in memory)" in job.log, job
+    assert "fails its checksum (corrupted in memory)" in job.log, job
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Mapping, Sequence
 
+import xxhash
+
 from .api import CheckpointError
 
 __all__ = [
@@ -57,15 +59,15 @@ _CHUNK = 8 << 20
 @dataclass(frozen=True)
 class FileInfo:
     """One file of a checkpoint: its size and checksum (SHA-256, or, for a
-    file copied from a sealed in-memory snapshot, the snapshot's CRC32)."""
+    file copied from a sealed in-memory snapshot, the snapshot's XXH3-64)."""
 
     name: str
     bytes: int
     sha256: str
-    crc32: int | None = None
+    xxh3: int | None = None
 
     def record(self) -> dict:
-        return {"bytes": self.bytes, **({"sha256": self.sha256} if self.sha256 else {"crc32": self.crc32})}
+        return {"bytes": self.bytes, **({"sha256": self.sha256} if self.sha256 else {"xxh3": self.xxh3})}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,9 +151,20 @@ def crc32_of(path: Path) -> int:
     return crc
 
 
+def xxh3_of(path: Path) -> int:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.intdigest()
+
+
 def _matches(path: Path, record: Mapping) -> bool:
     if record.get("sha256"):
         return sha256_of(path) == record["sha256"]
+    if isinstance(record.get("xxh3"), int):
+        return xxh3_of(path) == record["xxh3"]
+    # manifests written before snapshots were checked with XXH3-64
     return isinstance(record.get("crc32"), int) and crc32_of(path) == record["crc32"]
 
 
@@ -242,10 +255,10 @@ class CheckpointStore:
             raise _io_error(f"writing {path}", e) from None
         return FileInfo(name, len(view), digest.hexdigest())
 
-    def copy_file(self, step: int, name: str, fd: int, offset: int, size: int, crc32: int) -> FileInfo:
+    def copy_file(self, step: int, name: str, fd: int, offset: int, size: int, xxh3: int | None) -> FileInfo:
         """Copy ``size`` bytes at ``offset`` of the open file ``fd`` (a sealed
         snapshot slot) into one file of ``step``'s checkpoint, kernel to
-        kernel (``sendfile``), recording the CRC32 the slot was sealed with:
+        kernel (``sendfile``), recording the checksum the slot was sealed with:
         nothing is read into this process or hashed again. Every load checks
         the file against it. A half-written file is removed.
 
@@ -265,7 +278,7 @@ class CheckpointStore:
         except OSError as e:
             path.unlink(missing_ok=True)
             raise _io_error(f"writing {path}", e) from None
-        return FileInfo(name, size, "", crc32)
+        return FileInfo(name, size, "", xxh3)
 
     def write_path(self, step: int, name: str, write: Callable[[Path], None]) -> FileInfo:
         """Like :meth:`write`, for writers that take a path (a framework's own

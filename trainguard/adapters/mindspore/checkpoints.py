@@ -169,7 +169,7 @@ class Checkpoints(JobHistory):
     # ----------------------------------------------------------------- load
     def _load(self) -> int:
         """Resume at the newest step every rank can load: from memory where
-        a sealed snapshot holds it (and passes its CRC32 when read), else
+        a sealed snapshot holds it (and passes its checksum when read), else
         from storage."""
         memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
         found = self.store.latest() if self.store is not None else None

@@ -14,7 +14,7 @@ the job token. For a put the server answers ``go`` (or why not) and only
 then reads the slot's bytes, then answers once more; for a fetch it answers
 one JSON line followed by the copy's bytes. A header that is malformed,
 too large or unauthenticated is refused before any payload is read; the
-payload is checked against the slot's own CRC32 before the copy replaces the
+payload is checked against the slot's own checksum before the copy replaces the
 previous one (bulk data is not HMACed: that would cost a SHA-256 pass over
 every snapshot).
 """
@@ -111,7 +111,7 @@ def fetch(address: str, directory: SnapshotDir, *, rank: int, token: str, timeou
 
 def _store(directory: SnapshotDir, rank: int, step: int, size: int, read) -> Slot:
     """Receive a slot file of ``size`` bytes into ``peer/r{rank}``, verify it
-    (CRC, step) and only then let it replace the previous copy."""
+    (checksum, step) and only then let it replace the previous copy."""
     final = directory.path / "peer" / f"r{rank}"
     tmp = final.with_name(final.name + ".tmp")
     try:

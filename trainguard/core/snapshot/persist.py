@@ -5,13 +5,13 @@ disk.
 The trainer talks to it with JSON lines on the worker's stdin and reads
 replies on its stdout (:class:`PersistWorker` is that side). Requests:
 
-* ``seal``: record the CRC32 of a slot's payload (and push the slot to the
+* ``seal``: record the checksum (XXH3-64) of a slot's payload (and push the slot to the
   peer node's agent when one is named); a seal of a slot the trainer has
   written again since is dropped. Seals asked before the trainer died are
   still done: a restarted trainer loads sealed snapshots only.
 * ``persist``: copy a slot's payload (``sendfile``, kernel to kernel) as
-  one file of a checkpoint's temporary directory, with the CRC32 it was
-  sealed with as its checksum, and leave a record of it there; the
+  one file of a checkpoint's temporary directory, with the checksum it was
+  sealed with, and leave a record of it there; the
   finalising rank's worker then waits until every expected file's record
   is there and finalises (manifest, rename, tracker last).
 
@@ -66,21 +66,21 @@ def _persist(req: dict, parent: int) -> dict:
         if info is None or info.step != step or info.state not in (State.COMPLETE, State.SEALED):
             raise CheckpointError(f"slot {slot.path.name} no longer holds step {step}")
         if info.state is State.SEALED:
-            written = store.copy_file(step, name, slot.fileno(), PAGE, info.payload_bytes, info.crc32)
+            written = store.copy_file(step, name, slot.fileno(), PAGE, info.payload_bytes, info.checksum)
         else:
-            # Seal while the copy runs: the CRC pass and sendfile both run outside the GIL.
+            # Seal while the copy runs: the checksum pass and sendfile both run outside the GIL.
             with ThreadPoolExecutor(1) as pool:
                 sealing = pool.submit(slot.seal)
                 written = store.copy_file(step, name, slot.fileno(), PAGE, info.payload_bytes, None)
                 info = sealing.result()
-            written = dataclasses.replace(written, crc32=info.crc32)
+            written = dataclasses.replace(written, xxh3=info.checksum)
     finally:
         slot.close()
     tmp = store.tmp_path(step)
     record = _record_path(tmp, name)
     record.parent.mkdir(exist_ok=True)
-    record.write_text(json.dumps([written.name, written.bytes, written.sha256, written.crc32]))
-    reply = {"file": [written.name, written.bytes, written.sha256, written.crc32], "final": None}
+    record.write_text(json.dumps([written.name, written.bytes, written.sha256, written.xxh3]))
+    reply = {"file": [written.name, written.bytes, written.sha256, written.xxh3], "final": None}
     fin = req.get("finalize")
     if fin:
         files = _await_records(tmp, fin["expected"], fin.get("timeout_s", 1800.0), parent)
@@ -119,13 +119,13 @@ def _seal(req: dict) -> dict:
         if sealed is None:
             return {"skipped": "not complete"}
         # The push goes without the lock, so a slow link never holds the
-        # trainer up; a copy torn by a new snapshot fails the peer's CRC
-        # check and is refused there.
+        # trainer up; a copy torn by a new snapshot fails the peer's
+        # checksum and is refused there.
         slot.unlock()
         if req.get("peer"):
             from .peer import push
             push(req["peer"], slot, rank=req["rank"], token=os.environ.get("TRAINGUARD_TOKEN", ""))
-        return {"crc32": sealed.crc32}
+        return {"xxh3": sealed.checksum}
     finally:
         slot.close()
 

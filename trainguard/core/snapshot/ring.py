@@ -101,7 +101,7 @@ class SnapshotRing:
     def _free_slot(self) -> int | None:
         """The slot holding the oldest step (or none) that no persist needs
         and no other process is reading; when the worker is sealing the only
-        one left, wait for it (a CRC pass, milliseconds)."""
+        one left, wait for it (a checksum pass, milliseconds)."""
         order = [i for i in sorted(range(len(self.slots)), key=lambda i: self.held.get(i, -1))
                  if i not in self.pinned]
         for i in order:
@@ -174,7 +174,7 @@ class SnapshotRing:
         """Sealed snapshots of this rank in this node's memory: step ->
         (slot, "memory" or "peer memory"); with a peer and none of its own
         here, the copy fetched from the peer. Bad ones are logged and
-        skipped. Without ``verify`` the CRC32 is not checked here: the
+        skipped. Without ``verify`` the checksum is not checked here: the
         caller checks the one it loads (:func:`load_verified`)."""
         found = self._verified(self.directory.candidates(self.rank), verify)
         if self.peer and not any(source == "memory" for _, source in found.values()):
@@ -210,7 +210,7 @@ class SnapshotRing:
 
 
 def load_verified(slot: Slot, read: Callable[[memoryview], object]) -> object:
-    """``read(payload)`` of a slot whose CRC32 checks out, under its lock.
+    """``read(payload)`` of a slot whose checksum checks out, under its lock.
 
     Raises:
         CheckpointError: the snapshot fails its check (or vanished).

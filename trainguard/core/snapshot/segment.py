@@ -4,8 +4,8 @@ header and a safetensors payload.
 A slot is written by one trainer and read by its persist worker, a restarted
 trainer or a peer. Its first page is the control header::
 
-    magic "TGSNAP01" | state u32 | crc32 u32 | step i64 | payload bytes u64
-    | writes u64 | writer pid u64 | committed at f64
+    magic "TGSNAP02" | state u32 | reserved u32 | checksum u64 | step i64
+    | payload bytes u64 | writes u64 | writer pid u64 | committed at f64
 
 and the payload starts at :data:`PAGE`: a complete safetensors file (an
 8-byte header length, a JSON header padded with spaces to the reserved
@@ -16,8 +16,9 @@ checkpoint is the payload written out as is, so ``safetensors`` reads both.
 
 States (:class:`State`): ``EMPTY`` → ``WRITING`` (the trainer copies; a
 crash here leaves the slot unusable, never half-read) → ``COMPLETE`` →
-``SEALED`` (the persist worker recorded the payload's CRC32; only a sealed
-slot whose CRC matches is ever loaded). Writers hold an exclusive ``flock``
+``SEALED`` (the persist worker recorded the payload's checksum, XXH3-64:
+about 12 GB/s on one core, where zlib's CRC32 does 2.5; only a sealed slot
+whose checksum matches is ever loaded). Writers hold an exclusive ``flock``
 on the file, readers a shared one; a killed process's locks go with it.
 """
 
@@ -30,20 +31,21 @@ import mmap
 import os
 import struct
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+import xxhash
 
 from ..api import CheckpointError
 
 __all__ = ["PAGE", "Entry", "Layout", "Slot", "State", "payload_header"]
 
-MAGIC = b"TGSNAP01"
+MAGIC = b"TGSNAP02"
 PAGE = 4096
-_HEAD = struct.Struct("<8sIIqQQQd")
+_HEAD = struct.Struct("<8sIIQqQQQd")
 META_KEY = "trainguard"
-_CRC_CHUNK = 64 << 20
+_CHUNK = 64 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
@@ -118,7 +120,7 @@ def payload_header(payload: memoryview | bytes) -> tuple[dict, dict, int]:
 @dataclass(frozen=True)
 class Info:
     state: State
-    crc32: int
+    checksum: int  # XXH3-64 of the payload, once sealed
     step: int
     payload_bytes: int
     writes: int
@@ -150,7 +152,7 @@ class Slot:
             if self._map is not None:
                 self._map.close()
             # Every page mapped at once (one call instead of a fault per
-            # page), so neither a snapshot copy nor a CRC pass waits on faults.
+            # page), so neither a snapshot copy nor a checksum pass waits on faults.
             self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | _POPULATE) if size else None
         return self._map
 
@@ -215,13 +217,13 @@ class Slot:
         m = self._mapped()
         if m is None or len(m) < PAGE:
             return None
-        magic, state, crc, step, payload, writes, pid, committed = _HEAD.unpack_from(m, 0)
+        magic, state, _, checksum, step, payload, writes, pid, committed = _HEAD.unpack_from(m, 0)
         if magic != MAGIC or state not in State._value2member_map_ or PAGE + payload > len(m):
             return None
-        return Info(State(state), crc, step, payload, writes, pid, committed)
+        return Info(State(state), checksum, step, payload, writes, pid, committed)
 
-    def _put(self, state: State, *, crc: int = 0, step: int = -1, payload: int = 0, writes: int = 0) -> None:
-        _HEAD.pack_into(self._map, 0, MAGIC, state, crc, step, payload, writes, os.getpid(), time.time())
+    def _put(self, state: State, *, step: int = -1, payload: int = 0, writes: int = 0) -> None:
+        _HEAD.pack_into(self._map, 0, MAGIC, state, 0, 0, step, payload, writes, os.getpid(), time.time())
 
     # ---------------------------------------------------------------- writer
     def begin(self, payload_bytes: int) -> memoryview:
@@ -249,21 +251,21 @@ class Slot:
         return memoryview(self._map)[PAGE:PAGE + info.payload_bytes]
 
     def seal(self) -> Info | None:
-        """Record the payload's CRC32 (the caller holds a lock). Returns the
+        """Record the payload's checksum (the caller holds a lock). Returns the
         sealed info, or ``None`` when the slot holds no complete snapshot."""
         info = self.info()
         if info is None or info.state not in (State.COMPLETE, State.SEALED):
             return None
-        crc = crc32(self.payload())
+        digest = checksum(self.payload())
         again = self.info()
         if again != info:  # rewritten meanwhile (the caller did not hold a lock)
             return None
-        _HEAD.pack_into(self._map, 0, MAGIC, State.SEALED, crc, info.step, info.payload_bytes, info.writes,
+        _HEAD.pack_into(self._map, 0, MAGIC, State.SEALED, 0, digest, info.step, info.payload_bytes, info.writes,
                         info.pid, info.committed)
         return self.info()
 
     def verified(self) -> Info:
-        """The slot's info if it holds a sealed snapshot whose CRC matches.
+        """The slot's info if it holds a sealed snapshot whose checksum matches.
 
         Raises:
             CheckpointError: saying why it cannot be used (empty, being
@@ -274,14 +276,15 @@ class Slot:
             raise CheckpointError(f"{self.path.name}: not a snapshot slot")
         if info.state is not State.SEALED:
             raise CheckpointError(f"{self.path.name}: snapshot is {info.state.name.lower()}, not sealed")
-        if crc32(self.payload()) != info.crc32:
-            raise CheckpointError(f"{self.path.name}: step {info.step} fails its CRC32 (corrupted in memory)")
+        if checksum(self.payload()) != info.checksum:
+            raise CheckpointError(f"{self.path.name}: step {info.step} fails its checksum (corrupted in memory)")
         return info
 
 
-def crc32(data: memoryview | bytes) -> int:
-    crc = 0
+def checksum(data: memoryview | bytes) -> int:
+    """XXH3-64 of ``data`` (in chunks: a slot may be gigabytes)."""
+    h = xxhash.xxh3_64()
     view = memoryview(data)
-    for pos in range(0, len(view), _CRC_CHUNK):
-        crc = zlib.crc32(view[pos:pos + _CRC_CHUNK], crc)
-    return crc
+    for pos in range(0, len(view), _CHUNK):
+        h.update(view[pos:pos + _CHUNK])
+    return h.intdigest()
