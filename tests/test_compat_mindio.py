@@ -186,3 +186,18 @@ def test_gpt3_recipe_crash_dying_gasp_and_resume_is_bit_identical(tmp_path):
     assert resumed["lost_steps"] == 0
     assert [(r["strategy"], r["step"], r["rank"]) for r in resumed["recoveries"]] == [("dump", 3, 1)]
     assert {k: len(v) for k, v in resumed["pids"].items()} == {"0": 2, "1": 2}  # two launches, every rank
+
+    # A rank whose loop hangs in Python (not in a collective): its peer waits in
+    # megatron's plain all-reduce, which trainguard cannot abort. The watchdog
+    # sees that the peer is inside torch.distributed, gives it the longer
+    # in-collective limit, so the hung rank names itself; it is told to exit
+    # (77), the peer's collective fails, and the peer saves step 3.
+    rc, _, log = gpt(tmp_path, "hang", launcher=trainguard_run, fault="hang:rank=1,step=3")
+    assert rc == 75, log[-4000:]
+    assert "fault: rank 1: hang: training loop hung" in log and "fault: rank 0: hang" not in log, log[-4000:]
+    assert (tmp_path / "hang-ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    rc, resumed, log = gpt(tmp_path, "hang", launcher=trainguard_run)
+    assert rc == 0, log[-4000:]
+    assert resumed["start_step"] == 3 and resumed["final_state_sha256"] == ref["final_state_sha256"]
+    assert [(r["fault"], r["strategy"], r["step"], r["rank"]) for r in resumed["recoveries"]] == [
+        ("hang", "dump", 3, 1)]

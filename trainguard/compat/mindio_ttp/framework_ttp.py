@@ -42,6 +42,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -164,11 +165,28 @@ def tft_start_processor(master_ip: str, port: int, **_: Any) -> int:
     processor.connect(step=TTP.step, replicas=TTP.groups(), device=TTP.device,
                       restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     processor.add_stop_listener(lambda: TTP.call("stop", optional=True))
+    processor.watchdog.in_collective = _blocked_in_collective(threading.get_ident())
     TTP.processor = processor
     TTP.pids, started_at = _all_pids()
     markers.start(started_at)
     atexit.register(TTP.exit_now)
     return 0
+
+
+def _blocked_in_collective(thread: int) -> Callable[[], bool]:
+    """For the hang watchdog: is ``thread`` (the training thread) inside a
+    ``torch.distributed`` call? A collective blocked on a peer keeps its
+    innermost Python frame in c10d's Python API (megatron's and the script's
+    collectives alike), so a rank waiting on a hung peer is not taken for
+    the hung one: it gets the longer in-collective limit, and the peer
+    names itself first."""
+    tdist = sys.modules.get("torch.distributed")
+    where = os.path.dirname(tdist.__file__) + os.sep if tdist is not None else None
+
+    def probe() -> bool:
+        frame = sys._current_frames().get(thread)
+        return where is not None and frame is not None and frame.f_code.co_filename.startswith(where)
+    return probe
 
 
 def _all_pids() -> tuple[dict[int, int], float]:
