@@ -88,3 +88,20 @@ def test_a_distributed_optimizers_shards_are_saved_once_each_and_load_back(layou
                                 "mp_rank_00/model_optim_rng.pt"], got
         assert sorted((s["copies"], s["saved_by"], s["full"]) for s in got["shards"]) == \
             [([0, 2], 0, False), ([1, 3], 1, False)], got
+
+
+def test_with_experts_one_copy_per_expert_group_writes_its_ranks_whole_state(layouts):
+    """EP 2 with a dense optimizer: ranks 0 and 2 hold experts 0, ranks 1 and
+    3 experts 1. One file per expert-parallel rank (``mp_rank_00_000``,
+    ``mp_rank_00_001``), each written once, each rank loads its own back; a
+    dying-gasp save for the dense shard writes nothing (the expert savers'
+    files hold the dense state too)."""
+    for r in range(4):
+        got = layouts[r]["moe"]
+        assert got["step"] == 7 and got["restored"], (r, got)
+        assert got["files"] == ["mp_rank_00_000/model_optim_rng.pt", "mp_rank_00_001/model_optim_rng.pt"], got
+        assert sorted((s["kind"], s["copies"], s["saved_by"]) for s in got["shards"]) == \
+            [(1, [0, 2], 0), (1, [1, 3], 1)], got
+        assert got["dense_save"] == []
+    assert layouts[0]["moe"]["expert_save"] == ["mp_rank_00_000/model_optim_rng.pt"]
+    assert layouts[1]["moe"]["expert_save"] == ["mp_rank_00_001/model_optim_rng.pt"]

@@ -4,6 +4,7 @@ distributed optimizer kept in 2 instances saved and loaded back; writes
 <out>/rank<r>.json."""
 
 import json
+import os
 import sys
 import warnings
 
@@ -79,6 +80,39 @@ out["sharded"] = {"step": step, "files": sorted(found.manifest["files"]),
                   "shards": found.manifest["layout"]["shards"],
                   "restored": all(torch.equal(saved[k], back[k]) for k in saved),
                   "model_restored": all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))}
+ps.destroy_model_parallel()
+
+# Experts (EP 2) with a dense optimizer: a rank's file holds its dense and
+# expert state, one per expert data-parallel group ([0, 2] and [1, 3]).
+ps.initialize_model_parallel(expert_model_parallel_size=2)
+os.environ["TRAINGUARD_CHECKPOINT_DIR"] = f"{sys.argv[1]}/moe-dump"
+from trainguard.compat.mindio_ttp import megatron_ttp as mega  # noqa: E402
+
+
+def moe_setup(seed: int) -> tuple:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight += ps.get_expert_model_parallel_rank()  # experts differ across expert-parallel ranks
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+model, opt = moe_setup(0)
+store = ckpt.megatron_store(f"{sys.argv[1]}/moe-ckpt")
+ckpt.save(store, 7, model, opt, None)
+found = store.latest()
+model2, opt2 = moe_setup(1)
+step, _ = ckpt.load(store, model2, opt2, None)
+here = ckpt.parallel_rank_or_world()
+args = (9, model, opt, None)
+out["moe"] = {"step": step, "files": sorted(found.manifest["files"]), "shards": found.manifest["layout"]["shards"],
+              "restored": all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())),
+              "dense_save": [f.name for f in mega.ttp_save_checkpoint(dist.get_rank(), 9, here.dp_cp_ranks, args)],
+              "expert_save": [f.name for f in mega.ttp_save_checkpoint(dist.get_rank(), 9, here.expert_dp_ranks,
+                                                                        args)] if dist.get_rank() < 2 else None}
 ps.destroy_model_parallel()
 with open(f"{sys.argv[1]}/rank{dist.get_rank()}.json", "w") as f:
     json.dump(out, f)

@@ -12,7 +12,10 @@ manifest and falls back to the newest complete checkpoint.
 
 Only one rank per data-parallel group writes each file (any replica holds
 the same state), so the dying gasp, where one rank is gone, writes the same
-files as a periodic save. With megatron's distributed optimizer (kept in
+files as a periodic save. With experts (MoE), each rank's file holds its
+dense and its expert parameters, so one copy per expert data-parallel group
+writes it (``mp_rank_TT_EEE``: one file per expert-parallel rank) and the
+dense saves write nothing more. With megatron's distributed optimizer (kept in
 ``r`` instances: :mod:`.optimizer`) the parameter state is sharded: one copy
 of each shard ``j`` writes ``distrib_optim_shard_{j:03d}.pt`` beside
 ``model_optim_rng.pt`` (the fp32 main parameters and the inner optimizer's
@@ -39,7 +42,8 @@ from trainguard.core.checkpoint import MEGATRON, FileInfo, SavedShard
 
 from .layout import ParallelRank, parallel_rank
 
-__all__ = ["FILE", "load", "megatron_store", "rank_state", "save", "shard_file", "write_rank"]
+__all__ = ["FILE", "load", "megatron_store", "parallel_rank_or_world", "rank_state", "save", "shard_file",
+           "write_rank"]
 
 log = logging.getLogger("trainguard.megatron")
 
@@ -161,7 +165,9 @@ def rank_state(iteration: int, model: Any, optimizer: Any, scheduler: Any) -> di
     return state
 
 
-def _here() -> ParallelRank:
+def parallel_rank_or_world() -> ParallelRank:
+    """This rank's place in megatron's layout, or plain data parallelism over
+    the world when parallel_state is not initialised."""
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is not None and ps.model_parallel_is_initialized():
         return parallel_rank()
@@ -169,12 +175,22 @@ def _here() -> ParallelRank:
     return ParallelRank(0, 0, 0, 1, 1, 1, world, world)
 
 
-def write_rank(store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any) -> list[FileInfo]:
-    """Write this rank's files of ``step`` under the temporary name: the
-    model file, and with a distributed optimizer this rank's shard file
-    (the model file only from shard 0's saver)."""
-    subdir, files = _here().subdir, []
+def write_rank(store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any, *,
+               kind: int = 0) -> list[FileInfo]:
+    """Write this rank's files of ``step`` under the temporary name, as the
+    saver of a ``kind`` shard (0: dense, 1: experts): the model file, and
+    with a distributed optimizer this rank's shard file (the model file only
+    from shard 0's saver). With experts the dense saver writes nothing: the
+    expert savers' files hold the dense state too."""
+    here, files = parallel_rank_or_world(), []
+    subdir = here.subdir
     sharded = bool(_distributed(optimizer))
+    if here.moe:
+        if sharded:
+            raise CheckpointError("saving the shards of a distributed optimizer with experts (MoE) is not "
+                                  "implemented yet; a dense optimizer with experts is")
+        if kind == 0:
+            return []
     if not sharded or _shard()[0] == 0:
         state = rank_state(step, model, optimizer, scheduler)
         files.append(store.write(step, f"{subdir}/{FILE}", lambda f: torch.save(state, f)))
@@ -194,22 +210,24 @@ def finalize(store: CheckpointStore, step: int, shards: Sequence[SavedShard], hi
 def save(store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any, *,
          history: dict | None = None) -> None:
     """A periodic save (every rank calls it): one copy of each shard writes
-    it (the first rank of each data-parallel group when the optimizer is
-    dense), rank 0 finalises."""
-    here, rank = _here(), dist.get_rank()
+    it (with a dense optimizer the first rank of each data-parallel group,
+    of each expert data-parallel group with experts), rank 0 finalises."""
+    here, rank = parallel_rank_or_world(), dist.get_rank()
     sharded = bool(_distributed(optimizer))
-    copies = [list(here.dp_cp_ranks)]
+    copies = [list(here.expert_dp_ranks if here.moe else here.dp_cp_ranks)]
     if sharded:
         _, size, instances = _shard()
         span = size // instances  # megatron's instances are contiguous blocks of the group
         copies = [list(here.dp_cp_ranks[j::span]) for j in range(span)]
     mine = next(({"copies": c, "files": []} for c in copies if c[0] == rank), None)
     if mine is not None:
-        mine["files"] = [[f.name, f.bytes, f.sha256] for f in write_rank(store, step, model, optimizer, scheduler)]
+        files = write_rank(store, step, model, optimizer, scheduler, kind=1 if here.moe else 0)
+        mine["files"] = [[f.name, f.bytes, f.sha256] for f in files]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
-        shards = [SavedShard(kind=0, copies=tuple(s["copies"]), full=not sharded, rank=s["copies"][0],
+        shards = [SavedShard(kind=1 if here.moe else 0, copies=tuple(s["copies"]), full=not sharded,
+                             rank=s["copies"][0],
                              files=tuple(FileInfo(*f) for f in s["files"])) for s in gathered if s]
         finalize(store, step, shards, history or {}, rank)
     dist.barrier()
@@ -234,7 +252,7 @@ def load(store: CheckpointStore, model: Any, optimizer: Any, scheduler: Any, *,
             raise CheckpointError(f"ranks disagree on the newest complete checkpoint: {steps}")
     if found is None:
         return 0, {}
-    name = f"{_here().subdir}/{FILE}"
+    name = f"{parallel_rank_or_world().subdir}/{FILE}"
     if name not in found.manifest.get("files", {}):
         raise CheckpointError(f"{found.path} has no {name} (saved with another parallel layout?)")
     try:
@@ -249,7 +267,7 @@ def load(store: CheckpointStore, model: Any, optimizer: Any, scheduler: Any, *,
         for key, chunk in zip(keys, chunks):
             chunk.load_state_dict(state[key])
         if _distributed(optimizer):
-            shard = f"{_here().subdir}/{shard_file(_shard()[0])}"
+            shard = f"{parallel_rank_or_world().subdir}/{shard_file(_shard()[0])}"
             if shard not in found.manifest.get("files", {}):
                 raise CheckpointError(f"{found.path} has no {shard} (saved without a distributed optimizer, or "
                                       f"with another layout?)")

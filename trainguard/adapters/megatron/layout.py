@@ -62,6 +62,12 @@ class ParallelRank:
             name += f"_{self.ep:03d}"
         return name
 
+    @property
+    def moe(self) -> bool:
+        """Expert parameters have copies of their own: expert parallelism is
+        on, or the expert data-parallel group differs from the dense one."""
+        return self.ep_size > 1 or set(self.expert_dp_ranks) != set(self.dp_cp_ranks)
+
 
 def parallel_rank() -> ParallelRank:
     ps = _ps()
@@ -120,7 +126,7 @@ def replica_groups(*, distributed_optimizer: bool = False, moe: bool | None = No
                           "trainguard's ReplicatedOptimizer (num_distributed_optimizer_instances >= 2)")
     groups = [_group("dense", here.dp_cp_ranks, copies)]
     if moe is None:
-        moe = here.ep_size > 1 or set(here.expert_dp_ranks) != set(here.dp_cp_ranks)
+        moe = here.moe
     if moe:
         # megatron cuts the expert data-parallel group into the same number of instances
         expert_copies = copies if distributed_optimizer else len(here.expert_dp_ranks)

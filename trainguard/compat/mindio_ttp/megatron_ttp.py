@@ -67,13 +67,21 @@ def _unpack(args: Any) -> tuple[int, Any, Any, Any]:
     return tuple(args)  # type: ignore[return-value]
 
 
-def ttp_save_checkpoint(save_rank: int, step: int, rank_list: Sequence[int], args: Any) -> list[FileInfo]:
-    """Write this rank's part of the dying-gasp checkpoint at ``step``."""
+def ttp_save_checkpoint(save_rank: int, step: int, rank_list: Sequence[int], args: Any,
+                        kind: int | None = None) -> list[FileInfo]:
+    """Write this rank's part of the dying-gasp checkpoint at ``step`` as the
+    saver of the shard whose copies are ``rank_list`` (MindIO's legacy
+    handler is not told the kind: copies in the expert data-parallel group
+    mean the expert shard)."""
     iteration, model, optimizer, scheduler = _unpack(args)
     if iteration != step:
         # end_updating_os(step) ran but the loop had not yet set the new args: same objects, newer state
         log.info("rank %d saves step %d (the checkpoint args still said iteration %d)", save_rank, step, iteration)
-    return ckpt.write_rank(ckpt.megatron_store(_directory("save")), step, model, optimizer, scheduler)
+    if kind is None:
+        here = ckpt.parallel_rank_or_world()
+        kind = 1 if here.moe and set(rank_list) <= set(here.expert_dp_ranks) and \
+            set(rank_list) != set(here.dp_cp_ranks) else 0
+    return ckpt.write_rank(ckpt.megatron_store(_directory("save")), step, model, optimizer, scheduler, kind=kind)
 
 
 def rename_save_result(args: Any) -> None:
@@ -87,10 +95,13 @@ def rename_save_result(args: Any) -> None:
 
 def tft_save_checkpoint(step: int, save_info: Sequence[dict], args: Any, ctx: Any = None) -> list[FileInfo]:
     """``tft_register_save_ckpt_handler``'s shape of :func:`ttp_save_checkpoint`."""
-    kinds = {int(i.get("type", 0)) for i in save_info}
-    if kinds - {0}:
-        raise CheckpointError("saving expert (MoE) shards in Megatron's layout is not implemented yet")
-    return ttp_save_checkpoint(TTP.rank or 0, step, sorted({r for i in save_info for r in i.get("ranks", ())}), args)
+    files: list[FileInfo] = []
+    for info in save_info:
+        kind = int(info.get("type", 0))
+        if kind not in (0, 1):
+            raise CheckpointError(f"unknown shard type {kind} in save_info (0: dense, 1: experts)")
+        files += ttp_save_checkpoint(TTP.rank or 0, step, sorted(info.get("ranks", ())), args, kind=kind)
+    return files
 
 
 def tft_rename_save_result(step: int, args: Any) -> None:
