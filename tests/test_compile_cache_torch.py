@@ -87,7 +87,7 @@ def test_a_process_restarted_in_place_compiles_warm(tmp_path, first):
               strategies="recover-in-place,dump,exit", extra_args=["--max-restarts", "1"])
     assert job.rc == 0, job
     survivor, replacement = reports(job, tmp_path, "in-place")
-    assert survivor["pids"]["0"] == [survivor["pids"]["0"][0]]  # rank 0 kept its process
+    assert len(survivor["pids"]["0"]) == 1 and len(survivor["pids"]["1"]) == 2  # only rank 1 was restarted
     assert replacement["compile_cache"]["state"] == "hit", job
     assert replacement["compile_cache"]["torch"]["fxgraph_cache_miss"] == 0
     assert replacement["compile_cache"]["torch"]["fxgraph_cache_hit"] > 0
