@@ -5,13 +5,15 @@
 Snapshots every step, saves every SAVE_EVERY. With ``CORRUPT_ON_RESTART=R`` set, rank
 R flips a byte in each of its snapshots in memory when it is a restarted
 process, before the Guard looks at them. ``SNAP_DEVICE=cuda`` trains on
-GPU ``LOCAL_RANK % device_count`` (gloo: ranks may share one GPU). Each rank writes its report to
+GPU ``LOCAL_RANK % device_count`` (gloo: ranks may share one GPU);
+``SNAP_STEP_SLEEP=S`` makes each step last S seconds more. Each rank writes its report to
 ``REPORT.<rank>`` (rank 0 to REPORT too).
 """
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -46,8 +48,10 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every, snapshot_every=1,
                   snapshot_peer=os.environ.get("SNAPSHOT_PEER") == "1")
+    step_sleep = float(os.environ.get("SNAP_STEP_SLEEP", "0"))
     for step in guard.steps(steps):
         with guard.protect():
+            time.sleep(step_sleep)
             gen = torch.Generator().manual_seed(step * 100 + rank)
             x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 8, (16,), generator=gen)
             loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))

@@ -56,6 +56,8 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_SNAPSHOT_ROOT": "where snapshot directories live in shared memory (default /dev/shm)",
     "TRAINGUARD_SNAPSHOT_DIR": "set by the node agent: this node's snapshot directory (do not set by hand)",
     "TRAINGUARD_SNAPSHOT_PEER": "set by the node agent: host:port of the next node's snapshot copies (do not set by hand)",
+    "TRAINGUARD_STORE_ROUND": "set by the node agent: names this round's worker store, the same on every node "
+                              "(do not set by hand)",
     "TRAINGUARD_PROFILING_DIR": "where per-rank profiling markers are written (<dir>/<job id>/<rank>/<unix ts>); "
                                 "unset: no markers",
     "TRAINGUARD_PROFILING_SWITCH": "the JSON switch file turning markers on and off at run time "

@@ -41,6 +41,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.client import ControllerClient
@@ -88,6 +89,21 @@ class TrainguardAgent(LocalElasticAgent):
         self.peer_server: PeerServer | None = None
 
     # ----------------------------------------------------------- controller
+    def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec) -> list:
+        """torch's, after node 0 publishes the shared store's address in
+        this round too.
+
+        torch 2.13's c10d rendezvous publishes it (``MASTER_ADDR`` /
+        ``MASTER_PORT``) only in node 0's first round, but a node that joins
+        a later round (one replacing a lost node) reads it from that round:
+        it would wait there while node 0 waits for its role here.
+        """
+        info = getattr(spec.rdzv_handler, "_bootstrap_store_info", None)
+        if group_rank == 0 and info is not None:
+            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, info.master_addr.encode())
+            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(info.master_port).encode())
+        return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         self._failed_at, self._reported = None, set()
@@ -166,6 +182,9 @@ class TrainguardAgent(LocalElasticAgent):
                                                multi_tenant=True, wait_for_workers=False)
             worker_group.store.set(_WORKER_STORE_KEY, str(self._worker_store.port))
         worker_group.master_port = int(worker_group.store.get(_WORKER_STORE_KEY).decode())
+        # The same on every node of the round, whatever its restart count (a
+        # node replacing a lost one starts at 0): the workers' store prefix.
+        os.environ["TRAINGUARD_STORE_ROUND"] = str(worker_group.master_port)
 
     def _stop_controller(self) -> None:
         if self.controller is not None:

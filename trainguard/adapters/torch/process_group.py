@@ -353,8 +353,11 @@ def allreduce_hook(state, bucket):  # no annotations: DDP compares them to real 
 
 
 def job_namespace() -> str:
-    """A store prefix unique to this launch of the job (torchelastic restarts
-    reuse the store, so its restart count is part of the name)."""
+    """A store prefix unique to this launch of the job. Under ``trainguard
+    run`` each round of workers gets a fresh store, named by the agent
+    (``TRAINGUARD_STORE_ROUND``: the same on every node, also on one that
+    replaced a lost node and counts its restarts from 0); under plain
+    torchrun the restarts reuse one store, so the restart count names it."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"trainguard/{run_id}/{restart}"
+    round_ = os.environ.get("TRAINGUARD_STORE_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"trainguard/{run_id}/{round_}"
