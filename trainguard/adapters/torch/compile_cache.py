@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -81,9 +82,7 @@ class TorchCompileCache:
             log.info("%s: %s", owner, self.note)
             root = None
         if root is not None:
-            import torch._inductor.config as inductor
-
-            if not inductor.fx_graph_cache or inductor.force_disable_caches:
+            if _inductor_caches_off():
                 self.note = "Inductor's FX graph cache is off (TORCHINDUCTOR_FX_GRAPH_CACHE=0): nothing to keep"
                 log.warning("%s: %s", owner, self.note)
                 root = None
@@ -111,7 +110,23 @@ class TorchCompileCache:
         self.cache.close()
 
 
+def _inductor_caches_off() -> bool:
+    """Whether Inductor's FX graph cache is off in this process, read
+    without importing Inductor when nothing has (importing it costs ~1.8 s
+    of CPU in every Guard process, compiled or not): before the import its
+    settings are the environment's."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        return not config.fx_graph_cache or config.force_disable_caches
+    env = os.environ.get
+    return env("TORCHINDUCTOR_FX_GRAPH_CACHE", env("TORCHINDUCTOR_FX_GRAPH_CACHE_DEFAULT", "1")) == "0" or \
+        env("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0") == "1"
+
+
 def _torch_counters() -> dict:
+    """torch's cache counters; all 0 while Dynamo is not loaded (nothing compiled yet)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return {name: 0 for _, name in _TORCH_COUNTERS}
     from torch._dynamo.utils import counters
 
     return {name: counters[group][name] for group, name in _TORCH_COUNTERS}
