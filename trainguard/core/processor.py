@@ -348,8 +348,9 @@ class Processor:
             raise ControllerLostError(f"rank {self.rank} lost the controller: {self._error or 'session ended'}")
         return cmd
 
-    def resumed(self) -> None:
-        """Training continues: clear the stop signal."""
+    def resumed(self, *, new_processes: bool = False) -> None:
+        """Training continues: clear the stop signal. After a recovery that
+        started new processes the next step gets the first-step limit."""
         self.stop_event.clear()
         self.run = RunStatus.TRAINING
-        self.watchdog.arm()
+        self.watchdog.arm(first=new_processes)

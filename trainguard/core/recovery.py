@@ -124,7 +124,7 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
             record = json.loads(cmd.resume.record_json) if cmd.resume.record_json else None
             pids = json.loads(cmd.resume.pids_json) if cmd.resume.pids_json else None
             handlers.resumed(cmd.resume.step, record or {}, pids, cmd.resume.replicas)
-            processor.resumed()
+            processor.resumed(new_processes=bool(pids))  # the controller sends the PIDs when it started some
             return Outcome(resume=True, step=cmd.resume.step, record=record)
         processor.run = RunStatus.RECOVERING
         try:

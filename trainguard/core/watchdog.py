@@ -111,12 +111,14 @@ class ProgressWatchdog:
             gc.callbacks.remove(self._on_gc)
 
     # ------------------------------------------------------------ progress
-    def arm(self) -> None:
+    def arm(self, *, first: bool = False) -> None:
         """Start watching (training began, or resumed after a recovery). The
-        next step is timed afresh; until a step time has been learned it
-        gets the first-step limit."""
+        next step is timed afresh; until a step time has been learned, or
+        with ``first`` (the recovery started new processes: the peers wait in
+        the first collective while those import, load and compile), it gets
+        the first-step limit and is not learned."""
         with self._lock:
-            self._armed, self._first = True, not self._steps
+            self._armed, self._first = True, first or not self._steps
             self._restart()
 
     def disarm(self) -> None:
