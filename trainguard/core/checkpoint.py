@@ -143,19 +143,23 @@ class _HashingWriter:
         self.raw.flush()
 
 
-def crc32_of(path: Path) -> int:
-    crc = 0
+def _chunks(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            yield chunk
+
+
+def crc32_of(path: Path) -> int:
+    crc = 0
+    for chunk in _chunks(path):
+        crc = zlib.crc32(chunk, crc)
     return crc
 
 
 def xxh3_of(path: Path) -> int:
     h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+    for chunk in _chunks(path):
+        h.update(chunk)
     return h.intdigest()
 
 
@@ -170,9 +174,8 @@ def _matches(path: Path, record: Mapping) -> bool:
 
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+    for chunk in _chunks(path):
+        h.update(chunk)
     return h.hexdigest()
 
 
