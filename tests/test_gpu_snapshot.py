@@ -31,27 +31,32 @@ def _job(tmp_path, name, **kw):
     return job
 
 
-def test_take_pins_the_slot_and_reads_back_exactly(tmp_path):
+def test_take_pins_the_slot_and_reads_back_exactly(tmp_path, monkeypatch):
     from trainguard.adapters.torch.snapshot import Snapshots, read_payload
     from trainguard.core.snapshot import SnapshotDir
     from trainguard.core.snapshot.ring import load_verified
 
     g = torch.Generator(device="cuda").manual_seed(0)
     state = {"w": torch.randn(1024, 513, device="cuda", generator=g),
-             "h": torch.randn(77, device="cuda", generator=g).half(), "n": torch.arange(5, device="cuda")}
+             "h": torch.randn(77, device="cuda", generator=g).half(), "n": torch.arange(5, device="cuda"),
+             "step": torch.tensor(3.0), "big": torch.randn(5 << 20, device="cuda", generator=g)}  # 20 MB
+    # "big" goes on its own; "step" (a host tensor) splits the rest into two runs through the buffer
+    monkeypatch.setenv("TRAINGUARD_SNAPSHOT_STAGING_MB", "16")
     shm = SnapshotDir.create(f"gpusnap-unit-{uuid.uuid4().hex[:8]}")
     snaps = Snapshots(shm, 0, count=2)
     try:
         for step in (1, 2, 3):  # both slots, then the first again (registered once each)
             assert snaps.take(state, step) is not None
-        assert snaps.pins == 2 and snaps.pin_failed == "", snaps.report(None)
+        report = snaps.report(None)
+        assert snaps.pins == 2 and snaps.pin_failed == "", report
+        assert (report["staged_copies"], report["direct_copies"], report["staging_MB"]) == (2, 1, 16), report
         while snaps.worker.pending:  # the worker seals each snapshot (XXH3-64) in the background
             snaps.poll(0.5)
         held = snaps.available()
         step, back = load_verified(held[max(held)][0], lambda p: read_payload(p, "cuda"))
         assert step == 3
         for key, t in state.items():
-            assert back[key].device.type == "cuda" and torch.equal(back[key], t), key
+            assert back[key].device.type == "cuda" and torch.equal(back[key].to(t.device), t), key
         for slot, _ in held.values():
             slot.close()
     finally:

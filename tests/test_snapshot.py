@@ -111,6 +111,46 @@ def test_snapshot_round_trip_persist_and_safetensors(shm, tmp_path):
         snaps.close()
 
 
+def test_staged_copies_gather_small_tensors_and_read_back_exactly(shm):
+    """The staging path (taken by CUDA tensors; forced here on the host):
+    runs of small tensors gathered by dtype, a tensor larger than the buffer
+    copied on its own, host, empty and non-contiguous tensors, all exact."""
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(40, 40, generator=g)  # 6400 bytes: more than the 4 KiB buffer
+    state = {"a": torch.randn(30, generator=g), "h": torch.randn(50, generator=g).half(),
+             "bf": torch.randn(9, generator=g).bfloat16(), "i": torch.arange(300), "m": torch.rand(11, generator=g) > 0.5,
+             "empty": torch.empty(0, 3), "t": torch.randn(20, 8, generator=g).t(), "big": big,
+             "host": torch.tensor(5.0), "x": 3}
+    snaps = Snapshots(shm, 0, count=1)
+    snaps.staging_bytes = 4096
+    snaps._stage = lambda t: t.numel() != 1  # "host" stays a host copy, as a CPU tensor in a CUDA state does
+    try:
+        for step in (1, 2):  # the plan is built once and reused
+            state["a"] += 1
+            assert snaps.take(state, step) == 0
+            slot = snaps.slots[0]
+            slot.lock(False, block=True)
+            got_step, back = read_payload(slot.payload())
+            slot.unlock()
+            assert got_step == step and _equal(back, state)
+        report = snaps.report(None)
+        assert report["staged_copies"] >= 2 and report["direct_copies"] == 1, report
+        assert report["staging_MB"] == 0 and snaps._staging.host  # the one-element tensor went the host way
+    finally:
+        snaps.close()
+
+
+def test_staging_size_is_read_from_the_environment(monkeypatch):
+    from trainguard.adapters.torch.snapshot import staging_bytes
+
+    monkeypatch.setenv("TRAINGUARD_SNAPSHOT_STAGING_MB", "8")
+    assert staging_bytes() == 8 << 20
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv("TRAINGUARD_SNAPSHOT_STAGING_MB", bad)
+        with pytest.raises(CheckpointError, match="TRAINGUARD_SNAPSHOT_STAGING_MB"):
+            staging_bytes()
+
+
 def test_corrupt_unsealed_and_half_written_snapshots_are_never_loaded(shm, caplog):
     snaps = Snapshots(shm, 0, count=3)
     try:

@@ -6,9 +6,13 @@ per layout, every tensor gets a typed view into the slot at its offset, and a
 snapshot is then one ``copy_`` per tensor plus a small JSON header -- no
 pickling, no allocation. When the state is on a GPU, each slot's pages are
 registered with CUDA (``cudaHostRegister``) the first time it is filled, so
-the device-to-host copies run at pinned-memory speed and overlap until one
-synchronize; they are unregistered before the slot is remapped or closed. The persist worker (started here) seals each
-snapshot and writes the ones asked for to storage.
+the device-to-host copies run at pinned-memory speed; they are unregistered
+before the slot is remapped or closed. A device-to-host copy costs several
+microseconds however small, so small tensors are not copied one by one:
+each run of them that sits back to back in the slot is first gathered on the
+device into a staging buffer of the same byte layout (one ``_foreach_copy_``
+per dtype), then leaves in one copy (:class:`_Staging`). The persist worker
+(started here) seals each snapshot and writes the ones asked for to storage.
 
 :func:`read_payload` turns a payload (a slot's, or a persisted
 ``.safetensors`` file's bytes) back into the state, with tensors that own
@@ -18,6 +22,9 @@ their memory (a view into a slot would be overwritten by the next snapshot).
 from __future__ import annotations
 
 import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +35,7 @@ from trainguard.core.snapshot.ring import FORMAT, SnapshotRing
 
 from .state import flatten, unflatten
 
-__all__ = ["Snapshots", "read_payload"]
+__all__ = ["Snapshots", "read_payload", "staging_bytes"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -37,6 +44,82 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
           torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 BY_NAME = {v: k for k, v in DTYPES.items()}
+
+
+def staging_bytes() -> int:
+    """The device staging buffer: ``TRAINGUARD_SNAPSHOT_STAGING_MB`` (default
+    64; 0 copies every tensor to the host on its own)."""
+    mb = os.environ.get("TRAINGUARD_SNAPSHOT_STAGING_MB", "64")
+    try:
+        value = int(mb)
+    except ValueError:
+        raise CheckpointError(f"TRAINGUARD_SNAPSHOT_STAGING_MB={mb!r} is not a whole number of MiB") from None
+    if value < 0:
+        raise CheckpointError(f"TRAINGUARD_SNAPSHOT_STAGING_MB={value} is negative")
+    return value << 20
+
+
+@dataclass
+class _Run:
+    """Tensors back to back in the slot, gathered in the staging buffer."""
+    device: torch.device
+    start: int  # byte offset in the slot's data
+    end: int
+    groups: dict = field(default_factory=lambda: defaultdict(lambda: ([], [])))  # dtype -> (indices, staging views)
+    staged: torch.Tensor | None = None  # the staging buffer's bytes of this run
+
+
+class _Staging:
+    """How one layout's device tensors travel to the host: runs of small
+    tensors through a staging buffer of ``size`` bytes (one gather on the
+    device, one device-to-host copy each), larger tensors straight into the
+    slot, host tensors by a host copy."""
+
+    def __init__(self, layout, paths: list[str], tensors: list[torch.Tensor], size: int, stage) -> None:
+        self.key = (id(layout), size, tuple(t.device for t in tensors))
+        self.runs: list[_Run] = []
+        self.direct: list[int] = []
+        self.host: list[int] = []
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+        order = sorted(range(len(paths)), key=lambda i: layout.offsets[paths[i]][0])
+        run = None
+        for i in order:
+            t, (b, e) = tensors[i], layout.offsets[paths[i]]
+            if e == b:
+                self.host.append(i)  # nothing to copy; its view is a tensor of its own
+            elif not stage(t):
+                self.host.append(i)
+            elif e - b > size:
+                self.direct.append(i)
+            else:
+                if run is None or run.end != b or e - run.start > size or run.device != t.device:
+                    run = _Run(t.device, b, b)
+                    self.runs.append(run)
+                run.end = e
+                run.groups[t.dtype][0].append(i)
+        for run in self.runs:
+            buf = self.buffers.get(run.device)
+            if buf is None:
+                buf = self.buffers[run.device] = torch.empty(size, dtype=torch.uint8, device=run.device)
+            for dtype, (indices, views) in run.groups.items():
+                for i in indices:
+                    b, e = layout.offsets[paths[i]]
+                    views.append(buf[b - run.start:e - run.start].view(dtype).view(tensors[i].shape))
+            run.staged = buf[:run.end - run.start]
+
+    def copy(self, base: torch.Tensor, data_start: int, views: list[torch.Tensor],
+             tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` into the slot (``base``, its views ``views``);
+        asynchronous for device tensors: synchronize before reading."""
+        for run in self.runs:  # in stream order: a run's gather waits for the previous run to leave the buffer
+            for indices, staged in run.groups.values():
+                torch._foreach_copy_(staged, [tensors[i] for i in indices])
+            base[data_start + run.start:data_start + run.end].copy_(run.staged, non_blocking=True)
+        if self.direct:
+            torch._foreach_copy_([views[i] for i in self.direct], [tensors[i] for i in self.direct],
+                                 non_blocking=True)
+        if self.host:
+            torch._foreach_copy_([views[i] for i in self.host], [tensors[i] for i in self.host])
 
 
 def _entries(paths: list[str], tensors: list[torch.Tensor]) -> list[Entry]:
@@ -60,9 +143,13 @@ class Snapshots(SnapshotRing):
         self._paths: list[str] = []
         self._pinned: dict[int, int] = {}  # slot index -> address registered with CUDA
         self.pins, self.pin_failed = 0, ""  # slot registrations; why pinning failed
+        self.staging_bytes = staging_bytes()
+        self._staging: _Staging | None = None
+        self._stage = lambda t: t.is_cuda  # which tensors go through the staging buffer
 
     def forget_views(self) -> None:
         self._views.clear()
+        self._staging = None
         for address in self._pinned.values():
             torch.cuda.cudart().cudaHostUnregister(address)
         self._pinned.clear()
@@ -82,7 +169,10 @@ class Snapshots(SnapshotRing):
         self.pins += 1
 
     def report(self, resumed_from: dict | None) -> dict:
-        return {**super().report(resumed_from), "pinned": self.pins, "pin_failed": self.pin_failed}
+        staged = self._staging
+        return {**super().report(resumed_from), "pinned": self.pins, "pin_failed": self.pin_failed,
+                "staging_MB": self.staging_bytes >> 20,
+                "staged_copies": len(staged.runs) if staged else 0, "direct_copies": len(staged.direct) if staged else 0}
 
     def take(self, state: Any, step: int) -> int | None:
         """Copy ``state`` (a nest of tensors and scalars) into a free slot as
@@ -97,8 +187,15 @@ class Snapshots(SnapshotRing):
             views = self._views.get(index)
             if views is None:
                 views = self._views[index] = self._make_views(payload, layout, paths)
-            with torch.no_grad():  # one call: a Python-level copy_ per tensor costs more than a small tensor's bytes
-                torch._foreach_copy_(views, tensors, non_blocking=cuda)
+            with torch.no_grad():
+                if self.staging_bytes and any(self._stage(t) for t in tensors):
+                    staging = self._staging
+                    if staging is None or staging.key != (id(layout), self.staging_bytes,
+                                                          tuple(t.device for t in tensors)):
+                        staging = self._staging = _Staging(layout, paths, tensors, self.staging_bytes, self._stage)
+                    staging.copy(torch.frombuffer(payload, dtype=torch.uint8), layout.data_start, views, tensors)
+                else:  # one call: a Python-level copy_ per tensor costs more than a small tensor's bytes
+                    torch._foreach_copy_(views, tensors, non_blocking=cuda)
             if cuda:
                 torch.cuda.synchronize()
 
