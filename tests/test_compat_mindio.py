@@ -188,10 +188,10 @@ def test_gpt3_recipe_crash_dying_gasp_and_resume_is_bit_identical(tmp_path):
     assert {k: len(v) for k, v in resumed["pids"].items()} == {"0": 2, "1": 2}  # two launches, every rank
 
     # A rank whose loop hangs in Python (not in a collective): its peer waits in
-    # megatron's plain all-reduce, which trainguard cannot abort. The watchdog
-    # sees that the peer is inside torch.distributed, gives it the longer
-    # in-collective limit, so the hung rank names itself; it is told to exit
-    # (77), the peer's collective fails, and the peer saves step 3.
+    # megatron's all-reduce. The watchdog sees that the peer is inside a
+    # collective, gives it the longer in-collective limit, so the hung rank
+    # names itself; it is told to exit (77), the STOP releases the peer from
+    # the all-reduce (the trainguard backend), and the peer saves step 3.
     rc, _, log = gpt(tmp_path, "hang", launcher=trainguard_run, fault="hang:rank=1,step=3")
     assert rc == 75, log[-4000:]
     assert "fault: rank 1: hang: training loop hung" in log and "fault: rank 0: hang" not in log, log[-4000:]
@@ -201,3 +201,28 @@ def test_gpt3_recipe_crash_dying_gasp_and_resume_is_bit_identical(tmp_path):
     assert resumed["start_step"] == 3 and resumed["final_state_sha256"] == ref["final_state_sha256"]
     assert [(r["fault"], r["strategy"], r["step"], r["rank"]) for r in resumed["recoveries"]] == [
         ("hang", "dump", 3, 1)]
+
+
+@pytest.mark.timeout(300)
+def test_gpt3_recipe_uce_and_comm_fault_are_repaired_in_place_bit_identical(tmp_path):
+    """With the ``trainguard`` backend (megatron's groups abortable) and
+    ``mega.register_recovery_handlers()``, a device memory error on rank 1 is
+    retried in place: its peer is released from the gradient all-reduce, the
+    groups are rebuilt, rank 1's state -- discarded by its clean handler, as
+    a device reset leaves it -- is copied from rank 0, and training goes on
+    from the locked step in the same processes, ending bit-identical."""
+    trainguard_run = [sys.executable, "-m", "trainguard.cli", "run"]
+    rc, ref, log = gpt(tmp_path, "ref", launcher=trainguard_run)
+    assert rc == 0, log[-4000:]
+    for fault, repaired in (("uce:rank=1,step=3,phase=backward", True), ("comm:rank=0,step=2,phase=backward", False)):
+        name = fault.split(":")[0]
+        rc, got, log = gpt(tmp_path, name, launcher=trainguard_run, fault=fault)
+        assert rc == 0, log[-4000:]
+        assert got["final_state_sha256"] == ref["final_state_sha256"], (fault, log[-4000:])
+        assert got["steps_completed"] == 6 and got["lost_steps"] == 0
+        [record] = got["recoveries"]
+        assert (record["fault"], record["strategy"]) == (name, "retry"), record
+        assert {k: len(v) for k, v in got["pids"].items()} == {"0": 1, "1": 1}, got["pids"]  # nobody restarted
+        assert ("rank 1 took its state at step 3 from rank 0" in log) is repaired, log[-4000:]
+        assert ("the state on this rank's device is discarded" in log) is repaired
+        assert not (tmp_path / f"{name}-ckpt" / "latest_checkpointed_iteration.txt").exists()  # nothing dumped

@@ -22,6 +22,7 @@ removed under a running step):
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -52,6 +53,10 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+def _groups(found: Any) -> list[Any]:
+    return list(found) if isinstance(found, (list, tuple)) else [] if found is None else [found]
+
+
 def _name(group: Any) -> str:
     """trainguard's group, by generation (the same name on every rank)."""
     return f"trainguard-g{group.generation}"
@@ -64,7 +69,8 @@ class TorchMarkers(LoopMarkers):
         recorder: where spans go.
         modules: the model (unwrapped; Megatron's model chunks) whose forward is FP.
         step: returns the number of completed steps (the loop index).
-        group: returns trainguard's current process group (``None``: none).
+        group: returns trainguard's current process group, or a list of
+            them (the ``trainguard`` backend's groups), or ``None``.
     """
 
     def __init__(self, recorder: Recorder, modules: Sequence[torch.nn.Module], step: Callable[[], int],
@@ -73,13 +79,13 @@ class TorchMarkers(LoopMarkers):
         self._modules, self._group = list(modules), group
         self._fp_hooks: list[Any] = []
         self._library: torch.library.Library | None = None
-        self._observed: Any = None
+        self._observed: list[Any] = []
         self._group_names: set[str] = set()
 
     def iteration_start(self) -> None:
         super().iteration_start()
-        if self._library is not None and self._observed is not self._group():
-            self._observe(self._group())  # elastic training replaced the group
+        if self._library is not None and [id(g) for g in self._observed] != [id(g) for g in _groups(self._group())]:
+            self._observe(self._group())  # elastic training replaced the group; a script made new ones
 
     def install(self, markers: bool, communication: bool) -> None:
         if not markers or self._fp_hooks:
@@ -110,20 +116,23 @@ class TorchMarkers(LoopMarkers):
         self.install(*self.installed)
 
     # -------------------------------------------------- communication
-    def _observe(self, group: Any) -> None:
-        if self._observed is not None:
-            self._observed.observer = None
-        self._observed = group
-        if group is not None:
-            group.observer = self._on_issue
-            self.recorder.group(_name(group), list(group.members), "trainguard")
+    def _observe(self, found: Any) -> None:
+        for group in self._observed:
+            group.observer = None
+        self._observed = _groups(found)
+        for group in self._observed:
+            try:  # a group torch.distributed made (the trainguard backend): its own name and global ranks
+                name, ranks = group.group_name, dist.get_process_group_ranks(group)
+            except (ValueError, RuntimeError, AttributeError):  # the Guard's own group
+                name, ranks = _name(group), list(group.members)
+            group.observer = functools.partial(self._on_issue, name)
+            self.recorder.group(name, ranks, "trainguard")
 
-    def _on_issue(self, op: str, args: tuple, work: Any) -> None:
-        """trainguard's group issued ``op`` (called on the issuing thread)."""
+    def _on_issue(self, name: str, op: str, args: tuple, work: Any) -> None:
+        """trainguard's group ``name`` issued ``op`` (called on the issuing thread)."""
         if getattr(_inside, "active", False) or not self.recorder.communication:
             return  # the dispatcher kernel records it
-        group = self._observed
-        self._time(op, _name(group) if group is not None else "trainguard", _nbytes(args[0]), time.time(), work)
+        self._time(op, name, _nbytes(args[0]), time.time(), work)
 
     def _time(self, op: str, group: str, nbytes: int, start: float, work: Any) -> None:
         rec, step = self.recorder, self.current

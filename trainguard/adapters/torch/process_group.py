@@ -185,7 +185,8 @@ class AbortableProcessGroup(dist.ProcessGroup):
     def halted(self) -> bool:
         return self._halted
 
-    def rebuild(self, generation: int, cancelled: Callable[[], bool] = lambda: False, store: Any = None) -> None:
+    def rebuild(self, generation: int, cancelled: Callable[[], bool] = lambda: False, store: Any = None,
+                *, quiet: bool = False) -> None:
         """Replace the inner backend with a fresh one (every rank calls this
         with the same ``generation``), on ``store`` from now on when given
         (a new process joined on a store of its own).
@@ -208,7 +209,8 @@ class AbortableProcessGroup(dist.ProcessGroup):
             self._retire(old)
         self.generation = generation
         self._halted = False
-        log.info("rank %d: process group rebuilt (generation %d)", self._rank, generation)
+        log.log(logging.DEBUG if quiet else logging.INFO, "rank %d: process group rebuilt (generation %d)",
+                self._rank, generation)
 
     def _retire(self, backend: Any) -> None:
         """Destroy an abandoned backend off the training thread.
@@ -270,6 +272,13 @@ class AbortableProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._issue("_reduce_scatter_base", output, input, opts, result=[output])
+
+    # torch 2.13's all_gather_into_tensor and reduce_scatter_tensor call these names
+    def all_gather_single(self, output, input, opts=None):
+        return self._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_base(output, input, opts)
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()

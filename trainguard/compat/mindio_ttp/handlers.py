@@ -36,6 +36,7 @@ class TtpHandlers(Handlers):
             raise RecoveryError("a replacement process cannot join a script driven by the MindIO API; use "
                                 "trainguard.torch.Guard for process-level rescheduling")
         fn, ctx, _ = self._need("rebuild", "in-place recovery")
+        self.s.generation = generation
         fn(sorted(set(range(self.s.world_size)) - set(ranks)), self.s.args, ctx)
 
     def repair(self, step: int, transfers: Sequence[Transfer]) -> None:

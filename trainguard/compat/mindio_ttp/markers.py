@@ -29,9 +29,10 @@ def start(started_at: float) -> None:
     recorder = recorder_from_env(rank=TTP.rank, started_at=started_at)
     if recorder is None:
         return
+    from trainguard.adapters.torch import backend  # groups of init_process_group("trainguard"), if any
     from trainguard.adapters.torch.markers import TorchMarkers
 
-    TTP.markers = TorchMarkers(recorder, _modules(TTP.args), lambda: TTP.step)
+    TTP.markers = TorchMarkers(recorder, _modules(TTP.args), lambda: TTP.step, backend.groups)
     TTP.markers.iteration_start()
     atexit.register(close)  # the last records reach the disk
 

@@ -1,0 +1,113 @@
+"""In-place recovery handlers for Megatron scripts on the MindIO API
+(exported by :mod:`.megatron_ttp`).
+
+MindIO leaves the stop, clean, rebuild, repair and rollback handlers to the
+script (MindSpeed-LLM ships its own). These are trainguard's, for the
+objects given to ``ttp_set_ckpt_args((iteration, model, optimizer,
+opt_param_scheduler))``::
+
+    dist.init_process_group("trainguard")   # abortable groups, megatron's included
+    ...
+    mega.register_recovery_handlers()       # once, after ttp_init_processor
+
+With them a device memory error (UCE) or a communication fault on one rank
+is retried without a restart: STOP releases every rank from its collective
+(:mod:`trainguard.adapters.torch.backend`), each cleans its step, the groups
+are rebuilt, the faulty rank receives its state from a replica at the
+locked step, every rank puts back its random streams of that step, and the
+wrapped training function runs again from ``tft_get_repair_step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainguard.adapters.megatron import repair
+from trainguard.adapters.torch import backend
+from trainguard.core import RecoveryError
+
+from . import framework_ttp as ttp
+from .state import TTP
+
+__all__ = ["clean_callback", "rebuild_callback", "register_recovery_handlers", "repair_callback",
+           "rollback_callback", "stop_callback"]
+
+log = logging.getLogger("trainguard.compat.mindio")
+
+_rng = repair.RngHistory()
+
+
+def _objects(args: Any) -> tuple[int, Any, Any, Any]:
+    if not isinstance(args, (tuple, list)) or len(args) != 4:
+        raise RecoveryError("ttp_set_ckpt_args must be given (iteration, model, optimizer, opt_param_scheduler) "
+                            f"before an in-place recovery; got {type(args).__name__}")
+    return tuple(args)  # type: ignore[return-value]
+
+
+def stop_callback(args: Any, ctx: Any = None) -> None:
+    """Release the training thread from any collective it waits in."""
+    if not backend.groups():
+        log.warning("no trainguard process group to stop: init_process_group('trainguard') lets a STOP release "
+                    "a rank waiting in a collective")
+    backend.stop_all("FORCE STOP: the controller stopped training")
+
+
+def clean_callback(is_uce: bool, args: Any, ctx: Any = None) -> int:
+    """Drop the step in progress (0); on the rank of a memory error, its
+    device state too; 1 when the device cannot be repaired in place."""
+    _, model, optimizer, _ = _objects(args)
+    return repair.clean(model, optimizer, uce=is_uce)
+
+
+def rebuild_callback(fault_ranks: Sequence[int], args: Any, ctx: Any = None) -> None:
+    """Fresh backends under every trainguard group (all ranks, same generation)."""
+    processor = TTP.live()
+    stops = processor.stops
+    backend.rebuild_all(TTP.generation, cancelled=lambda: processor.stops != stops)
+
+
+def _transfer_device() -> torch.device:
+    """Where the groups want tensors: host memory under gloo, the GPU under NCCL."""
+    nccl = os.environ.get("TRAINGUARD_INNER_BACKEND") == "nccl" or dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def repair_callback(step: int, need_rebuild: bool, error_ranks: Sequence[int], repair_info: Sequence[dict],
+                    args: Any, ctx: Any = None) -> None:
+    """Send this rank's state to the ranks it repairs, or receive its own."""
+    iteration, model, optimizer, scheduler = _objects(args)
+    rank, world = dist.get_rank(), dist.group.WORLD
+    for info in repair_info:
+        src, dst, kind = int(info["src"]), int(info["dst"]), int(info.get("type", 0))
+        if kind != 0:
+            raise RecoveryError(f"repairing a kind {kind} shard (experts) in place is not supported yet")
+        if rank == src:
+            if iteration != step:  # end_updating_os(step) ran, ttp_set_ckpt_args not yet: same objects
+                log.info("rank %d sends step %d (the checkpoint args still said iteration %d)", rank, step, iteration)
+            repair.send_replica(world, dst, model, optimizer, scheduler, device=_transfer_device())
+            log.info("rank %d sent its state at step %d to rank %d", rank, step, dst)
+        elif rank == dst:
+            repair.receive_replica(world, src, model, optimizer, scheduler, device=_transfer_device())
+            log.info("rank %d took its state at step %d from rank %d", rank, step, src)
+
+
+def rollback_callback(step: int, args: Any, ctx: Any = None) -> None:
+    """Random streams back to where they were when ``step`` was committed
+    (the wrapped function starts again at ``tft_get_repair_step()``)."""
+    _rng.restore(step)
+
+
+def register_recovery_handlers() -> None:
+    """Register the five handlers and keep each committed step's random streams."""
+    ttp.tft_register_stop_handler(stop_callback)
+    ttp.tft_register_clean_handler(clean_callback)
+    ttp.tft_register_rebuild_group_handler(rebuild_callback)
+    ttp.tft_register_repair_handler(repair_callback)
+    ttp.tft_register_rollback_handler(rollback_callback)
+    if _rng.commit not in TTP.commit_hooks:
+        TTP.commit_hooks.append(_rng.commit)
