@@ -177,6 +177,8 @@ def main(cfg: DictConfig) -> None:
     report_path, checkpoint_dir = launch_path(cfg.report), launch_path(cfg.checkpoint_dir)
     if cfg.fault and "TRAINGUARD_FAULT" not in os.environ:
         os.environ["TRAINGUARD_FAULT"] = str(cfg.fault)
+    if cfg.snapshot_every and "TRAINGUARD_SNAPSHOT_EVERY" not in os.environ:
+        os.environ["TRAINGUARD_SNAPSHOT_EVERY"] = str(cfg.snapshot_every)
     os.environ["TRAINGUARD_CHECKPOINT_DIR"] = str(checkpoint_dir)
     dist.init_process_group(cfg.backend)
     p = cfg.parallel
@@ -212,10 +214,12 @@ def main(cfg: DictConfig) -> None:
 
     iteration = train(cfg, model, optimizer, opt_param_scheduler, start, injector)
     times = getattr(TTP, "step_times", [])
+    mega.close_snapshots()  # with snapshots: the last saves are on storage before the report says so
     report = {
         "steps_completed": iteration,
         "start_step": start,
         **TTP.history_report(),
+        **mega.snapshot_report(),
         "final_state_sha256": state_digest(model, optimizer),
         "step_time_s": sorted(times)[len(times) // 2] if times else None,
         "periodic_save_s": getattr(TTP, "save_times", []),  # each save_checkpoint call, on this rank

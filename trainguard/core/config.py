@@ -53,6 +53,10 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_JOIN": "set by the node agent for a replacement process: what it joins (do not set by hand)",
     "TRAINGUARD_SHM_REPAIR": "0: a MindSpore repair between ranks of one machine uses Broadcast, not /dev/shm "
                              "(default 1)",
+    "TRAINGUARD_SNAPSHOT_EVERY": "trainguard.compat.mindio_ttp.megatron_ttp: copy each rank's state into shared "
+                                 "memory every this many iterations; periodic saves then persist it in the "
+                                 "background (default 0: off)",
+    "TRAINGUARD_SNAPSHOTS_IN_MEMORY": "... snapshot slots per rank, each the size of the rank's state (default 2)",
     "TRAINGUARD_SNAPSHOT_ROOT": "where snapshot directories live in shared memory (default /dev/shm)",
     "TRAINGUARD_SNAPSHOT_DIR": "set by the node agent: this node's snapshot directory (do not set by hand)",
     "TRAINGUARD_SNAPSHOT_PEER": "set by the node agent: host:port of the next node's snapshot copies (do not set by hand)",

@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 
 from trainguard.core import CheckpointError, CheckpointStore
-from trainguard.core.checkpoint import MEGATRON, FileInfo, SavedShard
+from trainguard.core.checkpoint import MEGATRON, FileInfo, SavedShard, Verified
 
 from .layout import ParallelRank, parallel_rank
 
-__all__ = ["FILE", "load", "megatron_store", "parallel_rank_or_world", "rank_state", "save", "shard_file",
+__all__ = ["FILE", "apply_shard", "load", "megatron_store", "parallel_rank_or_world", "rank_state", "save", "shard_file",
            "write_rank"]
 
 log = logging.getLogger("trainguard.megatron")
@@ -104,25 +104,27 @@ def shard_state(optimizer: Any) -> dict:
                            for o in _distributed(optimizer)]}
 
 
-def _load_shard(path: Any, optimizer: Any, device: Any) -> None:
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{path} could not be loaded safely: {e}") from None
+def apply_shard(state: dict, optimizer: Any, source: str) -> None:
+    """Put a shard (:func:`shard_state`'s, from ``source``: a file, a
+    replica) into this rank's distributed optimizer.
+
+    Raises:
+        CheckpointError: it is another rank's shard, or does not fit.
+    """
     index, size, instances = _shard()
     if state.get("format") != SHARD_FORMAT or (state.get("shard"), state.get("data_parallel"),
                                                state.get("instances")) != (index, size, instances):
-        raise CheckpointError(f"{path} was saved for shard {state.get('shard')} of {state.get('data_parallel')} "
+        raise CheckpointError(f"{source} holds shard {state.get('shard')} of {state.get('data_parallel')} "
                               f"ranks in {state.get('instances')} instances; this rank holds shard {index} of "
                               f"{size} in {instances}: load it with the layout it was saved with")
     opts = _distributed(optimizer)
     if len(state["optimizers"]) != len(opts):
-        raise CheckpointError(f"{path} holds {len(state['optimizers'])} optimizers, the chain here has {len(opts)}")
+        raise CheckpointError(f"{source} holds {len(state['optimizers'])} optimizers, the chain here has {len(opts)}")
     with torch.no_grad():
         for saved, opt in zip(state["optimizers"], opts):
             mains = _mains(opt)
-            if [t.shape for t in saved["main"]] != [p.shape for p in mains]:
-                raise CheckpointError(f"{path}: the shard's main parameters do not fit this model")
+            if [tuple(t.shape) for t in saved["main"]] != [tuple(p.shape) for p in mains]:
+                raise CheckpointError(f"{source}: the shard's main parameters do not fit this model")
             for p, t in zip(mains, saved["main"]):
                 p.copy_(t)
             opt.optimizer.load_state_dict(saved["inner"])
@@ -207,6 +209,18 @@ def finalize(store: CheckpointStore, step: int, shards: Sequence[SavedShard], hi
                    meta={"history": history, "finalised_by": rank})
 
 
+def saved_copies(here: ParallelRank, optimizer: Any) -> list[list[int]]:
+    """The copies of each shard of this rank's group that a save writes
+    (its first rank saves it): with a dense optimizer the data-parallel
+    group (the expert data-parallel group with experts), with a distributed
+    optimizer each shard's ranks."""
+    if not _distributed(optimizer):
+        return [list(here.expert_dp_ranks if here.moe else here.dp_cp_ranks)]
+    _, size, instances = _shard()
+    span = size // instances  # megatron's instances are contiguous blocks of the group
+    return [list(here.dp_cp_ranks[j::span]) for j in range(span)]
+
+
 def save(store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any, *,
          history: dict | None = None) -> None:
     """A periodic save (every rank calls it): one copy of each shard writes
@@ -214,12 +228,7 @@ def save(store: CheckpointStore, step: int, model: Any, optimizer: Any, schedule
     of each expert data-parallel group with experts), rank 0 finalises."""
     here, rank = parallel_rank_or_world(), dist.get_rank()
     sharded = bool(_distributed(optimizer))
-    copies = [list(here.expert_dp_ranks if here.moe else here.dp_cp_ranks)]
-    if sharded:
-        _, size, instances = _shard()
-        span = size // instances  # megatron's instances are contiguous blocks of the group
-        copies = [list(here.dp_cp_ranks[j::span]) for j in range(span)]
-    mine = next(({"copies": c, "files": []} for c in copies if c[0] == rank), None)
+    mine = next(({"copies": c, "files": []} for c in saved_copies(here, optimizer) if c[0] == rank), None)
     if mine is not None:
         files = write_rank(store, step, model, optimizer, scheduler, kind=1 if here.moe else 0)
         mine["files"] = [[f.name, f.bytes, f.sha256] for f in files]
@@ -252,34 +261,77 @@ def load(store: CheckpointStore, model: Any, optimizer: Any, scheduler: Any, *,
             raise CheckpointError(f"ranks disagree on the newest complete checkpoint: {steps}")
     if found is None:
         return 0, {}
-    name = f"{parallel_rank_or_world().subdir}/{FILE}"
-    if name not in found.manifest.get("files", {}):
-        raise CheckpointError(f"{found.path} has no {name} (saved with another parallel layout?)")
+    load_found(found, model, optimizer, scheduler, device=device)
+    return found.step, found.manifest.get("meta", {}).get("history", {})
+
+
+def _read_pt(path: Any, device: Any) -> dict:
     try:
-        state = torch.load(found.file(name), map_location=device, weights_only=True)
+        return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{found.file(name)} could not be loaded safely: {e}") from None
+        raise CheckpointError(f"{path} could not be loaded safely: {e}") from None
+
+
+def load_found(found: Verified, model: Any, optimizer: Any, scheduler: Any, *,
+               device: torch.device | str = "cpu") -> None:
+    """Load this rank's part of the verified checkpoint ``found`` into the
+    objects (no collective): its saver's persisted snapshot
+    (``.safetensors``, see :mod:`.snapshot`) where there is one, else
+    Megatron's ``.pt`` files.
+
+    Raises:
+        CheckpointError: this rank's file is missing, or does not fit the objects.
+    """
+    from .snapshot import read_file, snapshot_file  # built on this module
+
+    here, files = parallel_rank_or_world(), found.manifest.get("files", {})
+    index = _shard()[0] if _distributed(optimizer) else None
+    name, snapshot = f"{here.subdir}/{FILE}", snapshot_file(here.subdir, index)
+    if snapshot in files:
+        where = found.file(snapshot)
+        state, shard = read_file(where, device)
+    elif name in files:
+        where, shard = found.file(name), None
+        state = _read_pt(where, device)
+        if index is not None:
+            shard_name = f"{here.subdir}/{shard_file(index)}"
+            if shard_name not in files:
+                raise CheckpointError(f"{found.path} has no {shard_name} (saved without a distributed optimizer, "
+                                      f"or with another layout?)")
+            shard = _read_pt(found.file(shard_name), device)
+    else:
+        raise CheckpointError(f"{found.path} has no {name} (saved with another parallel layout?)")
     if state.get("iteration") != found.step:
-        raise CheckpointError(f"{found.file(name)} holds iteration {state.get('iteration')}, not {found.step}")
+        raise CheckpointError(f"{where} holds iteration {state.get('iteration')}, not {found.step}")
+    apply(state, shard, model, optimizer, scheduler, where=where)
+    log.info("loaded %s at iteration %d", found.path, found.step)
+
+
+def apply(state: dict, shard: dict | None, model: Any, optimizer: Any, scheduler: Any, *, where: Any) -> None:
+    """Put a rank's state (:func:`rank_state`'s) and, with a distributed
+    optimizer, its shard (:func:`shard_state`'s), both read from ``where``,
+    into the objects, and set the random number generators.
+
+    Raises:
+        CheckpointError: they do not fit the objects.
+    """
     chunks = _chunks(model)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     try:
         for key, chunk in zip(keys, chunks):
             chunk.load_state_dict(state[key])
         if _distributed(optimizer):
-            shard = f"{parallel_rank_or_world().subdir}/{shard_file(_shard()[0])}"
-            if shard not in found.manifest.get("files", {}):
-                raise CheckpointError(f"{found.path} has no {shard} (saved without a distributed optimizer, or "
-                                      f"with another layout?)")
-            _load_shard(found.file(shard), optimizer, device)
+            if shard is None:
+                raise CheckpointError(f"{where} holds no shard of a distributed optimizer (saved without one?)")
+            apply_shard(shard, optimizer, str(where))
             if getattr(optimizer, "grad_scaler", None) is not None and "grad_scaler" in state["optimizer"]:
                 optimizer.grad_scaler.load_state_dict(state["optimizer"]["grad_scaler"])
         elif optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None:
+            if hasattr(scheduler, "num_steps"):  # megatron's load_state_dict steps on from where it stands
+                scheduler.num_steps = 0
             scheduler.load_state_dict(state["opt_param_scheduler"])
     except (KeyError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{found.file(name)} does not fit the model/optimizer: {e}") from None
+        raise CheckpointError(f"{where} does not fit the model/optimizer: {e}") from None
     _set_rng_state(state["rng_state"][0])
-    log.info("loaded %s at iteration %d", found.path, found.step)
-    return found.step, found.manifest.get("meta", {}).get("history", {})

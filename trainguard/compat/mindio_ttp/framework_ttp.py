@@ -235,6 +235,8 @@ def ttp_set_ckpt_args(args: Any) -> None:
     """What the save handler gets as ``args``, set after every iteration."""
     TTP.args = args
     markers.set_args(args)
+    for hook in TTP.args_hooks:
+        hook(args)
 
 
 tft_set_step_args = ttp_set_ckpt_args

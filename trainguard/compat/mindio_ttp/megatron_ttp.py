@@ -16,29 +16,64 @@
     updates ``latest_checkpointed_iteration.txt``. ``args`` is what
     ``ttp_set_ckpt_args`` got: ``(iteration, model, optimizer, opt_param_scheduler)``.
 ``save_checkpoint(iteration, model, optimizer, opt_param_scheduler)``
-    A periodic save in the same layout (every rank calls it).
+    A periodic save in the same layout (every rank calls it); asynchronous
+    with snapshots on (below).
 ``ReplicatedOptimizer`` / ``replicated_optimizer(config, model_chunks)``
     megatron-core's ``DistributedOptimizer`` kept in ``replica_cnt``
     instances (see :mod:`trainguard.adapters.megatron.optimizer`); the
     function is ``get_megatron_optimizer`` for that layout. Either tells the
     processor the replica layout, so the dying gasp saves one copy of each
     shard (``distrib_optim_shard_{j:03d}.pt``).
+
+In-memory snapshots (MindIO ACP's and DLRover's flash checkpoints) are on
+when ``TRAINGUARD_SNAPSHOT_EVERY=N`` is set (:class:`SnapshotConfig`): the
+script changes nothing. ``load_checkpoint`` sets them up; then every N
+iterations ``ttp_set_ckpt_args((iteration, ...))`` -- the recipe calls it
+after ``ttp_end_updating_os`` and the scheduler step, when the objects hold
+that iteration's state -- copies this rank's state into a slot in shared
+memory (:mod:`trainguard.adapters.megatron.snapshot`; the node agent of
+``trainguard run`` owns the slots, so they outlive the process). With them:
+
+* ``save_checkpoint`` blocks only for that copy (none when memory holds the
+  iteration) and one all-gather of file names; the persist workers write
+  ``iter_{:07d}/mp_rank_*/model_optim_rng.safetensors`` and one finalises
+  (manifest, rename, tracker last).
+* ``ttp_save_checkpoint`` writes the snapshot of the locked step as it
+  lies in memory when memory holds it (logged: ``reuses its snapshot in
+  memory``).
+* ``load_checkpoint`` resumes at the newest step every rank can load, each
+  from this node's memory where a snapshot of it passes its checksum, else
+  from storage; the log and :func:`snapshot_report` (``resumed_from``) say
+  which.
+* :func:`close_snapshots` waits for the last saves and frees the slots; it
+  runs at exit when the script does not call it.
+
+``load_checkpoint`` reads checkpoints written either way.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+import torch.distributed as dist
 
 from trainguard.adapters.megatron import checkpoint as ckpt
+from trainguard.adapters.megatron.snapshot import MegatronSnapshots
+from trainguard.adapters.torch.process_group import job_namespace
 from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import FileInfo
+from trainguard.core.snapshot.ring import check_settings, directory_for
 
 from .state import TTP
 
-__all__ = ["ReplicatedOptimizer", "load_checkpoint", "rename_save_result", "replicated_optimizer", "save_checkpoint",
+__all__ = ["ReplicatedOptimizer", "SnapshotConfig", "close_snapshots", "load_checkpoint", "rename_save_result",
+           "replicated_optimizer", "save_checkpoint", "snapshot_report",
            "tft_rename_save_result", "tft_save_checkpoint", "ttp_save_checkpoint"]
 
 log = logging.getLogger("trainguard.compat.mindio")
@@ -81,7 +116,11 @@ def ttp_save_checkpoint(save_rank: int, step: int, rank_list: Sequence[int], arg
         here = ckpt.parallel_rank_or_world()
         kind = 1 if here.moe and set(rank_list) <= set(here.expert_dp_ranks) and \
             set(rank_list) != set(here.dp_cp_ranks) else 0
-    return ckpt.write_rank(ckpt.megatron_store(_directory("save")), step, model, optimizer, scheduler, kind=kind)
+    store, snapshots = ckpt.megatron_store(_directory("save")), _snapshots()
+    if snapshots is not None:
+        return snapshots.write_rank(store, step, model, optimizer, scheduler, kind=kind,
+                                    history=TTP.merged_history({}))
+    return ckpt.write_rank(store, step, model, optimizer, scheduler, kind=kind)
 
 
 def rename_save_result(args: Any) -> None:
@@ -109,19 +148,105 @@ def tft_rename_save_result(step: int, args: Any) -> None:
 
 
 def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any) -> None:
-    """A periodic checkpoint in Megatron's layout (every rank calls it)."""
-    ckpt.save(ckpt.megatron_store(_directory("save")), iteration, model, optimizer, opt_param_scheduler,
-              history=TTP.merged_history({}))
+    """A periodic checkpoint in Megatron's layout (every rank calls it);
+    written in the background from the snapshot of ``iteration`` when
+    snapshots are on."""
+    store, snapshots = ckpt.megatron_store(_directory("save")), _snapshots()
+    if snapshots is not None:
+        snapshots.save(store, iteration, model, optimizer, opt_param_scheduler, history=TTP.merged_history({}))
+    else:
+        ckpt.save(store, iteration, model, optimizer, opt_param_scheduler, history=TTP.merged_history({}))
 
 
 def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, *, device: str = "cpu") -> int:
-    """Load the newest complete checkpoint; return its iteration (0: none)."""
-    iteration, history = ckpt.load(ckpt.megatron_store(_directory("load")), model, optimizer, opt_param_scheduler,
-                                   device=device)
+    """Load the newest complete checkpoint -- with snapshots on, from this
+    node's memory where every rank can -- and return its iteration (0: none)."""
+    store, snapshots = ckpt.megatron_store(_directory("load")), _snapshots()
+    if snapshots is not None:
+        iteration, history = snapshots.load(store, model, optimizer, opt_param_scheduler, device=device)
+    else:
+        iteration, history = ckpt.load(store, model, optimizer, opt_param_scheduler, device=device)
     TTP.step = iteration
     if history:
         TTP.history = history
     return iteration
+
+
+# ------------------------------------------------------------- in-memory snapshots
+@dataclass(frozen=True, kw_only=True)
+class SnapshotConfig:
+    """Snapshots in the TTP flow: ``TRAINGUARD_SNAPSHOT_EVERY`` (iterations
+    between two; 0 or unset: off) and ``TRAINGUARD_SNAPSHOTS_IN_MEMORY``
+    (slots per rank, default 2; each the size of the rank's state)."""
+
+    every: int = 0
+    in_memory: int = 2
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "SnapshotConfig":
+        """Raises:
+            ConfigError: a value that is not a whole number, or out of range."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for key, name in (("every", "TRAINGUARD_SNAPSHOT_EVERY"), ("in_memory", "TRAINGUARD_SNAPSHOTS_IN_MEMORY")):
+            text = environ.get(name, "").strip()
+            if text:
+                try:
+                    values[key] = int(text)
+                except ValueError:
+                    raise ConfigError(f"{name}={text!r} is not a whole number") from None
+        config = cls(**values)
+        check_settings(config.every, config.in_memory, 0)
+        return config
+
+
+def _snapshots() -> MegatronSnapshots | None:
+    """This process's snapshots, set up at first use when they are on."""
+    if TTP.snapshots is None:
+        config = SnapshotConfig.from_env()
+        if not config.every:
+            return None
+        rank = dist.get_rank() if dist.is_initialized() else TTP.rank or 0
+        TTP.snapshots = MegatronSnapshots(directory_for(f"{job_namespace()}-r{rank}-{os.getpid()}"), rank,
+                                          count=config.in_memory,
+                                          save_timeout_s=float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800")))
+        TTP.args_hooks.append(functools.partial(_snapshot_after_update, config.every))
+        atexit.register(close_snapshots)
+    return TTP.snapshots
+
+
+def _snapshot_after_update(every: int, args: Any) -> None:
+    """``ttp_set_ckpt_args``'s hook: every ``every`` iterations, a snapshot
+    of the iteration the objects now hold (not of the one loaded at start:
+    memory or storage has it already)."""
+    iteration, model, optimizer, scheduler = _unpack(args)
+    snapshots = TTP.snapshots
+    if iteration % every or iteration != TTP.step or snapshots.closed or \
+            iteration == (snapshots.resumed_from or {}).get("step", 0):
+        return
+    snapshots.take_rank(iteration, model, optimizer, scheduler, TTP.merged_history({}))
+
+
+def snapshot_report() -> dict:
+    """``{"snapshots": {...}}`` for a job report when snapshots are on, else
+    ``{}``: snapshots taken and skipped, persists and their errors, the dumps
+    that reused a snapshot, and ``resumed_from`` (the step loaded at start
+    and whether from ``memory``, ``peer memory`` or ``storage``)."""
+    snapshots = TTP.snapshots
+    return {"snapshots": snapshots.report(snapshots.resumed_from)} if snapshots is not None else {}
+
+
+def close_snapshots(wait_s: float | None = None) -> None:
+    """At the end of training: wait up to ``wait_s`` seconds (default: the
+    save timeout; 0 after the controller's exit order) for the saves asked
+    so far, stop the persist worker and unmap the slots (the node agent
+    removes them when it exits; without one they are removed now). Runs at
+    interpreter exit when the script does not call it."""
+    snapshots = TTP.snapshots
+    if snapshots is not None:
+        if wait_s is None:
+            wait_s = 0.0 if TTP.exit_code is not None else snapshots.save_timeout_s
+        snapshots.shutdown(wait_s)
 
 
 def replicated_optimizer(config: Any, model_chunks: Sequence[Any], **kwargs: Any) -> Any:

@@ -46,6 +46,8 @@ class _State(JobHistory):
         self.pids: dict[int, int] = {}  # this process's, once connected
         self.markers: Any = None  # profiling markers (trainguard.adapters.torch.markers), when configured
         self.finalizing: tuple | None = None  # (step, shards, history) while the rename handler runs
+        self.snapshots: Any = None  # megatron_ttp's in-memory snapshots, when TRAINGUARD_SNAPSHOT_EVERY is set
+        self.args_hooks: list[Callable[[Any], None]] = []  # told of each ttp_set_ckpt_args (megatron_ttp's snapshots)
 
     def groups(self) -> tuple[ReplicaGroup, ...]:
         """This rank's replica groups (see the module doc of framework_ttp)."""

@@ -1,0 +1,249 @@
+"""In-memory snapshots of a Megatron rank, and the saves made from them:
+asynchronous periodic saves and dying-gasp files that reuse the snapshot.
+:mod:`trainguard.compat.mindio_ttp.megatron_ttp` turns them on.
+
+A snapshot holds what Megatron-LM puts in ``model_optim_rng.pt``
+(:func:`~.checkpoint.rank_state`: model, optimizer, scheduler, RNG states)
+and, with megatron's distributed optimizer, this rank's shard of the
+parameter state (:func:`~.checkpoint.shard_state`), copied into a slot of
+the torch adapter's :class:`~trainguard.adapters.torch.snapshot.Snapshots`
+ring: tensors by ``copy_``, containers and JSON scalars in the header (the
+Python ``random`` state is a tuple of ints). Any other value -- a
+TransformerEngine layer's extra state, a ``torch.Size``, a dict keyed by
+tuples -- rides as its ``torch.save`` bytes in a ``uint8`` tensor and is
+read back with ``torch.load(weights_only=True)``, as Megatron's ``.pt``
+files are; an ``OrderedDict`` comes back a ``dict`` (``load_state_dict``
+takes either).
+
+Persisted, a snapshot is one safetensors file per saver in Megatron's
+layout: ``iter_0000123/mp_rank_00/model_optim_rng.safetensors``, or with a
+distributed optimizer ``distrib_optim_shard_NNN.safetensors``, one per
+shard, each holding its saver's rank state too.
+:func:`~.checkpoint.load_found` reads these and the ``.pt`` files alike.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.adapters.torch.checkpoints import read_stored_snapshot
+from trainguard.adapters.torch.snapshot import Snapshots, read_payload
+from trainguard.core import CheckpointError, CheckpointStore
+from trainguard.core.checkpoint import FileInfo
+from trainguard.core.snapshot import SnapshotDir
+from trainguard.core.snapshot.ring import load_verified, resume
+
+from . import checkpoint as ckpt
+
+__all__ = ["MegatronSnapshots", "read_file", "snapshot_file"]
+
+log = logging.getLogger("trainguard.megatron")
+
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def snapshot_file(subdir: str, shard: int | None) -> str:
+    """The name of a persisted snapshot in a checkpoint: Megatron's model
+    file or, with a distributed optimizer, the file of ``shard``."""
+    name = ckpt.FILE if shard is None else ckpt.shard_file(shard)
+    return f"{subdir}/{name.removesuffix('.pt')}.safetensors"
+
+
+def _own_file(optimizer: Any) -> str:
+    here = ckpt.parallel_rank_or_world()
+    return snapshot_file(here.subdir, ckpt._shard()[0] if ckpt._distributed(optimizer) else None)
+
+
+# ------------------------------------------------------------------ values
+def _pack(obj: Any, path: tuple, odd: list) -> Any:
+    """``obj`` with every value the ring cannot carry as it is replaced by
+    its ``torch.save`` bytes (their paths appended to ``odd``)."""
+    kind = type(obj)
+    if isinstance(obj, torch.Tensor) or kind in _PLAIN:
+        return obj
+    if kind in (dict, OrderedDict) and all(type(k) in (str, int) for k in obj):
+        return {k: _pack(v, (*path, k), odd) for k, v in obj.items()}
+    if kind in (list, tuple):
+        return kind(_pack(v, (*path, i), odd) for i, v in enumerate(obj))
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    odd.append(list(path))
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(obj: Any, odd: set, path: tuple) -> Any:
+    if path in odd:
+        try:
+            return torch.load(io.BytesIO(obj.cpu().numpy().tobytes()), weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"the value at {'/'.join(map(str, path))} could not be loaded safely: {e}") \
+                from None
+    if isinstance(obj, dict):
+        return {k: _unpack(v, odd, (*path, k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unpack(v, odd, (*path, i)) for i, v in enumerate(obj))
+    return obj
+
+
+def _contents(step: int, model: Any, optimizer: Any, scheduler: Any, history: dict) -> dict:
+    odd: list = []
+    parts = _pack({"rank": ckpt.rank_state(step, model, optimizer, scheduler),
+                   "shard": ckpt.shard_state(optimizer) if ckpt._distributed(optimizer) else None}, (), odd)
+    return {"state": {**parts, "odd": odd}, "history": history}
+
+
+def _parts(state: dict) -> tuple[dict, dict | None]:
+    """(rank state, shard or ``None``) of a snapshot's ``state``."""
+    odd = {tuple(p) for p in state.get("odd", [])}
+    if not odd:
+        return state["rank"], state["shard"]
+    return _unpack(state["rank"], odd, ("rank",)), _unpack(state["shard"], odd, ("shard",))
+
+
+def read_file(path: Any, device: Any = "cpu") -> tuple[dict, dict | None]:
+    """(rank state, shard or ``None``) in a persisted snapshot file.
+
+    Raises:
+        CheckpointError: it is not a readable trainguard snapshot.
+    """
+    return _parts(read_stored_snapshot(path, torch.device(device)))
+
+
+def _all_gather(value: Any) -> list:
+    if not dist.is_initialized():
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+# ------------------------------------------------------------------ ring
+class MegatronSnapshots(Snapshots):
+    """One Megatron rank's snapshots, persisted in Megatron's layout.
+
+    Args:
+        directory: the job's snapshot directory on this node.
+        rank: the global rank.
+        count: slots kept in memory.
+        save_timeout_s: how long a save waits for a slot a persist still
+            holds, and the finaliser for every shard's file.
+    """
+
+    def __init__(self, directory: SnapshotDir, rank: int, *, count: int = 2, save_timeout_s: float = 1800.0) -> None:
+        super().__init__(directory, rank, count=count)
+        self.naming = "megatron"  # Snapshots persists in the torch Guard's naming; these go to iter_0000123/
+        self.save_timeout_s = save_timeout_s
+        self.resumed_from: dict | None = None
+        self.closed = False
+
+    def take_rank(self, step: int, model: Any, optimizer: Any, scheduler: Any, history: dict, *,
+                  wait: bool = False) -> int | None:
+        """Copy the rank's state at ``step`` into a free slot; the slot index,
+        or ``None`` when every slot is being persisted (with ``wait``, after
+        waiting for one up to the save timeout)."""
+        index = self.take(_contents(step, model, optimizer, scheduler, history), step)
+        if index is None and wait:
+            log.warning("rank %d: every snapshot slot is being persisted; waiting for one", self.rank)
+            self.wait(self.save_timeout_s)
+            index = self.take(_contents(step, model, optimizer, scheduler, history), step)
+        return index
+
+    def _take_now(self, step: int, objects: tuple, history: dict) -> int:
+        index = self.take_rank(step, *objects, history, wait=True)
+        if index is None:
+            raise CheckpointError(f"rank {self.rank}: no snapshot slot came free for step {step}")
+        return index
+
+    def write_rank(self, store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any, *,
+                   kind: int, history: dict) -> list[FileInfo]:
+        """The dying-gasp file of this rank (as :func:`~.checkpoint.write_rank`
+        decides who writes what): the payload of the snapshot of ``step``,
+        reused when memory holds it."""
+        if ckpt.parallel_rank_or_world().moe and kind == 0:
+            return []  # the expert savers' files hold the dense state too
+        index = self.holding(step)
+        if index is not None:
+            self.reused.append(step)
+            log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
+        else:
+            index = self._take_now(step, (model, optimizer, scheduler), history)
+        slot = self.slots[index]
+        slot.lock(False, block=True)
+        try:
+            return [store.write_buffer(step, _own_file(optimizer), slot.payload())]
+        finally:
+            slot.unlock()
+
+    def save(self, store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any, *,
+             history: dict) -> None:
+        """A periodic save from memory (every rank calls it): blocks for the
+        snapshot of ``step`` (unless memory holds it) and one all-gather of
+        the savers' file names; the persist workers write it, the first
+        saver's worker finalises once every file is there."""
+        index = self.holding(step)
+        if index is None:
+            index = self._take_now(step, (model, optimizer, scheduler), history)
+        here, rank = ckpt.parallel_rank_or_world(), dist.get_rank() if dist.is_initialized() else 0
+        copies = next((c for c in ckpt.saved_copies(here, optimizer) if c[0] == rank), None)
+        mine = {"copies": copies, "file": _own_file(optimizer)} if copies is not None else None
+        savers = [s for s in _all_gather(mine) if s]
+        if mine is None:
+            return
+        finalize = None
+        if rank == savers[0]["copies"][0]:
+            kind, full = (1 if here.moe else 0), not ckpt._distributed(optimizer)
+            finalize = {"expected": [s["file"] for s in savers], "timeout_s": self.save_timeout_s,
+                        "keep": store.keep,
+                        "layout": {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                                   "shards": [{"kind": kind, "copies": s["copies"], "full": full,
+                                               "saved_by": s["copies"][0], "files": [s["file"]]} for s in savers]},
+                        "meta": {"history": history, "finalised_by": rank}}
+        self.persist(index, step, root=str(store.root), name=mine["file"], finalize=finalize)
+
+    def load(self, store: CheckpointStore, model: Any, optimizer: Any, scheduler: Any, *,
+             device: Any = "cpu") -> tuple[int, dict]:
+        """Load the newest step every rank can load -- from this node's
+        memory where a sealed snapshot of this rank holds it and passes its
+        checksum, else the newest complete checkpoint on storage -- into the
+        objects (a collective). Returns ``(iteration, history)``, ``(0, {})``
+        when there is nothing to load.
+
+        Raises:
+            CheckpointError: the ranks share no step, or it does not fit.
+        """
+        found = store.latest()
+        loaded: dict = {}
+
+        def from_memory(step: int, slot, source: str) -> None:
+            _, held = load_verified(slot, lambda payload: read_payload(payload, device))
+            ckpt.apply(*_parts(held["state"]), model, optimizer, scheduler, where=slot.path)
+            # A dying-gasp checkpoint of the same step knows of the fault that stopped the job.
+            stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
+                else None
+            loaded.update(history=stored or held["history"], source=source, where=slot.path)
+
+        def from_storage() -> int:
+            ckpt.load_found(found, model, optimizer, scheduler, device=device)
+            loaded.update(history=found.manifest.get("meta", {}).get("history", {}), source="storage",
+                          where=found.path)
+            return found.step
+
+        step = resume(self.available(verify=False), found.step if found is not None else None,
+                      gather=_all_gather, agree=lambda ok: all(_all_gather(ok)),
+                      load_memory=from_memory, load_stored=from_storage)
+        if not step:
+            return 0, {}
+        self.resumed_from = {"step": step, "source": loaded["source"]}
+        log.info("rank %d resumed from %s at step %d (%s)", self.rank, loaded["source"], step, loaded["where"])
+        return step, loaded["history"]
+
+    def shutdown(self, wait_s: float) -> None:
+        if not self.closed:
+            self.closed = True
+            super().shutdown(wait_s)
