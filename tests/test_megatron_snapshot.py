@@ -31,6 +31,7 @@ from trainguard.core.snapshot import SnapshotDir, State  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "gpt3" / "train.py"
 CORRUPTING = Path(__file__).resolve().parent / "workers" / "gpt_corrupt_snapshots.py"
+SHARDS = Path(__file__).resolve().parent / "workers" / "megatron_snapshot_shards.py"
 
 
 # ---------------------------------------------------------------- in-process
@@ -187,6 +188,37 @@ def test_snapshot_settings_are_checked(monkeypatch):
         mega.SnapshotConfig.from_env({"TRAINGUARD_SNAPSHOT_EVERY": "often"})
     with pytest.raises(ConfigError, match="must be >= 1"):
         mega.SnapshotConfig.from_env({"TRAINGUARD_SNAPSHOT_EVERY": "1", "TRAINGUARD_SNAPSHOTS_IN_MEMORY": "0"})
+
+
+@pytest.mark.timeout(120)
+def test_sharded_optimizer_and_expert_snapshots_are_saved_once_per_shard_and_load_back(tmp_path):
+    """4 gloo ranks under torchrun, with the CPU stand-in of megatron's
+    distributed optimizer (megatron's own needs CUDA) in 2 instances -- shard
+    0 on ranks 0 and 2, shard 1 on ranks 1 and 3 -- then with experts (EP 2)
+    and a dense optimizer."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+                          str(SHARDS), str(tmp_path)], env=environ, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
+    for r, got in ranks.items():
+        sharded = got["sharded"]
+        # One file per shard, each holding its saver's rank state and shard, written by instance 0.
+        assert sharded["files"] == ["mp_rank_00/distrib_optim_shard_000.safetensors",
+                                    "mp_rank_00/distrib_optim_shard_001.safetensors"], sharded
+        assert sorted((s["copies"], s["saved_by"], s["full"]) for s in sharded["shards"]) == \
+            [([0, 2], 0, False), ([1, 3], 1, False)]
+        assert sharded["restored"] == {"storage": True, "memory": True}, (r, sharded)
+        assert sharded["resumed_from"] == {"step": 5, "source": "memory"}
+        assert sharded["dump"] == [f"mp_rank_00/distrib_optim_shard_{r % 2:03d}.safetensors"], sharded
+        assert sharded["reused"] == [5]
+        moe = got["moe"]
+        assert moe["files"] == ["mp_rank_00_000/model_optim_rng.safetensors",
+                                "mp_rank_00_001/model_optim_rng.safetensors"] and moe["restored"], (r, moe)
+        assert sorted((s["kind"], s["copies"], s["saved_by"]) for s in moe["shards"]) == \
+            [(1, [0, 2], 0), (1, [1, 3], 1)]
+        assert moe["dense_dump"] == [] and moe["expert_dump"] == [f"mp_rank_00_{r % 2:03d}/model_optim_rng.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("trainguard-")], "slots left behind"
 
 
 # ---------------------------------------------------------------- end to end

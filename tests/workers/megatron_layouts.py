@@ -18,6 +18,8 @@ from trainguard.adapters.megatron import checkpoint as ckpt  # noqa: E402
 from trainguard.adapters.megatron import parallel_rank, replica_groups  # noqa: E402
 from trainguard.core import ConfigError  # noqa: E402
 
+from megatron_standins import moe_setup, shard_setup  # noqa: E402
+
 LAYOUTS = {
     "dp4": ({}, {}),
     "tp2": ({"tensor_model_parallel_size": 2}, {}),
@@ -44,29 +46,6 @@ for name, (init, kwargs) in LAYOUTS.items():
     dist.barrier()
 
 
-class DistributedOptimizer:
-    """megatron's DistributedOptimizer as the checkpoint code sees it (its
-    own needs CUDA): an inner torch optimizer over this rank's shard of the
-    main parameters; ``state_dict()`` holds no parameter state."""
-
-    def __init__(self, shard: torch.Tensor) -> None:
-        self.optimizer = torch.optim.AdamW([shard], lr=0.1)
-
-    def state_dict(self) -> dict:
-        return {"optimizer": {"param_groups": [{"lr": 0.1}]}}
-
-
-def shard_setup(value: float) -> tuple:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)  # the same on every rank
-    index = ps.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True)
-    shard = torch.nn.Parameter(torch.arange(6.0) + 100 * index)
-    opt = DistributedOptimizer(shard)
-    shard.grad = torch.full_like(shard, value)
-    opt.optimizer.step()
-    return model, shard, opt
-
-
 ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
 store = ckpt.megatron_store(f"{sys.argv[1]}/ckpt")
 model, shard, opt = shard_setup(1.0)
@@ -87,18 +66,6 @@ ps.destroy_model_parallel()
 ps.initialize_model_parallel(expert_model_parallel_size=2)
 os.environ["TRAINGUARD_CHECKPOINT_DIR"] = f"{sys.argv[1]}/moe-dump"
 from trainguard.compat.mindio_ttp import megatron_ttp as mega  # noqa: E402
-
-
-def moe_setup(seed: int) -> tuple:
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 4)
-    with torch.no_grad():
-        model.weight += ps.get_expert_model_parallel_rank()  # experts differ across expert-parallel ranks
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    return model, opt
-
 
 model, opt = moe_setup(0)
 store = ckpt.megatron_store(f"{sys.argv[1]}/moe-ckpt")
