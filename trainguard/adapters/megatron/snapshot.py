@@ -78,6 +78,8 @@ def _pack(obj: Any, path: tuple, odd: list) -> Any:
 
 
 def _unpack(obj: Any, odd: set, path: tuple) -> Any:
+    if not odd:
+        return obj
     if path in odd:
         try:
             return torch.load(io.BytesIO(obj.cpu().numpy().tobytes()), weights_only=True)
@@ -99,11 +101,16 @@ def _contents(step: int, model: Any, optimizer: Any, scheduler: Any, history: di
 
 
 def _parts(state: dict) -> tuple[dict, dict | None]:
-    """(rank state, shard or ``None``) of a snapshot's ``state``."""
-    odd = {tuple(p) for p in state.get("odd", [])}
-    if not odd:
-        return state["rank"], state["shard"]
-    return _unpack(state["rank"], odd, ("rank",)), _unpack(state["shard"], odd, ("shard",))
+    """(rank state, shard or ``None``) of a snapshot's ``state``.
+
+    Raises:
+        CheckpointError: it is not a Megatron rank's snapshot.
+    """
+    try:
+        odd = {tuple(p) for p in state["odd"]}
+        return _unpack(state["rank"], odd, ("rank",)), _unpack(state["shard"], odd, ("shard",))
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"not a snapshot of a Megatron rank (no {e})") from None
 
 
 def read_file(path: Any, device: Any = "cpu") -> tuple[dict, dict | None]:
