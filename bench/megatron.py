@@ -7,7 +7,11 @@ Side by side in one run, on the same model and machine (2 CPU ranks, gloo):
 * **dying gasp**: rank 1 is SIGKILLed in iteration 4; from the fault (its
   strike time) to the finalised ``iter_0000003`` (its manifest's creation
   time): detection, prelock, rank 0's save of the lost rank's replica,
-  verification, rename and tracker.
+  verification, rename and tracker;
+* **in-place retry**: a device memory error (UCE) on rank 1 in iteration 4,
+  repaired without a restart (``mega.register_recovery_handlers``): from the
+  fault to training resumed (detection + recovery as the job's report
+  records them), with the number of steps lost.
 
 With ``--gpu`` (needs CUDA and writes ``megatron-gpu.json``) the same two
 rows on the GPU with megatron's DDP and trainguard's replicated distributed
@@ -110,6 +114,17 @@ def fault_rows(size: list[str], **how) -> tuple[list[dict], dict]:
                      "checkpoint_MB": dump_bytes / 1e6, "step_s": rep["step_time_s"],
                      "note": "saved by " + ", ".join(f"{s['saved_by']} for {s['copies']}"
                                                      for s in manifest["layout"]["shards"])})
+        rc, log = run(tmp, "retry", size, fault="uce:rank=1,step=3,phase=backward", **how)
+        retried = json.loads((tmp / "retry.json").read_text()) if rc == 0 else {}
+        records = retried.get("recoveries", [])
+        if rc != 0 or [r["strategy"] for r in records] != ["retry"] or \
+                any(len(pids) != 1 for pids in retried["pids"].values()):
+            sys.exit(f"in-place retry run ended with {rc}, recoveries {records}:\n{log[-3000:]}")
+        r = records[0]
+        rows.append({"what": "in-place retry (UCE): fault -> resumed", "seconds": r["detect_s"] + r["recover_s"],
+                     "step_s": retried["step_time_s"],
+                     "note": f"{r['reason']}; detect {r['detect_s']:.3f} s, recover {r['recover_s']:.3f} s, "
+                             f"lost {r['lost_steps']} steps, same processes"})
     return rows, rep
 
 
@@ -126,7 +141,7 @@ def main_gpu(args) -> None:
         rows, overheads = rows + got, overheads + [over]
     size = [f"model.{k}={v}" for k, v in model.items()] + ["micro_batch_size=2"]
     how = {"nproc": GPU_RANKS, "prefix": [ONE_GPU],
-           "extra": ["device=cuda", "backend=gloo", "optimizer=replicated", "replicas=2", "bf16=true"]}
+           "extra": ["device=cuda", "backend=trainguard", "optimizer=replicated", "replicas=2", "bf16=true"]}
     saves, rep = fault_rows(size, **how)
     for r in saves:
         r["what"] = "replicated, bf16: " + r["what"]

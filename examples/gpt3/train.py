@@ -127,6 +127,10 @@ def train(cfg: DictConfig, model, optimizer, opt_param_scheduler, iteration: int
     ttp.ttp_start_processor(master_ip, port)
     ttp.ttp_register_save_ckpt_handler(mega.ttp_save_checkpoint)
     ttp.ttp_register_rename_handler(mega.rename_save_result)
+    if cfg.backend == "trainguard":  # collectives a STOP can release: in-place recovery (UCE, comm faults)
+        mega.register_recovery_handlers()
+    if ttp.tft_get_repair_step() >= 0:  # run again after an in-place recovery: from the step it rolled back to
+        iteration = ttp.tft_get_repair_step()
     ttp.ttp_set_ckpt_args((iteration, model, optimizer, opt_param_scheduler))
 
     dp_group, dp_rank = mpu.get_data_parallel_group(), mpu.get_data_parallel_rank()
@@ -180,6 +184,8 @@ def main(cfg: DictConfig) -> None:
     if cfg.snapshot_every and "TRAINGUARD_SNAPSHOT_EVERY" not in os.environ:
         os.environ["TRAINGUARD_SNAPSHOT_EVERY"] = str(cfg.snapshot_every)
     os.environ["TRAINGUARD_CHECKPOINT_DIR"] = str(checkpoint_dir)
+    if cfg.backend == "trainguard":
+        from trainguard.adapters.torch import backend  # noqa: F401 - registers init_process_group("trainguard")
     dist.init_process_group(cfg.backend)
     p = cfg.parallel
     if cfg.optimizer not in ("torch", "replicated"):

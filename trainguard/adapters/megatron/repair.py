@@ -27,8 +27,8 @@ import torch
 from trainguard.core import CheckpointError, RecoveryError
 from trainguard.core.recovery import CLEAN_FAILED, CLEAN_OK
 
-from ..torch.state import flatten, recv_state, send_state
-from .checkpoint import _chunks, _distributed, _rng_state, _set_rng_state, apply_shard, shard_state
+from ..torch.state import recv_state, send_state
+from .checkpoint import _chunks, _distributed, _mains, _rng_state, _set_rng_state, apply_shard, shard_state
 
 __all__ = ["RngHistory", "clean", "receive_replica", "send_replica"]
 
@@ -57,10 +57,23 @@ def clean(model: Any, optimizer: Any, uce: bool = False) -> int:
         optimizer.zero_grad(set_to_none=True)
     if uce:
         with torch.no_grad():
-            for t in flatten(_state(model, optimizer, None))[1]:
+            for t in _device_state(model, optimizer):
                 t.fill_(float("nan")) if t.is_floating_point() else t.zero_()
         log.warning("the state on this rank's device is discarded: it waits for a replica's copy")
     return CLEAN_OK
+
+
+def _device_state(model: Any, optimizer: Any) -> list[torch.Tensor]:
+    """The tensors themselves (not copies) of the model and optimizer state."""
+    tensors = [t for c in _chunks(model) for t in c.state_dict(keep_vars=True).values() if torch.is_tensor(t)]
+    opts = _distributed(optimizer)
+    if opts:
+        tensors += [p for o in opts for p in _mains(o)]
+        inners = [o.optimizer for o in opts]
+    else:
+        inners = [optimizer] if optimizer is not None else []
+    tensors += [t for inner in inners for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
+    return [t.detach() for t in tensors]
 
 
 def _state(model: Any, optimizer: Any, scheduler: Any) -> dict:

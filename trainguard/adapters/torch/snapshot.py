@@ -85,12 +85,14 @@ class _Staging:
         run = None
         for i in order:
             t, (b, e) = tensors[i], layout.offsets[paths[i]]
-            if e == b:
-                self.host.append(i)  # nothing to copy; its view is a tensor of its own
-            elif not stage(t):
+            if e == b or not stage(t):  # empty (its view is a tensor of its own), or on the host
                 self.host.append(i)
+                if run is not None and run.end == b and e - run.start <= size:
+                    run.end = e  # rides along (an optimizer's step counters sit between its moments):
+                    # the run lands garbage there, which the host copy after the synchronize replaces
             elif e - b > size:
                 self.direct.append(i)
+                run = None
             else:
                 if run is None or run.end != b or e - run.start > size or run.device != t.device:
                     run = _Run(t.device, b, b)
@@ -107,10 +109,10 @@ class _Staging:
                     views.append(buf[b - run.start:e - run.start].view(dtype).view(tensors[i].shape))
             run.staged = buf[:run.end - run.start]
 
-    def copy(self, base: torch.Tensor, data_start: int, views: list[torch.Tensor],
-             tensors: list[torch.Tensor]) -> None:
-        """Copy ``tensors`` into the slot (``base``, its views ``views``);
-        asynchronous for device tensors: synchronize before reading."""
+    def copy_device(self, base: torch.Tensor, data_start: int, views: list[torch.Tensor],
+                    tensors: list[torch.Tensor]) -> None:
+        """Start the device tensors' copies into the slot (``base``, its views
+        ``views``); synchronize before :meth:`copy_host` and before reading."""
         for run in self.runs:  # in stream order: a run's gather waits for the previous run to leave the buffer
             for indices, staged in run.groups.values():
                 torch._foreach_copy_(staged, [tensors[i] for i in indices])
@@ -118,6 +120,9 @@ class _Staging:
         if self.direct:
             torch._foreach_copy_([views[i] for i in self.direct], [tensors[i] for i in self.direct],
                                  non_blocking=True)
+
+    def copy_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        """The host tensors' copies (after the device copies have landed)."""
         if self.host:
             torch._foreach_copy_([views[i] for i in self.host], [tensors[i] for i in self.host])
 
@@ -187,17 +192,21 @@ class Snapshots(SnapshotRing):
             views = self._views.get(index)
             if views is None:
                 views = self._views[index] = self._make_views(payload, layout, paths)
+            staging = None
             with torch.no_grad():
                 if self.staging_bytes and any(self._stage(t) for t in tensors):
                     staging = self._staging
                     if staging is None or staging.key != (id(layout), self.staging_bytes,
                                                           tuple(t.device for t in tensors)):
                         staging = self._staging = _Staging(layout, paths, tensors, self.staging_bytes, self._stage)
-                    staging.copy(torch.frombuffer(payload, dtype=torch.uint8), layout.data_start, views, tensors)
+                    staging.copy_device(torch.frombuffer(payload, dtype=torch.uint8), layout.data_start, views,
+                                        tensors)
                 else:  # one call: a Python-level copy_ per tensor costs more than a small tensor's bytes
                     torch._foreach_copy_(views, tensors, non_blocking=cuda)
-            if cuda:
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
+                if staging is not None:
+                    staging.copy_host(views, tensors)
 
         sig = [(t.dtype, t.shape) for t in tensors]
         if sig != self._sig or paths != self._paths:  # entries only when the structure changed

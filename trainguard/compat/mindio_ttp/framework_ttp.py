@@ -179,13 +179,23 @@ def _blocked_in_collective(thread: int) -> Callable[[], bool]:
     innermost Python frame in c10d's Python API (megatron's and the script's
     collectives alike), so a rank waiting on a hung peer is not taken for
     the hung one: it gets the longer in-collective limit, and the peer
-    names itself first."""
+    names itself first. The trainguard backend's groups wait on a future
+    (``torch.futures`` under ``process_group.py``): its frames count too."""
     tdist = sys.modules.get("torch.distributed")
-    where = os.path.dirname(tdist.__file__) + os.sep if tdist is not None else None
+    where = (os.path.dirname(tdist.__file__) + os.sep,) if tdist is not None else ()
+    pg = sys.modules.get("trainguard.adapters.torch.process_group")
+    if pg is not None:  # the trainguard backend's groups wait on their own future
+        where += (pg.__file__,)
 
     def probe() -> bool:
         frame = sys._current_frames().get(thread)
-        return where is not None and frame is not None and frame.f_code.co_filename.startswith(where)
+        for _ in range(3):  # the wait itself may sit in torch.futures, below the collective
+            if frame is None or not where:
+                return False
+            if frame.f_code.co_filename.startswith(where):
+                return True
+            frame = frame.f_back
+        return False
     return probe
 
 
@@ -296,6 +306,8 @@ def ttp_end_updating_os(step: int) -> None:
     """The update ended; the state is that of ``step`` completed updates."""
     TTP.live().end_update(checked_int("step", step))
     TTP.step = step
+    for hook in TTP.commit_hooks:
+        hook(step)
     markers.step_end()
 
 

@@ -18,6 +18,11 @@
 ``save_checkpoint(iteration, model, optimizer, opt_param_scheduler)``
     A periodic save in the same layout (every rank calls it); asynchronous
     with snapshots on (below).
+``register_recovery_handlers()`` (and the five ``*_callback`` it registers)
+    In-place recovery of a UCE or a communication fault without a restart:
+    stop, clean, rebuild the groups, copy the lost state from a replica,
+    roll back (:mod:`.megatron_recovery`; needs
+    ``init_process_group("trainguard")``).
 ``ReplicatedOptimizer`` / ``replicated_optimizer(config, model_chunks)``
     megatron-core's ``DistributedOptimizer`` kept in ``replica_cnt``
     instances (see :mod:`trainguard.adapters.megatron.optimizer`); the
@@ -70,11 +75,16 @@ from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import FileInfo
 from trainguard.core.snapshot.ring import check_settings, directory_for
 
+from .megatron_recovery import (clean_callback, rebuild_callback, register_recovery_handlers, repair_callback,
+                                rollback_callback, stop_callback)
 from .state import TTP
 
 __all__ = ["ReplicatedOptimizer", "SnapshotConfig", "close_snapshots", "load_checkpoint", "rename_save_result",
            "replicated_optimizer", "save_checkpoint", "snapshot_report",
-           "tft_rename_save_result", "tft_save_checkpoint", "ttp_save_checkpoint"]
+           "tft_rename_save_result", "tft_save_checkpoint", "ttp_save_checkpoint",
+           # in-place recovery (UCE, communication faults): see .megatron_recovery
+           "clean_callback", "rebuild_callback", "register_recovery_handlers", "repair_callback", "rollback_callback",
+           "stop_callback"]
 
 log = logging.getLogger("trainguard.compat.mindio")
 

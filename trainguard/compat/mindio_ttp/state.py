@@ -48,6 +48,8 @@ class _State(JobHistory):
         self.finalizing: tuple | None = None  # (step, shards, history) while the rename handler runs
         self.snapshots: Any = None  # megatron_ttp's in-memory snapshots, when TRAINGUARD_SNAPSHOT_EVERY is set
         self.args_hooks: list[Callable[[Any], None]] = []  # told of each ttp_set_ckpt_args (megatron_ttp's snapshots)
+        self.generation = 0  # of the process groups, as the controller numbers them (set at each rebuild)
+        self.commit_hooks: list[Callable[[int], None]] = []  # told of each committed step (ttp_end_updating_os)
 
     def groups(self) -> tuple[ReplicaGroup, ...]:
         """This rank's replica groups (see the module doc of framework_ttp)."""
