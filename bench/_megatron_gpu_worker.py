@@ -17,6 +17,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
 from omegaconf import OmegaConf
 
 GPT = Path(__file__).resolve().parent.parent / "examples" / "gpt3"
@@ -37,6 +38,8 @@ def main() -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     model = build(cfg, tensor_parallel=1, device="cuda")
     params = sum(p.numel() for p in model.parameters())
+    if bf16:  # as the example (and Megatron-LM) wraps it: bf16 weights, inputs cast on the way in
+        model = Float16Module(model.config, model)
     model = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, num_distributed_optimizer_instances=instances, grad_reduce_in_fp32=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, lr=1e-4, bf16=bf16,

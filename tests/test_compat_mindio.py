@@ -226,3 +226,25 @@ def test_gpt3_recipe_uce_and_comm_fault_are_repaired_in_place_bit_identical(tmp_
         assert ("rank 1 took its state at step 3 from rank 0" in log) is repaired, log[-4000:]
         assert ("the state on this rank's device is discarded" in log) is repaired
         assert not (tmp_path / f"{name}-ckpt" / "latest_checkpointed_iteration.txt").exists()  # nothing dumped
+
+
+def test_a_periodic_save_is_left_out_of_the_hang_watchdog(monkeypatch, tmp_path):
+    """A save of a large model takes many steps' time; the saver must not be
+    taken for hung (seen on an H100: a 200M-parameter save_checkpoint)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    active: list[str] = []
+
+    @contextlib.contextmanager
+    def section(name):
+        active.append(name)
+        yield
+        active.remove(name)
+
+    TTP.processor = SimpleNamespace(watchdog=SimpleNamespace(section=section))
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_DIR", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(ckpt, "save", lambda *a, **k: seen.append(list(active)))
+    mega.save_checkpoint(1, None, None, None)
+    assert seen == [["checkpoint"]] and active == []

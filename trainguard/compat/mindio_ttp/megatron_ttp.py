@@ -59,6 +59,7 @@ memory (:mod:`trainguard.adapters.megatron.snapshot`; the node agent of
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -162,10 +163,13 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     written in the background from the snapshot of ``iteration`` when
     snapshots are on."""
     store, snapshots = ckpt.megatron_store(_directory("save")), _snapshots()
-    if snapshots is not None:
-        snapshots.save(store, iteration, model, optimizer, opt_param_scheduler, history=TTP.merged_history({}))
-    else:
-        ckpt.save(store, iteration, model, optimizer, opt_param_scheduler, history=TTP.merged_history({}))
+    # a save of a large model takes many steps' time: the hang watchdog leaves it out
+    section = TTP.processor.watchdog.section("checkpoint") if TTP.processor is not None else contextlib.nullcontext()
+    with section:
+        if snapshots is not None:
+            snapshots.save(store, iteration, model, optimizer, opt_param_scheduler, history=TTP.merged_history({}))
+        else:
+            ckpt.save(store, iteration, model, optimizer, opt_param_scheduler, history=TTP.merged_history({}))
 
 
 def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, *, device: str = "cpu") -> int:
