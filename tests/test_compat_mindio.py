@@ -248,3 +248,15 @@ def test_a_periodic_save_is_left_out_of_the_hang_watchdog(monkeypatch, tmp_path)
     monkeypatch.setattr(ckpt, "save", lambda *a, **k: seen.append(list(active)))
     mega.save_checkpoint(1, None, None, None)
     assert seen == [["checkpoint"]] and active == []
+
+
+def test_the_trainguard_backend_is_registered_and_checks_its_inner_backend(monkeypatch):
+    import torch.distributed as dist
+
+    from trainguard.adapters.torch import backend
+
+    backend.register()  # idempotent
+    assert dist.Backend.backend_list.count("trainguard") == 1
+    monkeypatch.setenv("TRAINGUARD_INNER_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="TRAINGUARD_INNER_BACKEND='mpi': choose gloo or nccl"):
+        backend._inner()

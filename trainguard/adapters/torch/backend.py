@@ -74,7 +74,7 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> AbortablePr
 
 def register() -> None:
     """Make ``init_process_group("trainguard")`` available (idempotent)."""
-    if NAME.upper() not in dist.Backend.backend_list and NAME not in dist.Backend.backend_list:
+    if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, devices=["cpu", "cuda"])
 
 
