@@ -260,3 +260,10 @@ def test_the_trainguard_backend_is_registered_and_checks_its_inner_backend(monke
     monkeypatch.setenv("TRAINGUARD_INNER_BACKEND", "mpi")
     with pytest.raises(ValueError, match="TRAINGUARD_INNER_BACKEND='mpi': choose gloo or nccl"):
         backend._inner()
+
+
+def test_in_place_repair_of_expert_state_is_refused_before_anything_is_copied():
+    from trainguard.core import RecoveryError
+
+    with pytest.raises(RecoveryError, match="experts \\(MoE\\) is not supported yet"):
+        mega.repair_callback(3, True, [1], [{"src": 3, "dst": 1, "type": 1}], (3, None, None, None))

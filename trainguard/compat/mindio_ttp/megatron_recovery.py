@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from trainguard.adapters.megatron import checkpoint as ckpt
 from trainguard.adapters.megatron import repair
 from trainguard.adapters.torch import backend
 from trainguard.core import RecoveryError
@@ -81,11 +82,13 @@ def repair_callback(step: int, need_rebuild: bool, error_ranks: Sequence[int], r
                     args: Any, ctx: Any = None) -> None:
     """Send this rank's state to the ranks it repairs, or receive its own."""
     iteration, model, optimizer, scheduler = _objects(args)
+    if any(int(i.get("type", 0)) != 0 for i in repair_info) or ckpt.parallel_rank_or_world().moe:
+        # checked before anything is copied: a dense replica holds other experts
+        raise RecoveryError("in-place repair with experts (MoE) is not supported yet; the controller falls back "
+                            "to the next strategy (the dying gasp)")
     rank, world = dist.get_rank(), dist.group.WORLD
     for info in repair_info:
-        src, dst, kind = int(info["src"]), int(info["dst"]), int(info.get("type", 0))
-        if kind != 0:
-            raise RecoveryError(f"repairing a kind {kind} shard (experts) in place is not supported yet")
+        src, dst = int(info["src"]), int(info["dst"])
         if rank == src:
             if iteration != step:  # end_updating_os(step) ran, ttp_set_ckpt_args not yet: same objects
                 log.info("rank %d sends step %d (the checkpoint args still said iteration %d)", rank, step, iteration)
