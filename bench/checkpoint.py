@@ -328,6 +328,7 @@ def gpu_rows(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], d
     saves, dcp_ret, _ = torch_saves(state, reps, tmp)
     shm, root = SnapshotDir.create(job), tmp / f"ckpt-{job}"
     snaps = Snapshots(shm, 0, count=2)
+    snaps.staging_bytes = 64 << 20  # staging on (off by default), then off below: side by side
     blocked, take, flat = [], [], []
     try:
         first = [clock(lambda: snaps.take(state, step)) for step in (1, 2)]

@@ -143,8 +143,7 @@ class MegatronSnapshots(Snapshots):
     """
 
     def __init__(self, directory: SnapshotDir, rank: int, *, count: int = 2, save_timeout_s: float = 1800.0) -> None:
-        super().__init__(directory, rank, count=count)
-        self.naming = "megatron"  # Snapshots persists in the torch Guard's naming; these go to iter_0000123/
+        super().__init__(directory, rank, count=count, naming="megatron")  # persisted as iter_0000123/
         self.save_timeout_s = save_timeout_s
         self.resumed_from: dict | None = None
         self.closed = False
