@@ -262,8 +262,8 @@ def test_the_trainguard_backend_is_registered_and_checks_its_inner_backend(monke
         backend._inner()
 
 
-def test_in_place_repair_of_expert_state_is_refused_before_anything_is_copied():
+def test_in_place_repair_of_expert_state_in_a_job_without_experts_is_refused_before_anything_is_copied():
     from trainguard.core import RecoveryError
 
-    with pytest.raises(RecoveryError, match="experts \\(MoE\\) is not supported yet"):
+    with pytest.raises(RecoveryError, match="cannot repair state of type 1 \\(this job has no experts"):
         mega.repair_callback(3, True, [1], [{"src": 3, "dst": 1, "type": 1}], (3, None, None, None))

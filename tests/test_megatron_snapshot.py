@@ -107,8 +107,8 @@ def test_a_rank_state_round_trips_exactly_through_memory_and_a_persisted_snapsho
     persisted = tmp_path / "ckpt" / "iter_0000004" / "mp_rank_00" / "model_optim_rng.safetensors"
     assert sorted(p.name for p in persisted.parent.iterdir()) == [persisted.name]
 
-    state, shard = read_file(persisted)
-    assert shard is None and _same(state, expected)  # random's state, the extra state, the scheduler: as they were
+    state, shards = read_file(persisted)
+    assert shards == {} and _same(state, expected)  # random's state, the extra state, the scheduler: as they were
 
     # Loaded back from memory, then from storage (the .safetensors), into fresh objects.
     _sealed(ring, 4)
@@ -258,8 +258,8 @@ def test_periodic_saves_are_written_in_the_background_in_megatrons_layout(fault_
         manifest = json.loads((ckpt_dir / f"iter_{step:07d}" / "manifest.json").read_text())
         assert list(manifest["files"]) == ["mp_rank_00/model_optim_rng.safetensors"], manifest
         assert "xxh3" in manifest["files"]["mp_rank_00/model_optim_rng.safetensors"]  # the checksum it was sealed with
-    state, shard = read_file(ckpt_dir / "iter_0000006" / "mp_rank_00" / "model_optim_rng.safetensors")
-    assert shard is None and state["iteration"] == 6
+    state, shards = read_file(ckpt_dir / "iter_0000006" / "mp_rank_00" / "model_optim_rng.safetensors")
+    assert shards == {} and state["iteration"] == 6
     assert state_sha256({"model": state["model"], "optimizer": state["optimizer"]}) == report["final_state_sha256"]
 
 

@@ -45,7 +45,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import trainguard.compat.mindio_ttp.framework_ttp as ttp
 import trainguard.compat.mindio_ttp.megatron_ttp as mega
-from trainguard.adapters.megatron.checkpoint import shard_state
+from trainguard.adapters.megatron.kinds import shard_state
 from trainguard.adapters.torch.state import state_sha256
 from trainguard.compat.mindio_ttp.state import TTP
 from trainguard.core import FaultInjector

@@ -55,12 +55,14 @@ class ParallelRank:
         """Megatron's per-rank checkpoint directory: ``mp_rank_{tp:02d}``,
         then ``_{pp:03d}`` with pipeline parallelism, ``_{ep:03d}`` with
         expert parallelism (as ``megatron.training.checkpointing`` names it)."""
-        name = f"mp_rank_{self.tp:02d}"
-        if self.pp_size > 1:
-            name += f"_{self.pp:03d}"
-        if self.ep_size > 1:
-            name += f"_{self.ep:03d}"
-        return name
+        return f"{self.dense_subdir}_{self.ep:03d}" if self.ep_size > 1 else self.dense_subdir
+
+    @property
+    def dense_subdir(self) -> str:
+        """:attr:`subdir` without the expert-parallel part: where the shards
+        of state that every expert-parallel rank shares are kept (the dense
+        distributed optimizer's, with experts)."""
+        return f"mp_rank_{self.tp:02d}_{self.pp:03d}" if self.pp_size > 1 else f"mp_rank_{self.tp:02d}"
 
     @property
     def moe(self) -> bool:

@@ -2,7 +2,7 @@
 
 After a device memory error (UCE) or a communication fault the job goes on
 without a restart: every rank drops the step it was in (:func:`clean`), a
-rank whose state is lost receives it from a data-parallel replica that
+rank whose state is lost receives it from data-parallel replicas that
 completed the same step (:func:`send_replica` / :func:`receive_replica`),
 and every rank puts back its random-number streams as they were when that
 step was committed (:class:`RngHistory`), so the step is redone exactly as
@@ -14,6 +14,16 @@ main parameters and the inner optimizer's state -- which the replica holds
 because it sits at the same place in another optimizer instance; and the
 grad scaler's state) and the learning-rate scheduler's state. The
 replicas' random streams are their own, so they do not travel.
+
+With experts (MoE) a rank's state comes in two transfers, one per kind
+(:mod:`.kinds`), from different ranks: the dense state from a replica in
+the data-parallel group (which holds other experts), the expert state from
+one in the expert data-parallel group. Each carries only its kind: the
+model entries (expert parameters are megatron's ``allreduce=False`` ones),
+the optimizers of that kind in megatron's chain -- or, for one torch
+optimizer over the whole model, the state of that kind's parameters -- and
+with a distributed optimizer that kind's shard. The scheduler travels with
+the dense state.
 """
 
 from __future__ import annotations
@@ -28,7 +38,9 @@ from trainguard.core import CheckpointError, RecoveryError
 from trainguard.core.recovery import CLEAN_FAILED, CLEAN_OK
 
 from ..torch.state import recv_state, send_state
-from .checkpoint import _chunks, _distributed, _mains, _rng_state, _set_rng_state, apply_shard, shard_state
+from .kinds import DENSE, EXPERT, apply_shard, distributed, expert_keys, is_expert, kind_of, mains, members, \
+    shard_state, sharded_kinds
+from .state import chunks, load_scheduler, rng_state, set_rng_state
 
 __all__ = ["RngHistory", "clean", "receive_replica", "send_replica"]
 
@@ -63,64 +75,135 @@ def clean(model: Any, optimizer: Any, uce: bool = False) -> int:
     return CLEAN_OK
 
 
+def _inner(optimizer: Any) -> list:
+    """The torch optimizers holding the state (megatron's wrap theirs in ``.optimizer``)."""
+    return [getattr(m, "optimizer", m) for m in members(optimizer)]
+
+
 def _device_state(model: Any, optimizer: Any) -> list[torch.Tensor]:
     """The tensors themselves (not copies) of the model and optimizer state."""
-    tensors = [t for c in _chunks(model) for t in c.state_dict(keep_vars=True).values() if torch.is_tensor(t)]
-    opts = _distributed(optimizer)
-    if opts:
-        tensors += [p for o in opts for p in _mains(o)]
-        inners = [o.optimizer for o in opts]
-    else:
-        inners = [optimizer] if optimizer is not None else []
-    tensors += [t for inner in inners for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
+    tensors = [t for c in chunks(model) for t in c.state_dict(keep_vars=True).values() if torch.is_tensor(t)]
+    tensors += [p for o in distributed(optimizer) for p in mains(o)]
+    tensors += [t for inner in _inner(optimizer) for s in inner.state.values() for t in s.values()
+                if torch.is_tensor(t)]
     return [t.detach() for t in tensors]
 
 
-def _state(model: Any, optimizer: Any, scheduler: Any) -> dict:
-    state: dict = {"model": [c.state_dict() for c in _chunks(model)]}
-    if _distributed(optimizer):
-        state["shard"] = shard_state(optimizer)
-        scaler = getattr(optimizer, "grad_scaler", None)
-        if scaler is not None:
-            state["grad_scaler"] = scaler.state_dict()
-    elif optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
-    if scheduler is not None:
+# ------------------------------------------------------------- one kind of a torch optimizer's state
+def _params(optimizer: Any) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _param_states(optimizer: Any, kind: int) -> dict:
+    """The state of ``kind``'s parameters in one torch optimizer (keyed by
+    their index, as ``state_dict`` keys them), and its param groups."""
+    state = optimizer.state_dict()
+    mine = [i for i, p in enumerate(_params(optimizer)) if is_expert(p) == (kind == EXPERT)]
+    return {"indices": mine, "state": {i: state["state"][i] for i in mine if i in state["state"]},
+            "param_groups": state["param_groups"]}
+
+
+def _load_param_states(optimizer: Any, kind: int, got: dict) -> None:
+    state = optimizer.state_dict()
+    mine = [i for i, p in enumerate(_params(optimizer)) if is_expert(p) == (kind == EXPERT)]
+    if got["indices"] != mine:
+        raise RecoveryError(f"the replica's optimizer has parameters {got['indices'][:8]} of this kind, this rank "
+                            f"{mine[:8]}")
+    for i in mine:
+        if i in got["state"]:
+            state["state"][i] = got["state"][i]
+        else:
+            state["state"].pop(i, None)
+    if kind == DENSE:
+        state["param_groups"] = got["param_groups"]
+    optimizer.load_state_dict(state)
+
+
+# ------------------------------------------------------------- transfers
+def _own_keys(chunk: torch.nn.Module, kind: int | None) -> set[str]:
+    keys = set(chunk.state_dict(keep_vars=True))
+    if kind is None:
+        return keys
+    experts = expert_keys(chunk)
+    return experts & keys if kind == EXPERT else keys - experts
+
+
+def _state(model: Any, optimizer: Any, scheduler: Any, kind: int | None) -> dict:
+    """What a transfer carries: the whole state (``kind`` None: no experts)
+    or one kind of it."""
+    state: dict = {"kind": kind, "model": []}
+    for c in chunks(model):
+        own = _own_keys(c, kind)
+        state["model"].append({k: v for k, v in c.state_dict().items() if k in own})
+    sharded = sharded_kinds(optimizer)
+    opts = members(optimizer)
+    if sharded:
+        state["shards"] = [shard_state(optimizer, k) for k in sharded if kind is None or k == kind]
+        state["grad_scalers"] = [o.grad_scaler.state_dict() for o in opts
+                                 if getattr(o, "grad_scaler", None) is not None
+                                 and (kind is None or kind_of(o) == kind)]
+    elif kind is None:
+        state["optimizer"] = optimizer.state_dict() if optimizer is not None else None
+    elif len(opts) > 1 or kind_of(optimizer) is not None:  # megatron's chain: one optimizer per kind
+        state["optimizers"] = [o.state_dict() for o in opts if kind_of(o) == kind]
+    elif optimizer is not None:  # one torch optimizer over both kinds
+        state["param_states"] = _param_states(optimizer, kind)
+    if scheduler is not None and kind in (None, DENSE):
         state["scheduler"] = scheduler.state_dict()
     return state
 
 
 def send_replica(group: Any, dst: int, model: Any, optimizer: Any, scheduler: Any, *,
-                 device: torch.device) -> None:
-    """Send this rank's state to ``dst`` (its number in ``group``)."""
-    send_state(group, _state(model, optimizer, scheduler), dst, device=device)
+                 device: torch.device, kind: int | None = None) -> None:
+    """Send this rank's state to ``dst`` (its number in ``group``): all of
+    it (``kind`` None), or its dense or expert state."""
+    send_state(group, _state(model, optimizer, scheduler, kind), dst, device=device)
 
 
 def receive_replica(group: Any, src: int, model: Any, optimizer: Any, scheduler: Any, *,
-                    device: torch.device) -> None:
-    """Replace this rank's state with the one ``src`` sends.
+                    device: torch.device, kind: int | None = None) -> None:
+    """Replace this rank's state (all of it, or its ``kind``) with the one
+    ``src`` sends.
 
     Raises:
         RecoveryError: the transfer failed its checksum or does not fit
             this rank's model and optimizer.
     """
     got = recv_state(group, src, device=device)
-    chunks = _chunks(model)
+    parts = chunks(model)
     try:
-        if len(got["model"]) != len(chunks):
-            raise RecoveryError(f"rank {src} sent {len(got['model'])} model chunks, this rank has {len(chunks)}")
-        for saved, chunk in zip(got["model"], chunks):
-            chunk.load_state_dict(saved)
-        if "shard" in got:
-            apply_shard(got["shard"], optimizer, f"rank {src}'s copy")
-            if "grad_scaler" in got:
-                optimizer.grad_scaler.load_state_dict(got["grad_scaler"])
-        elif optimizer is not None:
-            optimizer.load_state_dict(got["optimizer"])
-        if scheduler is not None:
-            if hasattr(scheduler, "num_steps"):  # megatron's load_state_dict steps from where it stands, made for a new one
-                scheduler.num_steps = 0
-            scheduler.load_state_dict(got["scheduler"])
+        if got.get("kind") != kind:
+            raise RecoveryError(f"rank {src} sent state of kind {got.get('kind')}, this rank asked for {kind}")
+        if len(got["model"]) != len(parts):
+            raise RecoveryError(f"rank {src} sent {len(got['model'])} model chunks, this rank has {len(parts)}")
+        for saved, chunk in zip(got["model"], parts):
+            own = _own_keys(chunk, kind)
+            if set(saved) != own:
+                raise RecoveryError(f"rank {src} sent model entries {sorted(set(saved) ^ own)[:4]} that this "
+                                    f"rank does not have, or not those it has")
+            chunk.load_state_dict(saved, strict=kind is None)
+        opts = members(optimizer)
+        if "shards" in got:
+            for shard in got["shards"]:
+                apply_shard(shard, optimizer, f"rank {src}'s copy")
+            scalers = [o.grad_scaler for o in opts if getattr(o, "grad_scaler", None) is not None
+                       and (kind is None or kind_of(o) == kind)]
+            for scaler, saved in zip(scalers, got["grad_scalers"]):
+                scaler.load_state_dict(saved)
+        elif "optimizer" in got:
+            if optimizer is not None:
+                optimizer.load_state_dict(got["optimizer"])
+        elif "optimizers" in got:
+            mine = [o for o in opts if kind_of(o) == kind]
+            if len(mine) != len(got["optimizers"]):
+                raise RecoveryError(f"rank {src} sent {len(got['optimizers'])} optimizers, this rank has "
+                                    f"{len(mine)} of that kind")
+            for o, saved in zip(mine, got["optimizers"]):
+                o.load_state_dict(saved)
+        elif "param_states" in got:
+            _load_param_states(optimizer, kind, got["param_states"])
+        if scheduler is not None and "scheduler" in got:
+            load_scheduler(scheduler, got["scheduler"])
     except (KeyError, RuntimeError, ValueError, CheckpointError) as e:
         raise RecoveryError(f"the state rank {src} sent does not fit this rank: {e}") from None
 
@@ -133,7 +216,7 @@ class RngHistory:
         self.states: OrderedDict[int, dict] = OrderedDict()
 
     def commit(self, step: int) -> None:
-        self.states[step] = _rng_state()
+        self.states[step] = rng_state()
         while len(self.states) > self.keep:
             self.states.popitem(last=False)
 
@@ -144,5 +227,5 @@ class RngHistory:
             log.warning("no random-number state kept for step %d (kept: %s): the streams go on from here",
                         step, list(self.states))
             return False
-        _set_rng_state(state)
+        set_rng_state(state)
         return True

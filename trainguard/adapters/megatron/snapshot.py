@@ -3,9 +3,9 @@ asynchronous periodic saves and dying-gasp files that reuse the snapshot.
 :mod:`trainguard.compat.mindio_ttp.megatron_ttp` turns them on.
 
 A snapshot holds what Megatron-LM puts in ``model_optim_rng.pt``
-(:func:`~.checkpoint.rank_state`: model, optimizer, scheduler, RNG states)
+(:func:`~.state.rank_state`: model, optimizer, scheduler, RNG states)
 and, with megatron's distributed optimizer, this rank's shard of the
-parameter state (:func:`~.checkpoint.shard_state`), copied into a slot of
+parameter state of each kind (:func:`~.kinds.shard_state`), copied into a slot of
 the torch adapter's :class:`~trainguard.adapters.torch.snapshot.Snapshots`
 ring: tensors by ``copy_``, containers and JSON scalars in the header (the
 Python ``random`` state is a tuple of ints). Any other value -- a
@@ -18,7 +18,10 @@ takes either).
 Persisted, a snapshot is one safetensors file per saver in Megatron's
 layout: ``iter_0000123/mp_rank_00/model_optim_rng.safetensors``, or with a
 distributed optimizer ``distrib_optim_shard_NNN.safetensors``, one per
-shard, each holding its saver's rank state too.
+shard, each holding its saver's rank state too (with experts:
+``mp_rank_TT_EEE/distrib_optim_shard_NNN_expert_shard_MMM.safetensors``,
+named after the dense and the expert shard it holds; a rank loads its dense
+shard from whichever expert-parallel rank's file holds it, :func:`holding`).
 :func:`~.checkpoint.load_found` reads these and the ``.pt`` files alike.
 """
 
@@ -26,8 +29,9 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -40,24 +44,52 @@ from trainguard.core.snapshot import SnapshotDir
 from trainguard.core.snapshot.ring import load_verified, resume
 
 from . import checkpoint as ckpt
+from .kinds import EXPERT, shard_of, shard_state, sharded_kinds
+from .state import apply, rank_state
 
-__all__ = ["MegatronSnapshots", "read_file", "snapshot_file"]
+__all__ = ["MegatronSnapshots", "holding", "read_file", "snapshot_file"]
 
 log = logging.getLogger("trainguard.megatron")
 
 _PLAIN = (int, float, str, bool, type(None))
 
 
-def snapshot_file(subdir: str, shard: int | None) -> str:
+def snapshot_file(subdir: str, index: dict[int, int]) -> str:
     """The name of a persisted snapshot in a checkpoint: Megatron's model
-    file or, with a distributed optimizer, the file of ``shard``."""
-    name = ckpt.FILE if shard is None else ckpt.shard_file(shard)
-    return f"{subdir}/{name.removesuffix('.pt')}.safetensors"
+    file or, with a distributed optimizer, one named after the shard of
+    each kind it holds (``index``: kind -> shard)."""
+    if not index:
+        return f"{subdir}/{ckpt.FILE.removesuffix('.pt')}.safetensors"
+    parts = [f"{'expert_' if kind == EXPERT else ''}shard_{j:03d}" for kind, j in sorted(index.items())]
+    return f"{subdir}/distrib_optim_{'_'.join(parts)}.safetensors"
+
+
+_NAME = re.compile(r"^(?P<sub>[^/]+)/(?:model_optim_rng|distrib_optim(?:_shard_(?P<dense>\d+))?"
+                   r"(?:_expert_shard_(?P<expert>\d+))?)\.safetensors$")
+
+
+def holding(names: Iterable[str], here: ckpt.ParallelRank, kind: int | None, shard: int | None) -> list[str]:
+    """The persisted snapshots among ``names`` that hold this rank's model
+    state (``kind`` None: any in its directory) or shard ``shard`` of
+    ``kind`` (the dense shards: any expert-parallel rank's)."""
+    out = []
+    for name in sorted(names):
+        m = _NAME.match(name)
+        if m is None:
+            continue
+        sub = m["sub"]
+        if kind is None or kind == EXPERT:
+            fits = sub == here.subdir and (kind is None or m["expert"] is not None and int(m["expert"]) == shard)
+        else:
+            fits = re.fullmatch(re.escape(here.dense_subdir) + r"(_\d{3})?", sub) is not None and \
+                m["dense"] is not None and int(m["dense"]) == shard
+        if fits:
+            out.append(name)
+    return out
 
 
 def _own_file(optimizer: Any) -> str:
-    here = ckpt.parallel_rank_or_world()
-    return snapshot_file(here.subdir, ckpt._shard()[0] if ckpt._distributed(optimizer) else None)
+    return snapshot_file(ckpt.parallel_rank_or_world().subdir, {k: shard_of(k)[0] for k in sharded_kinds(optimizer)})
 
 
 # ------------------------------------------------------------------ values
@@ -95,26 +127,27 @@ def _unpack(obj: Any, odd: set, path: tuple) -> Any:
 
 def _contents(step: int, model: Any, optimizer: Any, scheduler: Any, history: dict) -> dict:
     odd: list = []
-    parts = _pack({"rank": ckpt.rank_state(step, model, optimizer, scheduler),
-                   "shard": ckpt.shard_state(optimizer) if ckpt._distributed(optimizer) else None}, (), odd)
+    parts = _pack({"rank": rank_state(step, model, optimizer, scheduler),
+                   "shards": [shard_state(optimizer, k) for k in sharded_kinds(optimizer)]}, (), odd)
     return {"state": {**parts, "odd": odd}, "history": history}
 
 
-def _parts(state: dict) -> tuple[dict, dict | None]:
-    """(rank state, shard or ``None``) of a snapshot's ``state``.
+def _parts(state: dict) -> tuple[dict, dict[int, dict]]:
+    """(rank state, its shards by kind) of a snapshot's ``state``.
 
     Raises:
         CheckpointError: it is not a Megatron rank's snapshot.
     """
     try:
         odd = {tuple(p) for p in state["odd"]}
-        return _unpack(state["rank"], odd, ("rank",)), _unpack(state["shard"], odd, ("shard",))
+        shards = _unpack(state["shards"], odd, ("shards",))
+        return _unpack(state["rank"], odd, ("rank",)), {s["kind"]: s for s in shards}
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"not a snapshot of a Megatron rank (no {e})") from None
 
 
-def read_file(path: Any, device: Any = "cpu") -> tuple[dict, dict | None]:
-    """(rank state, shard or ``None``) in a persisted snapshot file.
+def read_file(path: Any, device: Any = "cpu") -> tuple[dict, dict[int, dict]]:
+    """(rank state, its shards by kind) in a persisted snapshot file.
 
     Raises:
         CheckpointError: it is not a readable trainguard snapshot.
@@ -147,6 +180,7 @@ class MegatronSnapshots(Snapshots):
         self.save_timeout_s = save_timeout_s
         self.resumed_from: dict | None = None
         self.closed = False
+        self.written: dict[tuple[str, int], FileInfo] = {}  # (root, step) -> the dying-gasp file written
 
     def take_rank(self, step: int, model: Any, optimizer: Any, scheduler: Any, history: dict, *,
                   wait: bool = False) -> int | None:
@@ -170,9 +204,13 @@ class MegatronSnapshots(Snapshots):
                    kind: int, history: dict) -> list[FileInfo]:
         """The dying-gasp file of this rank (as :func:`~.checkpoint.write_rank`
         decides who writes what): the payload of the snapshot of ``step``,
-        reused when memory holds it."""
-        if ckpt.parallel_rank_or_world().moe and kind == 0:
-            return []  # the expert savers' files hold the dense state too
+        reused when memory holds it. A rank saving shards of both kinds
+        writes it once."""
+        if not any(ckpt.writes(ckpt.parallel_rank_or_world(), optimizer, kind)):
+            return []  # with experts and a dense optimizer: the expert savers' files hold the dense state too
+        key = (str(store.root), step)
+        if key in self.written:
+            return [self.written[key]]
         index = self.holding(step)
         if index is not None:
             self.reused.append(step)
@@ -182,9 +220,10 @@ class MegatronSnapshots(Snapshots):
         slot = self.slots[index]
         slot.lock(False, block=True)
         try:
-            return [store.write_buffer(step, _own_file(optimizer), slot.payload())]
+            self.written[key] = store.write_buffer(step, _own_file(optimizer), slot.payload())
         finally:
             slot.unlock()
+        return [self.written[key]]
 
     def save(self, store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any, *,
              history: dict) -> None:
@@ -196,21 +235,20 @@ class MegatronSnapshots(Snapshots):
         if index is None:
             index = self._take_now(step, (model, optimizer, scheduler), history)
         here, rank = ckpt.parallel_rank_or_world(), dist.get_rank() if dist.is_initialized() else 0
-        copies = next((c for c in ckpt.saved_copies(here, optimizer) if c[0] == rank), None)
-        mine = {"copies": copies, "file": _own_file(optimizer)} if copies is not None else None
-        savers = [s for s in _all_gather(mine) if s]
-        if mine is None:
+        sharded = sharded_kinds(optimizer)
+        shards = [{"kind": k, "copies": c, "full": k not in sharded, "saved_by": rank, "files": [_own_file(optimizer)]}
+                  for k, c in ckpt.saved_copies(here, optimizer) if c[0] == rank]
+        everyone = [s for saver in _all_gather(shards) for s in saver]
+        if not shards:
             return
         finalize = None
-        if rank == savers[0]["copies"][0]:
-            kind, full = (1 if here.moe else 0), not ckpt._distributed(optimizer)
-            finalize = {"expected": [s["file"] for s in savers], "timeout_s": self.save_timeout_s,
+        if rank == everyone[0]["saved_by"]:
+            finalize = {"expected": sorted({f for s in everyone for f in s["files"]}), "timeout_s": self.save_timeout_s,
                         "keep": store.keep,
                         "layout": {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                                   "shards": [{"kind": kind, "copies": s["copies"], "full": full,
-                                               "saved_by": s["copies"][0], "files": [s["file"]]} for s in savers]},
+                                   "shards": everyone},
                         "meta": {"history": history, "finalised_by": rank}}
-        self.persist(index, step, root=str(store.root), name=mine["file"], finalize=finalize)
+        self.persist(index, step, root=str(store.root), name=shards[0]["files"][0], finalize=finalize)
 
     def load(self, store: CheckpointStore, model: Any, optimizer: Any, scheduler: Any, *,
              device: Any = "cpu") -> tuple[int, dict]:
@@ -228,7 +266,7 @@ class MegatronSnapshots(Snapshots):
 
         def from_memory(step: int, slot, source: str) -> None:
             _, held = load_verified(slot, lambda payload: read_payload(payload, device))
-            ckpt.apply(*_parts(held["state"]), model, optimizer, scheduler, where=slot.path)
+            apply(*_parts(held["state"]), model, optimizer, scheduler, where=slot.path)
             # A dying-gasp checkpoint of the same step knows of the fault that stopped the job.
             stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
                 else None

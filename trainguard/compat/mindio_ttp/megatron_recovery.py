@@ -80,23 +80,29 @@ def _transfer_device() -> torch.device:
 
 def repair_callback(step: int, need_rebuild: bool, error_ranks: Sequence[int], repair_info: Sequence[dict],
                     args: Any, ctx: Any = None) -> None:
-    """Send this rank's state to the ranks it repairs, or receive its own."""
+    """Send this rank's state to the ranks it repairs, or receive its own:
+    with experts (MoE), the dense and the expert state each from its own
+    replica (``type`` 0 and 1 in ``repair_info``)."""
     iteration, model, optimizer, scheduler = _objects(args)
-    if any(int(i.get("type", 0)) != 0 for i in repair_info) or ckpt.parallel_rank_or_world().moe:
-        # checked before anything is copied: a dense replica holds other experts
-        raise RecoveryError("in-place repair with experts (MoE) is not supported yet; the controller falls back "
-                            "to the next strategy (the dying gasp)")
+    moe = ckpt.parallel_rank_or_world().moe
+    for info in repair_info:  # checked before anything is copied
+        if int(info.get("type", 0)) not in ((0, 1) if moe else (0,)):
+            raise RecoveryError(f"cannot repair state of type {info.get('type')} "
+                                f"({'0: dense, 1: experts' if moe else 'this job has no experts: only 0'})")
     rank, world = dist.get_rank(), dist.group.WORLD
     for info in repair_info:
-        src, dst = int(info["src"]), int(info["dst"])
+        src, dst, kind = int(info["src"]), int(info["dst"]), int(info.get("type", 0))
+        what = ("dense " if kind == 0 else "expert ") + "state" if moe else "state"
         if rank == src:
             if iteration != step:  # end_updating_os(step) ran, ttp_set_ckpt_args not yet: same objects
                 log.info("rank %d sends step %d (the checkpoint args still said iteration %d)", rank, step, iteration)
-            repair.send_replica(world, dst, model, optimizer, scheduler, device=_transfer_device())
-            log.info("rank %d sent its state at step %d to rank %d", rank, step, dst)
+            repair.send_replica(world, dst, model, optimizer, scheduler, device=_transfer_device(),
+                                kind=kind if moe else None)
+            log.info("rank %d sent its %s at step %d to rank %d", rank, what, step, dst)
         elif rank == dst:
-            repair.receive_replica(world, src, model, optimizer, scheduler, device=_transfer_device())
-            log.info("rank %d took its state at step %d from rank %d", rank, step, src)
+            repair.receive_replica(world, src, model, optimizer, scheduler, device=_transfer_device(),
+                                   kind=kind if moe else None)
+            log.info("rank %d took its %s at step %d from rank %d", rank, what, step, src)
 
 
 def rollback_callback(step: int, args: Any, ctx: Any = None) -> None:
