@@ -105,3 +105,43 @@ def test_with_experts_one_copy_per_expert_group_writes_its_ranks_whole_state(lay
         assert got["dense_save"] == []
     assert layouts[0]["moe"]["expert_save"] == ["mp_rank_00_000/model_optim_rng.pt"]
     assert layouts[1]["moe"]["expert_save"] == ["mp_rank_00_001/model_optim_rng.pt"]
+
+
+MOE_SHARDED_FILES = ["mp_rank_00/distrib_optim_shard_000.pt", "mp_rank_00/distrib_optim_shard_001.pt",
+                     "mp_rank_00_000/distrib_optim_expert_shard_000.pt", "mp_rank_00_000/model_optim_rng.pt",
+                     "mp_rank_00_001/distrib_optim_expert_shard_000.pt", "mp_rank_00_001/model_optim_rng.pt"]
+
+
+def test_with_experts_and_a_distributed_optimizer_each_kinds_shards_are_saved_once_and_load_back(layouts):
+    """EP 2 and 2 optimizer instances (megatron's chain of a dense and an
+    expert DistributedOptimizer): dense shard j on ranks [j, j+2], saved once
+    under ``mp_rank_00`` (every expert-parallel rank shares it); each
+    expert-parallel rank's expert shard and model file under its
+    ``mp_rank_00_EEE``. Every rank gets its own model, dense shard and
+    expert shard back, and a dying-gasp save of either kind writes only that
+    kind's files."""
+    for r in range(4):
+        got = layouts[r]["moe_sharded"]
+        assert got["step"] == 5 and got["model_restored"], (r, got)
+        assert got["restored"] == ["dense.exp_avg", "dense.exp_avg_sq", "dense.main", "dense.step",
+                                   "expert.exp_avg", "expert.exp_avg_sq", "expert.main", "expert.step"], (r, got)
+        assert got["files"] == MOE_SHARDED_FILES
+        assert sorted((s["kind"], s["copies"], s["saved_by"], s["full"]) for s in got["shards"]) == [
+            (0, [0, 2], 0, False), (0, [1, 3], 1, False), (1, [0, 2], 0, False), (1, [1, 3], 1, False)]
+        ep = r % 2
+        assert got["dense_save"] == [f"mp_rank_00/distrib_optim_shard_{r % 2:03d}.pt"]
+        assert got["expert_save"] == [f"mp_rank_00_{ep:03d}/model_optim_rng.pt",
+                                      f"mp_rank_00_{ep:03d}/distrib_optim_expert_shard_000.pt"]
+
+
+def test_in_place_repair_with_experts_carries_each_kind_in_its_own_transfer(layouts):
+    """Rank 1's state (other values everywhere) repaired from rank 3: the
+    dense transfer brings the dense parameters and dense shard and leaves
+    the experts alone; the expert transfer then brings the rest."""
+    got = layouts[1]["moe_repair"]
+    assert set(got["dense_model"]) == {"dense.bias", "dense.weight"}, got
+    assert set(got["dense_state"]) - {"expert.step"} == {"dense.exp_avg", "dense.exp_avg_sq", "dense.main",
+                                                         "dense.step"}, got  # (Adam's step count is 1 either way)
+    assert got["model"] == ["dense.bias", "dense.weight", "expert.bias", "expert.weight"], got
+    assert got["state"] == ["dense.exp_avg", "dense.exp_avg_sq", "dense.main", "dense.step", "expert.exp_avg",
+                            "expert.exp_avg_sq", "expert.main", "expert.step"], got

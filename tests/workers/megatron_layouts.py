@@ -18,7 +18,7 @@ from trainguard.adapters.megatron import checkpoint as ckpt  # noqa: E402
 from trainguard.adapters.megatron import parallel_rank, replica_groups  # noqa: E402
 from trainguard.core import ConfigError  # noqa: E402
 
-from megatron_standins import moe_setup, shard_setup  # noqa: E402
+from megatron_standins import moe_setup, moe_shard_setup, shard_setup, shard_values  # noqa: E402
 
 LAYOUTS = {
     "dp4": ({}, {}),
@@ -80,6 +80,46 @@ out["moe"] = {"step": step, "files": sorted(found.manifest["files"]), "shards": 
               "dense_save": [f.name for f in mega.ttp_save_checkpoint(dist.get_rank(), 9, here.dp_cp_ranks, args)],
               "expert_save": [f.name for f in mega.ttp_save_checkpoint(dist.get_rank(), 9, here.expert_dp_ranks,
                                                                         args)] if dist.get_rank() < 2 else None}
+ps.destroy_model_parallel()
+
+# Experts (EP 2) with megatron's distributed optimizer in 2 instances: a dense
+# and an expert optimizer, each sharded across its own group.
+ps.initialize_model_parallel(expert_model_parallel_size=2, num_distributed_optimizer_instances=2)
+from trainguard.adapters.megatron import repair  # noqa: E402
+
+rank = dist.get_rank()
+store = ckpt.megatron_store(f"{sys.argv[1]}/moe-sharded")
+model, shards, opt = moe_shard_setup(1.0)
+saved, saved_model = shard_values(shards, opt), {k: v.clone() for k, v in model.state_dict().items()}
+ckpt.save(store, 5, model, opt, None)
+found = store.latest()
+model2, shards2, opt2 = moe_shard_setup(-3.0)
+step, _ = ckpt.load(store, model2, opt2, None)
+back = shard_values(shards2, opt2)
+dump = ckpt.megatron_store(f"{sys.argv[1]}/moe-sharded-dump")
+out["moe_sharded"] = {
+    "step": step, "files": sorted(found.manifest["files"]), "shards": found.manifest["layout"]["shards"],
+    "restored": sorted(k for k in saved if torch.equal(saved[k], back[k])),
+    "model_restored": all(torch.equal(saved_model[k], v) for k, v in model2.state_dict().items()),
+    "dense_save": [f.name for f in ckpt.write_rank(dump, 9, model, opt, None, kind=0)],
+    "expert_save": [f.name for f in ckpt.write_rank(dump, 9, model, opt, None, kind=1)]}
+
+# In-place repair of rank 1 from rank 3 (the other copy of its dense shard 1
+# and of its expert shard 0): one transfer per kind, each carrying only its kind.
+model3, shards3, opt3 = moe_shard_setup(-7.0)
+if rank == 3:
+    for kind in (0, 1):
+        repair.send_replica(dist.group.WORLD, 1, model, opt, None, device=torch.device("cpu"), kind=kind)
+elif rank == 1:
+    expected, expected_model = saved, saved_model
+    repair.receive_replica(dist.group.WORLD, 3, model3, opt3, None, device=torch.device("cpu"), kind=0)
+    after_dense = shard_values(shards3, opt3)
+    dense_only = {"dense_state": sorted(k for k in expected if torch.equal(expected[k], after_dense[k])),
+                  "dense_model": sorted(k for k, v in model3.state_dict().items() if torch.equal(expected_model[k], v))}
+    repair.receive_replica(dist.group.WORLD, 3, model3, opt3, None, device=torch.device("cpu"), kind=1)
+    after = shard_values(shards3, opt3)
+    out["moe_repair"] = {**dense_only, "state": sorted(k for k in expected if torch.equal(expected[k], after[k])),
+                         "model": sorted(k for k, v in model3.state_dict().items() if torch.equal(expected_model[k], v))}
 ps.destroy_model_parallel()
 with open(f"{sys.argv[1]}/rank{dist.get_rank()}.json", "w") as f:
     json.dump(out, f)

@@ -96,14 +96,15 @@ def writes(here: ParallelRank, optimizer: Any, kind: int) -> tuple[bool, bool]:
 
 
 def write_rank(store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any, *,
-               kind: int = DENSE) -> list[FileInfo]:
+               kind: int = DENSE, rng: dict | None = None) -> list[FileInfo]:
     """Write this rank's files of ``step`` under the temporary name, as the
     saver of a ``kind`` shard (0: dense, 1: experts; see the module's
-    description for who writes what)."""
+    description for who writes what). ``rng``: the random streams at
+    ``step`` (a dying gasp runs after the next step has drawn from them)."""
     here, files = parallel_rank_or_world(), []
     with_model, with_shard = writes(here, optimizer, kind)
     if with_model:
-        state = rank_state(step, model, optimizer, scheduler)
+        state = rank_state(step, model, optimizer, scheduler, rng=rng)
         files.append(store.write(step, f"{here.subdir}/{FILE}", lambda f: torch.save(state, f)))
     if with_shard:
         shard = shard_state(optimizer, kind)

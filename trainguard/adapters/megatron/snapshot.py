@@ -125,9 +125,9 @@ def _unpack(obj: Any, odd: set, path: tuple) -> Any:
     return obj
 
 
-def _contents(step: int, model: Any, optimizer: Any, scheduler: Any, history: dict) -> dict:
+def _contents(step: int, model: Any, optimizer: Any, scheduler: Any, history: dict, rng: dict | None = None) -> dict:
     odd: list = []
-    parts = _pack({"rank": rank_state(step, model, optimizer, scheduler),
+    parts = _pack({"rank": rank_state(step, model, optimizer, scheduler, rng=rng),
                    "shards": [shard_state(optimizer, k) for k in sharded_kinds(optimizer)]}, (), odd)
     return {"state": {**parts, "odd": odd}, "history": history}
 
@@ -183,25 +183,25 @@ class MegatronSnapshots(Snapshots):
         self.written: dict[tuple[str, int], FileInfo] = {}  # (root, step) -> the dying-gasp file written
 
     def take_rank(self, step: int, model: Any, optimizer: Any, scheduler: Any, history: dict, *,
-                  wait: bool = False) -> int | None:
+                  wait: bool = False, rng: dict | None = None) -> int | None:
         """Copy the rank's state at ``step`` into a free slot; the slot index,
         or ``None`` when every slot is being persisted (with ``wait``, after
         waiting for one up to the save timeout)."""
-        index = self.take(_contents(step, model, optimizer, scheduler, history), step)
+        index = self.take(_contents(step, model, optimizer, scheduler, history, rng), step)
         if index is None and wait:
             log.warning("rank %d: every snapshot slot is being persisted; waiting for one", self.rank)
             self.wait(self.save_timeout_s)
-            index = self.take(_contents(step, model, optimizer, scheduler, history), step)
+            index = self.take(_contents(step, model, optimizer, scheduler, history, rng), step)
         return index
 
-    def _take_now(self, step: int, objects: tuple, history: dict) -> int:
-        index = self.take_rank(step, *objects, history, wait=True)
+    def _take_now(self, step: int, objects: tuple, history: dict, rng: dict | None = None) -> int:
+        index = self.take_rank(step, *objects, history, wait=True, rng=rng)
         if index is None:
             raise CheckpointError(f"rank {self.rank}: no snapshot slot came free for step {step}")
         return index
 
     def write_rank(self, store: CheckpointStore, step: int, model: Any, optimizer: Any, scheduler: Any, *,
-                   kind: int, history: dict) -> list[FileInfo]:
+                   kind: int, history: dict, rng: dict | None = None) -> list[FileInfo]:
         """The dying-gasp file of this rank (as :func:`~.checkpoint.write_rank`
         decides who writes what): the payload of the snapshot of ``step``,
         reused when memory holds it. A rank saving shards of both kinds
@@ -216,7 +216,7 @@ class MegatronSnapshots(Snapshots):
             self.reused.append(step)
             log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
         else:
-            index = self._take_now(step, (model, optimizer, scheduler), history)
+            index = self._take_now(step, (model, optimizer, scheduler), history, rng)
         slot = self.slots[index]
         slot.lock(False, block=True)
         try:

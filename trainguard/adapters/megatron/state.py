@@ -56,8 +56,10 @@ def set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states({k: cpu(v) for k, v in state["rng_tracker_states"].items()})
 
 
-def rank_state(iteration: int, model: Any, optimizer: Any, scheduler: Any) -> dict:
-    """What Megatron-LM's ``save_checkpoint`` puts in ``model_optim_rng.pt``."""
+def rank_state(iteration: int, model: Any, optimizer: Any, scheduler: Any, *, rng: dict | None = None) -> dict:
+    """What Megatron-LM's ``save_checkpoint`` puts in ``model_optim_rng.pt``;
+    ``rng``: the random streams as they were at ``iteration`` (default:
+    as they are now)."""
     parts = chunks(model)
     state: dict = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION}
     if len(parts) == 1:
@@ -68,7 +70,7 @@ def rank_state(iteration: int, model: Any, optimizer: Any, scheduler: Any) -> di
         state["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
-    state["rng_state"] = [rng_state()]
+    state["rng_state"] = [rng if rng is not None else rng_state()]
     return state
 
 

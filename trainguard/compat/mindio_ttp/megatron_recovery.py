@@ -35,8 +35,8 @@ from trainguard.core import RecoveryError
 from . import framework_ttp as ttp
 from .state import TTP
 
-__all__ = ["clean_callback", "rebuild_callback", "register_recovery_handlers", "repair_callback",
-           "rollback_callback", "stop_callback"]
+__all__ = ["clean_callback", "committed_rng", "rebuild_callback", "register_recovery_handlers", "repair_callback",
+           "rollback_callback", "stop_callback", "track_rng"]
 
 log = logging.getLogger("trainguard.compat.mindio")
 
@@ -111,6 +111,18 @@ def rollback_callback(step: int, args: Any, ctx: Any = None) -> None:
     _rng.restore(step)
 
 
+def track_rng() -> None:
+    """Keep the random streams of the last committed steps (for a rollback,
+    and for a dying gasp, which saves those of the locked step)."""
+    if _rng.commit not in TTP.commit_hooks:
+        TTP.commit_hooks.append(_rng.commit)
+
+
+def committed_rng(step: int) -> dict | None:
+    """The random streams when ``step`` was committed, if kept."""
+    return _rng.states.get(step)
+
+
 def register_recovery_handlers() -> None:
     """Register the five handlers and keep each committed step's random streams."""
     ttp.tft_register_stop_handler(stop_callback)
@@ -118,5 +130,4 @@ def register_recovery_handlers() -> None:
     ttp.tft_register_rebuild_group_handler(rebuild_callback)
     ttp.tft_register_repair_handler(repair_callback)
     ttp.tft_register_rollback_handler(rollback_callback)
-    if _rng.commit not in TTP.commit_hooks:
-        TTP.commit_hooks.append(_rng.commit)
+    track_rng()

@@ -76,8 +76,8 @@ from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import FileInfo
 from trainguard.core.snapshot.ring import check_settings, directory_for
 
-from .megatron_recovery import (clean_callback, rebuild_callback, register_recovery_handlers, repair_callback,
-                                rollback_callback, stop_callback)
+from .megatron_recovery import (clean_callback, committed_rng, rebuild_callback, register_recovery_handlers,
+                                repair_callback, rollback_callback, stop_callback, track_rng)
 from .state import TTP
 
 __all__ = ["ReplicatedOptimizer", "SnapshotConfig", "close_snapshots", "load_checkpoint", "rename_save_result",
@@ -127,11 +127,16 @@ def ttp_save_checkpoint(save_rank: int, step: int, rank_list: Sequence[int], arg
         here = ckpt.parallel_rank_or_world()
         kind = 1 if here.moe and set(rank_list) <= set(here.expert_dp_ranks) and \
             set(rank_list) != set(here.dp_cp_ranks) else 0
+    # the survivors may have drawn from their random streams in the step after: save those of the locked step
+    rng = committed_rng(step)
+    if rng is None:
+        log.warning("rank %d: no random-number state kept for step %d; the checkpoint holds the current one",
+                    save_rank, step)
     store, snapshots = ckpt.megatron_store(_directory("save")), _snapshots()
     if snapshots is not None:
         return snapshots.write_rank(store, step, model, optimizer, scheduler, kind=kind,
-                                    history=TTP.merged_history({}))
-    return ckpt.write_rank(store, step, model, optimizer, scheduler, kind=kind)
+                                    history=TTP.merged_history({}), rng=rng)
+    return ckpt.write_rank(store, step, model, optimizer, scheduler, kind=kind, rng=rng)
 
 
 def rename_save_result(args: Any) -> None:
@@ -175,6 +180,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
 def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, *, device: str = "cpu") -> int:
     """Load the newest complete checkpoint -- with snapshots on, from this
     node's memory where every rank can -- and return its iteration (0: none)."""
+    track_rng()
     store, snapshots = ckpt.megatron_store(_directory("load")), _snapshots()
     if snapshots is not None:
         iteration, history = snapshots.load(store, model, optimizer, opt_param_scheduler, device=device)
