@@ -195,7 +195,7 @@ def test_sharded_optimizer_and_expert_snapshots_are_saved_once_per_shard_and_loa
     """4 gloo ranks under torchrun, with the CPU stand-in of megatron's
     distributed optimizer (megatron's own needs CUDA) in 2 instances -- shard
     0 on ranks 0 and 2, shard 1 on ranks 1 and 3 -- then with experts (EP 2)
-    and a dense optimizer."""
+    and a dense optimizer, then with experts and the distributed optimizer."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
                           str(SHARDS), str(tmp_path)], env=environ, capture_output=True, text=True, timeout=100)
@@ -218,6 +218,17 @@ def test_sharded_optimizer_and_expert_snapshots_are_saved_once_per_shard_and_loa
         assert sorted((s["kind"], s["copies"], s["saved_by"]) for s in moe["shards"]) == \
             [(1, [0, 2], 0), (1, [1, 3], 1)]
         assert moe["dense_dump"] == [] and moe["expert_dump"] == [f"mp_rank_00_{r % 2:03d}/model_optim_rng.safetensors"]
+        both = got["moe_sharded"]
+        # Experts with the distributed optimizer: the savers are ranks 0 and 1 (dense shards 0 and 1, and
+        # each expert-parallel rank's expert shard 0), one file each, named after the shards it holds.
+        assert both["files"] == ["mp_rank_00_000/distrib_optim_shard_000_expert_shard_000.safetensors",
+                                 "mp_rank_00_001/distrib_optim_shard_001_expert_shard_000.safetensors"], both
+        assert sorted((s["kind"], s["copies"], s["saved_by"], s["full"]) for s in both["shards"]) == [
+            (0, [0, 2], 0, False), (0, [1, 3], 1, False), (1, [0, 2], 0, False), (1, [1, 3], 1, False)]
+        assert both["restored"] == {"storage": True, "memory": True}, (r, both)
+        # a rank saving both kinds in a dying gasp writes its file once
+        own = f"mp_rank_00_{r % 2:03d}/distrib_optim_shard_{r % 2:03d}_expert_shard_000.safetensors"
+        assert both["dump"] == [own, own], both
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("trainguard-")], "slots left behind"
 
 

@@ -18,7 +18,7 @@ from trainguard.adapters.megatron import checkpoint as ckpt  # noqa: E402
 from trainguard.adapters.megatron.snapshot import MegatronSnapshots  # noqa: E402
 from trainguard.core.snapshot import SnapshotDir, State  # noqa: E402
 
-from megatron_standins import moe_setup, shard_setup  # noqa: E402
+from megatron_standins import moe_setup, moe_shard_setup, shard_setup, shard_values  # noqa: E402
 
 root = sys.argv[1]
 dist.init_process_group("gloo")
@@ -74,6 +74,29 @@ out["moe"] = {"files": sorted(found.manifest["files"]), "shards": found.manifest
               "restored": step == 7 and all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())),
               "dense_dump": [f.name for f in snapshots.write_rank(dump, 7, model, opt, None, kind=0, history={})],
               "expert_dump": [f.name for f in snapshots.write_rank(dump, 7, model, opt, None, kind=1, history={})]}
+ps.destroy_model_parallel()
+
+# Experts (EP 2) and the distributed optimizer in 2 instances: each saver's
+# file holds its dense and its expert shard; a rank finds its dense shard
+# in whichever file holds it.
+ps.initialize_model_parallel(expert_model_parallel_size=2, num_distributed_optimizer_instances=2)
+store = ckpt.megatron_store(f"{root}/moe-sharded")
+model, shards, opt = moe_shard_setup(1.0)
+saved, saved_model = shard_values(shards, opt), {k: v.clone() for k, v in model.state_dict().items()}
+saved_and_sealed(store, 6, model, opt)
+found = store.latest()
+restored = {}
+for source in ("storage", "memory"):
+    model2, shards2, opt2 = moe_shard_setup(-3.0)
+    step, _ = ckpt.load(store, model2, opt2, None) if source == "storage" else snapshots.load(store, model2, opt2, None)
+    back = shard_values(shards2, opt2)
+    restored[source] = step == 6 and all(torch.equal(saved[k], back[k]) for k in saved) and \
+        all(torch.equal(saved_model[k], v) for k, v in model2.state_dict().items())
+dump = ckpt.megatron_store(f"{root}/moe-sharded-dump")
+out["moe_sharded"] = {"files": sorted(found.manifest["files"]), "shards": found.manifest["layout"]["shards"],
+                      "restored": restored,
+                      "dump": [f.name for kind in (0, 1)
+                               for f in snapshots.write_rank(dump, 6, model, opt, None, kind=kind, history={})]}
 ps.destroy_model_parallel()
 snapshots.shutdown(0)
 directory.remove()
