@@ -145,3 +145,17 @@ def test_in_place_repair_with_experts_carries_each_kind_in_its_own_transfer(layo
     assert got["model"] == ["dense.bias", "dense.weight", "expert.bias", "expert.weight"], got
     assert got["state"] == ["dense.exp_avg", "dense.exp_avg_sq", "dense.main", "dense.step", "expert.exp_avg",
                             "expert.exp_avg_sq", "expert.main", "expert.step"], got
+
+
+def test_the_expert_state_of_megatrons_own_moe_gpt_is_told_apart(layouts):
+    """megatron-core's GPT with 4 experts over EP 2 (2 local experts per
+    rank): exactly the local experts' entries, their ``_extra_state`` too,
+    are expert state; the router, attention and norms are dense."""
+    for r in range(4):
+        got = layouts[r]["moe_gpt_keys"]
+        assert got["expert"] and all(".mlp.experts.local_experts." in k for k in got["expert"]), got
+        assert not any(".mlp.experts." in k for k in got["dense"]), got
+        assert {"decoder.layers.0.mlp.router.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
+                "embedding.word_embeddings.weight"} <= set(got["dense"])
+        assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2._extra_state" in got["expert"]
+        assert len(got["expert"]) == 12  # 2 local experts x 2 linears x (weight, bias, extra state)

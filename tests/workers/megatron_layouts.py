@@ -121,6 +121,25 @@ elif rank == 1:
     out["moe_repair"] = {**dense_only, "state": sorted(k for k in expected if torch.equal(expected[k], after[k])),
                          "model": sorted(k for k, v in model3.state_dict().items() if torch.equal(expected_model[k], v))}
 ps.destroy_model_parallel()
+
+# megatron-core's own GPT with MoE layers (EP 2; built on CPU, its token
+# dispatchers run only on CUDA): which state_dict entries are expert state.
+ps.initialize_model_parallel(expert_model_parallel_size=2)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from trainguard.adapters.megatron.kinds import expert_keys  # noqa: E402
+
+config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                           use_cpu_initialization=True, num_moe_experts=4, expert_model_parallel_size=2,
+                           moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
+               vocab_size=64, max_sequence_length=8)
+experts = expert_keys(gpt)
+out["moe_gpt_keys"] = {"expert": sorted(k for k in gpt.state_dict() if k in experts),
+                       "dense": sorted(k for k in gpt.state_dict() if k not in experts)}
+ps.destroy_model_parallel()
 with open(f"{sys.argv[1]}/rank{dist.get_rank()}.json", "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()
