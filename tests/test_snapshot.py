@@ -111,6 +111,36 @@ def test_snapshot_round_trip_persist_and_safetensors(shm, tmp_path):
         snaps.close()
 
 
+def test_a_persist_of_a_slot_being_sealed_takes_the_seal_threads_checksum(shm, tmp_path, monkeypatch):
+    """The worker seals on a second thread; a persist of the slot meanwhile
+    writes the file and records the checksum that seal computes (not a
+    second pass), or seals the slot itself when that seal could not."""
+    import dataclasses
+    from concurrent.futures import Future
+
+    from trainguard.core.snapshot import persist as worker
+
+    snaps = Snapshots(shm, 0, count=1)
+    monkeypatch.setattr(snaps.worker, "submit", lambda op, **kw: 0)  # no worker: the slot stays unsealed
+    try:
+        index = snaps.take(_state(4), 4)
+        slot = snaps.slots[index]
+        assert slot.info().state is State.COMPLETE
+        req = {"slot": str(slot.path), "step": 4, "root": str(tmp_path / "ckpt"), "naming": "torch",
+               "name": "shard_k0_r0.safetensors"}
+        in_flight: Future = Future()
+        in_flight.set_result(dataclasses.replace(slot.info(), checksum=12345))  # what the seal thread found
+        assert worker._persist(req, os.getpid(), in_flight)["file"][3] == 12345
+        assert slot.info().state is State.COMPLETE  # nothing hashed again
+
+        failed: Future = Future()
+        failed.set_result(None)  # the seal thread could not seal it
+        got = worker._persist({**req, "step": 4}, os.getpid(), failed)["file"][3]
+        assert slot.info().state is State.SEALED and got == slot.info().checksum
+    finally:
+        snaps.close()
+
+
 def test_staged_copies_gather_small_tensors_and_read_back_exactly(shm):
     """The staging path (taken by CUDA tensors; forced here on the host):
     runs of small tensors gathered by dtype, a tensor larger than the buffer

@@ -258,30 +258,32 @@ class CheckpointStore:
             raise _io_error(f"writing {path}", e) from None
         return FileInfo(name, len(view), digest.hexdigest())
 
-    def copy_file(self, step: int, name: str, fd: int, offset: int, size: int, xxh3: int | None) -> FileInfo:
-        """Copy ``size`` bytes at ``offset`` of the open file ``fd`` (a sealed
-        snapshot slot) into one file of ``step``'s checkpoint, kernel to
-        kernel (``sendfile``), recording the checksum the slot was sealed with:
-        nothing is read into this process or hashed again. Every load checks
-        the file against it. A half-written file is removed.
+    def copy_file(self, step: int, name: str, data: memoryview, xxh3: int | None) -> FileInfo:
+        """Write ``data`` (a sealed snapshot slot's payload, mapped) as one
+        file of ``step``'s checkpoint, recording the checksum the slot was
+        sealed with: nothing is hashed again. Every load checks the file
+        against it. A half-written file is removed. (``write`` from the
+        mapping in 8 MiB chunks: ``sendfile`` from tmpfs measured 15% slower
+        on ext4.)
 
         Raises:
             CheckpointError: the file could not be written (disk full, ...).
         """
         path = self._file(step, name)
+        view = memoryview(data).cast("B")
         try:
             with open(path, "wb", buffering=0) as out:
-                done = 0
-                while done < size:
-                    sent = os.sendfile(out.fileno(), fd, offset + done, size - done)
-                    if sent == 0:
-                        raise OSError(errno.EIO, f"source ended {size - done} bytes short")
-                    done += sent
+                for pos in range(0, len(view), _CHUNK):
+                    chunk = view[pos:pos + _CHUNK]
+                    while chunk:
+                        chunk = chunk[out.write(chunk):]
                 os.fsync(out.fileno())
         except OSError as e:
             path.unlink(missing_ok=True)
             raise _io_error(f"writing {path}", e) from None
-        return FileInfo(name, size, "", xxh3)
+        finally:
+            view.release()
+        return FileInfo(name, len(data), "", xxh3)
 
     def write_path(self, step: int, name: str, write: Callable[[Path], None]) -> FileInfo:
         """Like :meth:`write`, for writers that take a path (a framework's own

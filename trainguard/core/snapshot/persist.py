@@ -9,8 +9,7 @@ replies on its stdout (:class:`PersistWorker` is that side). Requests:
   peer node's agent when one is named); a seal of a slot the trainer has
   written again since is dropped. Seals asked before the trainer died are
   still done: a restarted trainer loads sealed snapshots only.
-* ``persist``: copy a slot's payload (``sendfile``, kernel to kernel) as
-  one file of a checkpoint's temporary directory, with the checksum it was
+* ``persist``: write a slot's payload (from its mapping) as one file of a checkpoint's temporary directory, with the checksum it was
   sealed with, and leave a record of it there; the
   finalising rank's worker then waits until every expected file's record
   is there and finalises (manifest, rename, tracker last).
@@ -33,13 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ..api import CheckpointError
 from ..checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo
-from .segment import PAGE, Slot, State
+from .segment import Slot, State
 
 __all__ = ["PersistWorker"]
 
@@ -56,7 +55,10 @@ def _record_path(tmp: Path, name: str) -> Path:
     return tmp / RECORDS / (name.replace("/", "__") + ".json")
 
 
-def _persist(req: dict, parent: int) -> dict:
+def _persist(req: dict, parent: int, sealing: Future | None = None) -> dict:
+    """Write the slot's payload as a checkpoint file; ``sealing``: the seal of
+    that slot already under way on the seal thread (its checksum is taken
+    instead of hashing again)."""
     store = CheckpointStore(req["root"], NAMINGS[req["naming"]], keep=req.get("keep", 0))
     step, name = req["step"], req["name"]
     slot = Slot(Path(req["slot"]))
@@ -65,15 +67,24 @@ def _persist(req: dict, parent: int) -> dict:
         info = slot.info()
         if info is None or info.step != step or info.state not in (State.COMPLETE, State.SEALED):
             raise CheckpointError(f"slot {slot.path.name} no longer holds step {step}")
-        if info.state is State.SEALED:
-            written = store.copy_file(step, name, slot.fileno(), PAGE, info.payload_bytes, info.checksum)
-        else:
-            # Seal while the copy runs: the checksum pass and sendfile both run outside the GIL.
-            with ThreadPoolExecutor(1) as pool:
-                sealing = pool.submit(slot.seal)
-                written = store.copy_file(step, name, slot.fileno(), PAGE, info.payload_bytes, None)
-                info = sealing.result()
-            written = dataclasses.replace(written, xxh3=info.checksum)
+        payload = slot.payload()
+        try:
+            if info.state is State.SEALED:
+                written = store.copy_file(step, name, payload, info.checksum)
+            else:
+                # Seal while the copy runs: the checksum pass and the writes both run outside the GIL.
+                with ThreadPoolExecutor(1) as pool:
+                    if sealing is None:
+                        sealing = pool.submit(slot.seal)
+                    written = store.copy_file(step, name, payload, None)
+                    sealed = sealing.result()
+                if sealed is None or sealed.step != step:  # the seal thread could not (rare): seal here
+                    sealed = slot.seal()
+                if sealed is None:
+                    raise CheckpointError(f"slot {slot.path.name} holds no complete snapshot of step {step}")
+                written = dataclasses.replace(written, xxh3=sealed.checksum)
+        finally:
+            payload.release()
     finally:
         slot.close()
     tmp = store.tmp_path(step)
@@ -107,7 +118,9 @@ def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int
         time.sleep(0.05)
 
 
-def _seal(req: dict) -> dict:
+def _seal(req: dict, sealed: Future) -> dict:
+    """Seal the slot; ``sealed`` gets its :class:`Info` (``None`` when it
+    could not) as soon as the checksum is recorded, before any peer push."""
     slot = Slot(Path(req["slot"]))
     try:
         if not slot.lock(False):
@@ -115,8 +128,9 @@ def _seal(req: dict) -> dict:
         info = slot.info()
         if info is None or info.step != req["step"]:
             return {"skipped": "written again since"}
-        sealed = slot.seal()
-        if sealed is None:
+        done = slot.seal()
+        sealed.set_result(done)
+        if done is None:
             return {"skipped": "not complete"}
         # The push goes without the lock, so a slow link never holds the
         # trainer up; a copy torn by a new snapshot fails the peer's
@@ -125,16 +139,22 @@ def _seal(req: dict) -> dict:
         if req.get("peer"):
             from .peer import push
             push(req["peer"], slot, rank=req["rank"], token=os.environ.get("TRAINGUARD_TOKEN", ""))
-        return {"xxh3": sealed.checksum}
+        return {"xxh3": done.checksum}
     finally:
+        if not sealed.done():
+            sealed.set_result(None)
         slot.close()
 
 
 def _serve(stdin: Any, stdout: Any) -> None:
+    """Requests in order on this thread; seals (and their peer pushes) on a
+    second one, so a persist of a slot being sealed writes the file while
+    the checksum pass runs, and takes its result."""
     parent = os.getppid()
     todo: collections.deque = collections.deque()
-    cond = threading.Condition()
+    cond, out_lock = threading.Condition(), threading.Lock()
     done = threading.Event()
+    sealing: dict[str, Future] = {}  # slot -> its seal's Info, while one is asked
 
     def read() -> None:
         for line in stdin:
@@ -145,31 +165,41 @@ def _serve(stdin: Any, stdout: Any) -> None:
             done.set()
             cond.notify()
 
-    threading.Thread(target=read, daemon=True).start()
-    while True:
-        with cond:
-            while not todo and not done.is_set():
-                cond.wait()
-            if not todo:
-                return
-            req = todo.popleft()
-            newer = any(r["slot"] == req["slot"] for r in todo)
-        if req["op"] == "seal" and newer:
-            reply = {"skipped": "superseded"}
-        else:
-            try:
-                reply = _persist(req, parent) if req["op"] == "persist" else _seal(req)
-                reply["ok"] = True
-            except (CheckpointError, OSError, ValueError, KeyError) as e:
-                log.error("%s of step %s failed: %s", req["op"], req.get("step"), e)
-                reply = {"ok": False, "error": str(e)}
+    def answer(req: dict, run: Any) -> None:
+        try:
+            reply = run()
+            reply["ok"] = True
+        except (CheckpointError, OSError, ValueError, KeyError) as e:
+            log.error("%s of step %s failed: %s", req["op"], req.get("step"), e)
+            reply = {"ok": False, "error": str(e)}
         reply.setdefault("ok", True)
         reply.update(id=req["id"], op=req["op"], step=req.get("step"))
         try:
-            stdout.write(json.dumps(reply) + "\n")
-            stdout.flush()
+            with out_lock:
+                stdout.write(json.dumps(reply) + "\n")
+                stdout.flush()
         except (BrokenPipeError, ValueError):  # the trainer is gone; go on with what it asked
             pass
+
+    threading.Thread(target=read, daemon=True).start()
+    with ThreadPoolExecutor(1, thread_name_prefix="seal") as seals:
+        while True:
+            with cond:
+                while not todo and not done.is_set():
+                    cond.wait()
+                if not todo:
+                    return
+                req = todo.popleft()
+                newer = any(r["slot"] == req["slot"] for r in todo)
+            if req["op"] == "seal":
+                if newer:
+                    answer(req, lambda: {"skipped": "superseded"})
+                else:
+                    sealed = sealing[req["slot"]] = Future()
+                    seals.submit(answer, req, lambda r=req, f=sealed: _seal(r, f))
+            else:
+                pending = sealing.pop(req["slot"], None)
+                answer(req, lambda: _persist(req, parent, pending if pending and not pending.done() else None))
 
 
 def main() -> None:
