@@ -210,7 +210,9 @@ class SnapshotRing:
 
 
 def load_verified(slot: Slot, read: Callable[[memoryview], object]) -> object:
-    """``read(payload)`` of a slot whose checksum checks out, under its lock.
+    """``read(payload)`` of a slot whose checksum checks out, under its lock
+    (the read runs beside the checksum pass; its result is dropped unless
+    the checksum matches).
 
     Raises:
         CheckpointError: the snapshot fails its check (or vanished).
@@ -218,8 +220,7 @@ def load_verified(slot: Slot, read: Callable[[memoryview], object]) -> object:
     try:
         if not slot.lock(False, block=True):
             raise CheckpointError(f"{slot.path.name}: gone")
-        slot.verified()
-        return read(slot.payload())
+        return slot.verified(read)[1]
     finally:
         slot.close()
 

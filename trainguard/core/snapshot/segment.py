@@ -33,7 +33,8 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
 
 import xxhash
 
@@ -211,14 +212,19 @@ class Slot:
 
     # ---------------------------------------------------------------- header
     def info(self) -> Info | None:
-        """The control header, or ``None`` when the slot is not a snapshot slot."""
+        """The control header, or ``None`` when the slot is not a snapshot
+        slot. Read without mapping the slot: looking at a slot costs nothing
+        until its payload is used."""
         if not self._open(False):
             return None
-        m = self._mapped()
-        if m is None or len(m) < PAGE:
+        size = os.fstat(self._fd).st_size
+        if size < PAGE:
             return None
-        magic, state, _, checksum, step, payload, writes, pid, committed = _HEAD.unpack_from(m, 0)
-        if magic != MAGIC or state not in State._value2member_map_ or PAGE + payload > len(m):
+        head = os.pread(self._fd, _HEAD.size, 0)
+        if len(head) < _HEAD.size:
+            return None
+        magic, state, _, checksum, step, payload, writes, pid, committed = _HEAD.unpack(head)
+        if magic != MAGIC or state not in State._value2member_map_ or PAGE + payload > size:
             return None
         return Info(State(state), checksum, step, payload, writes, pid, committed)
 
@@ -248,7 +254,7 @@ class Slot:
         info = self.info()
         if info is None:
             raise CheckpointError(f"{self.path} is not a snapshot slot")
-        return memoryview(self._map)[PAGE:PAGE + info.payload_bytes]
+        return memoryview(self._mapped())[PAGE:PAGE + info.payload_bytes]
 
     def seal(self) -> Info | None:
         """Record the payload's checksum (the caller holds a lock). Returns the
@@ -264,21 +270,37 @@ class Slot:
                         info.pid, info.committed)
         return self.info()
 
-    def verified(self) -> Info:
-        """The slot's info if it holds a sealed snapshot whose checksum matches.
+    def verified(self, read: Callable[[memoryview], Any] | None = None) -> Info | tuple[Info, Any]:
+        """The slot's info if it holds a sealed snapshot whose checksum
+        matches; with ``read``, ``(info, read(payload))``, the read running
+        while the checksum pass does (its result is only returned once the
+        checksum matched).
 
         Raises:
             CheckpointError: saying why it cannot be used (empty, being
-                written, never sealed, corrupted).
+                written, never sealed, corrupted), or what ``read`` raised.
         """
         info = self.info()
         if info is None:
             raise CheckpointError(f"{self.path.name}: not a snapshot slot")
         if info.state is not State.SEALED:
             raise CheckpointError(f"{self.path.name}: snapshot is {info.state.name.lower()}, not sealed")
-        if checksum(self.payload()) != info.checksum:
+        payload, got, failed = self.payload(), None, None
+        if read is None:
+            digest = checksum(payload)
+        else:
+            with ThreadPoolExecutor(1) as pool:  # XXH3 runs outside the GIL
+                summing = pool.submit(checksum, payload)
+                try:
+                    got = read(payload)
+                except CheckpointError as e:
+                    failed = e
+                digest = summing.result()
+        if digest != info.checksum:
             raise CheckpointError(f"{self.path.name}: step {info.step} fails its checksum (corrupted in memory)")
-        return info
+        if failed is not None:
+            raise failed
+        return info if read is None else (info, got)
 
 
 def checksum(data: memoryview | bytes) -> int:
