@@ -77,6 +77,25 @@ def test_handlers_must_be_callable_and_rename_only_runs_inside_a_finalise():
         mega.ttp_save_checkpoint(0, 3, [0, 1], None)
 
 
+def test_the_legacy_save_handler_shape_is_told_the_kind_when_it_takes_one():
+    """MindIO's legacy ``(rank, step, rank_list, args)`` tells no kind; with
+    experts and a distributed optimizer a dense shard and an expert shard can
+    have the same copies, so trainguard's own handler is passed the kind."""
+    from trainguard.compat.mindio_ttp.handlers import TtpHandlers
+    from trainguard.core import ReplicaGroup
+
+    TTP.rank, TTP.args = 0, "args"
+    TTP.replicas = (ReplicaGroup((0, 1, 2, 3), 2), ReplicaGroup((0, 2), 2))  # dense shard 0 and experts: [0, 2]
+    seen = []
+    ttp.ttp_register_save_ckpt_handler(lambda rank, step, ranks, args, kind=None: seen.append((ranks, kind)))
+    TtpHandlers(TTP).save(3, 0)
+    TtpHandlers(TTP).save(3, 1)
+    assert seen == [([0, 2], 0), ([0, 2], 1)]
+    ttp.ttp_register_save_ckpt_handler(lambda rank, step, ranks, args: seen.append((ranks, "no kind")))
+    TtpHandlers(TTP).save(3, 1)
+    assert seen[-1] == ([0, 2], "no kind")
+
+
 def _trained(seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

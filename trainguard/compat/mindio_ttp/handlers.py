@@ -3,6 +3,7 @@ MindIO script registered (``ttp_register_*`` / ``tft_register_*``)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Sequence
 
 from trainguard.core import CheckpointError, DataStatus, RecoveryError, Transfer
@@ -13,6 +14,13 @@ if TYPE_CHECKING:
     from .state import _State
 
 __all__ = ["TtpHandlers"]
+
+
+def _takes_kind(fn) -> bool:
+    try:
+        return "kind" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class TtpHandlers(Handlers):
@@ -66,8 +74,12 @@ class TtpHandlers(Handlers):
                                   "the dying-gasp checkpoint")
         fn, ctx, legacy = found
         ranks = sorted(self.s.groups()[kind].copies(self.s.rank))
-        out = fn(self.s.rank, step, ranks, self.s.args) if legacy else \
-            fn(step, [{"type": kind, "ranks": ranks}], self.s.args, ctx)
+        if not legacy:
+            out = fn(step, [{"type": kind, "ranks": ranks}], self.s.args, ctx)
+        elif _takes_kind(fn):  # trainguard's megatron_ttp.ttp_save_checkpoint: the copies alone can be ambiguous
+            out = fn(self.s.rank, step, ranks, self.s.args, kind=kind)
+        else:  # MindIO's legacy shape tells no kind
+            out = fn(self.s.rank, step, ranks, self.s.args)
         # trainguard's own save handlers return the files they wrote, for the manifest
         return [f for f in out if isinstance(f, FileInfo)] if isinstance(out, (list, tuple)) else []
 

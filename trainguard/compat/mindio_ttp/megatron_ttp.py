@@ -116,9 +116,11 @@ def _unpack(args: Any) -> tuple[int, Any, Any, Any]:
 def ttp_save_checkpoint(save_rank: int, step: int, rank_list: Sequence[int], args: Any,
                         kind: int | None = None) -> list[FileInfo]:
     """Write this rank's part of the dying-gasp checkpoint at ``step`` as the
-    saver of the shard whose copies are ``rank_list`` (MindIO's legacy
-    handler is not told the kind: copies in the expert data-parallel group
-    mean the expert shard)."""
+    saver of the shard whose copies are ``rank_list``, of ``kind`` (0:
+    dense, 1: experts; trainguard's processor passes it. MindIO's legacy
+    handler shape is not told the kind: then copies in the expert
+    data-parallel group mean the expert shard, which is ambiguous when a
+    distributed optimizer's dense shard has the same copies)."""
     iteration, model, optimizer, scheduler = _unpack(args)
     if iteration != step:
         # end_updating_os(step) ran but the loop had not yet set the new args: same objects, newer state
