@@ -84,6 +84,7 @@ def test_a_distributed_optimizers_shards_are_saved_once_each_and_load_back(layou
     for r in range(4):
         got = layouts[r]["sharded"]
         assert got["step"] == 5 and got["restored"] and got["model_restored"], (r, got)
+        assert got["format1"], "a shard file of format 1 (before experts) loads as the dense shard"
         assert got["files"] == ["mp_rank_00/distrib_optim_shard_000.pt", "mp_rank_00/distrib_optim_shard_001.pt",
                                 "mp_rank_00/model_optim_rng.pt"], got
         assert sorted((s["copies"], s["saved_by"], s["full"]) for s in got["shards"]) == \

@@ -55,7 +55,15 @@ found = store.latest()
 model2, shard2, opt2 = shard_setup(-3.0)  # other values: the load must bring back the saved ones
 step, _ = ckpt.load(store, model2, opt2, None)
 back = {"main": shard2.detach(), **opt2.optimizer.state[shard2]}
-out["sharded"] = {"step": step, "files": sorted(found.manifest["files"]),
+# a shard file written before experts were sharded (format 1: no kind) still loads, as the dense shard
+from trainguard.adapters.megatron.kinds import apply_shard, shard_state  # noqa: E402
+
+older = {k: v for k, v in shard_state(opt).items() if k != "kind"}
+model3, shard3, opt3 = shard_setup(-5.0)
+apply_shard({**older, "format": "trainguard-distrib-optim-1"}, opt3, "a format-1 file")
+format1 = torch.equal(shard3.detach(), saved["main"]) and torch.equal(opt3.optimizer.state[shard3]["exp_avg"],
+                                                                      saved["exp_avg"])
+out["sharded"] = {"format1": format1, "step": step, "files": sorted(found.manifest["files"]),
                   "shards": found.manifest["layout"]["shards"],
                   "restored": all(torch.equal(saved[k], back[k]) for k in saved),
                   "model_restored": all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))}

@@ -135,8 +135,9 @@ def apply_shard(state: dict, optimizer: Any, source: str) -> None:
     Raises:
         CheckpointError: it is another rank's shard, or does not fit.
     """
-    kind = state.get("kind")
-    if state.get("format") != SHARD_FORMAT or kind not in (DENSE, EXPERT):
+    # format 1 (before experts were sharded) held the dense shard only
+    kind = DENSE if state.get("format") == "trainguard-distrib-optim-1" else state.get("kind")
+    if state.get("format") not in (SHARD_FORMAT, "trainguard-distrib-optim-1") or kind not in (DENSE, EXPERT):
         raise CheckpointError(f"{source} holds no shard of a distributed optimizer in trainguard's format "
                               f"{SHARD_FORMAT!r} (format {state.get('format')!r})")
     here = shard_of(kind)
