@@ -55,10 +55,12 @@ def _record_path(tmp: Path, name: str) -> Path:
     return tmp / RECORDS / (name.replace("/", "__") + ".json")
 
 
-def _persist(req: dict, parent: int, sealing: Future | None = None) -> dict:
+def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Future | None = None) -> dict:
     """Write the slot's payload as a checkpoint file; ``sealing``: the seal of
     that slot already under way on the seal thread (its checksum is taken
-    instead of hashing again)."""
+    instead of hashing again), ``pushed``: that seal's whole task, peer push
+    included, waited for before the file counts as written (so a step on
+    storage is in the peer's memory too, as when seals ran in line)."""
     store = CheckpointStore(req["root"], NAMINGS[req["naming"]], keep=req.get("keep", 0))
     step, name = req["step"], req["name"]
     slot = Slot(Path(req["slot"]))
@@ -83,6 +85,8 @@ def _persist(req: dict, parent: int, sealing: Future | None = None) -> dict:
                 if sealed is None:
                     raise CheckpointError(f"slot {slot.path.name} holds no complete snapshot of step {step}")
                 written = dataclasses.replace(written, xxh3=sealed.checksum)
+            if pushed is not None:
+                pushed.result()
         finally:
             payload.release()
     finally:
@@ -154,7 +158,7 @@ def _serve(stdin: Any, stdout: Any) -> None:
     todo: collections.deque = collections.deque()
     cond, out_lock = threading.Condition(), threading.Lock()
     done = threading.Event()
-    sealing: dict[str, Future] = {}  # slot -> its seal's Info, while one is asked
+    sealing: dict[str, tuple[Future, Future]] = {}  # slot -> (its seal's Info, the seal task with its push)
 
     def read() -> None:
         for line in stdin:
@@ -195,11 +199,11 @@ def _serve(stdin: Any, stdout: Any) -> None:
                 if newer:
                     answer(req, lambda: {"skipped": "superseded"})
                 else:
-                    sealed = sealing[req["slot"]] = Future()
-                    seals.submit(answer, req, lambda r=req, f=sealed: _seal(r, f))
+                    sealed: Future = Future()
+                    sealing[req["slot"]] = (sealed, seals.submit(answer, req, lambda r=req, f=sealed: _seal(r, f)))
             else:
-                pending = sealing.pop(req["slot"], None)
-                answer(req, lambda: _persist(req, parent, pending if pending and not pending.done() else None))
+                sealed, task = sealing.pop(req["slot"], (None, None))
+                answer(req, lambda: _persist(req, parent, sealed if sealed and not sealed.done() else None, task))
 
 
 def main() -> None:
