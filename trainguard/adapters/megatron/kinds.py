@@ -28,6 +28,7 @@ __all__ = ["DENSE", "EXPERT", "apply_shard", "distributed", "expert_keys", "is_e
 
 DENSE, EXPERT = 0, 1
 SHARD_FORMAT = "trainguard-distrib-optim-2"
+_DENSE_ONLY_FORMAT = "trainguard-distrib-optim-1"  # before experts were sharded: the dense shard, no kind
 
 
 def is_expert(param: torch.Tensor) -> bool:
@@ -135,9 +136,8 @@ def apply_shard(state: dict, optimizer: Any, source: str) -> None:
     Raises:
         CheckpointError: it is another rank's shard, or does not fit.
     """
-    # format 1 (before experts were sharded) held the dense shard only
-    kind = DENSE if state.get("format") == "trainguard-distrib-optim-1" else state.get("kind")
-    if state.get("format") not in (SHARD_FORMAT, "trainguard-distrib-optim-1") or kind not in (DENSE, EXPERT):
+    kind = DENSE if state.get("format") == _DENSE_ONLY_FORMAT else state.get("kind")
+    if state.get("format") not in (SHARD_FORMAT, _DENSE_ONLY_FORMAT) or kind not in (DENSE, EXPERT):
         raise CheckpointError(f"{source} holds no shard of a distributed optimizer in trainguard's format "
                               f"{SHARD_FORMAT!r} (format {state.get('format')!r})")
     here = shard_of(kind)

@@ -94,18 +94,23 @@ def _params(optimizer: Any) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
+def _indices(optimizer: Any, kind: int) -> list[int]:
+    """The ``state_dict`` indices of one torch optimizer's parameters of ``kind``."""
+    return [i for i, p in enumerate(_params(optimizer)) if is_expert(p) == (kind == EXPERT)]
+
+
 def _param_states(optimizer: Any, kind: int) -> dict:
     """The state of ``kind``'s parameters in one torch optimizer (keyed by
     their index, as ``state_dict`` keys them), and its param groups."""
     state = optimizer.state_dict()
-    mine = [i for i, p in enumerate(_params(optimizer)) if is_expert(p) == (kind == EXPERT)]
+    mine = _indices(optimizer, kind)
     return {"indices": mine, "state": {i: state["state"][i] for i in mine if i in state["state"]},
             "param_groups": state["param_groups"]}
 
 
 def _load_param_states(optimizer: Any, kind: int, got: dict) -> None:
     state = optimizer.state_dict()
-    mine = [i for i, p in enumerate(_params(optimizer)) if is_expert(p) == (kind == EXPERT)]
+    mine = _indices(optimizer, kind)
     if got["indices"] != mine:
         raise RecoveryError(f"the replica's optimizer has parameters {got['indices'][:8]} of this kind, this rank "
                             f"{mine[:8]}")
@@ -128,6 +133,12 @@ def _own_keys(chunk: torch.nn.Module, kind: int | None) -> set[str]:
     return experts & keys if kind == EXPERT else keys - experts
 
 
+def _scalers(optimizer: Any, kind: int | None) -> list:
+    """The grad scalers of the chain's optimizers of ``kind`` (all: ``None``)."""
+    return [o.grad_scaler for o in members(optimizer) if getattr(o, "grad_scaler", None) is not None
+            and (kind is None or kind_of(o) == kind)]
+
+
 def _state(model: Any, optimizer: Any, scheduler: Any, kind: int | None) -> dict:
     """What a transfer carries: the whole state (``kind`` None: no experts)
     or one kind of it."""
@@ -139,9 +150,7 @@ def _state(model: Any, optimizer: Any, scheduler: Any, kind: int | None) -> dict
     opts = members(optimizer)
     if sharded:
         state["shards"] = [shard_state(optimizer, k) for k in sharded if kind is None or k == kind]
-        state["grad_scalers"] = [o.grad_scaler.state_dict() for o in opts
-                                 if getattr(o, "grad_scaler", None) is not None
-                                 and (kind is None or kind_of(o) == kind)]
+        state["grad_scalers"] = [scaler.state_dict() for scaler in _scalers(optimizer, kind)]
     elif kind is None:
         state["optimizer"] = optimizer.state_dict() if optimizer is not None else None
     elif len(opts) > 1 or kind_of(optimizer) is not None:  # megatron's chain: one optimizer per kind
@@ -186,9 +195,7 @@ def receive_replica(group: Any, src: int, model: Any, optimizer: Any, scheduler:
         if "shards" in got:
             for shard in got["shards"]:
                 apply_shard(shard, optimizer, f"rank {src}'s copy")
-            scalers = [o.grad_scaler for o in opts if getattr(o, "grad_scaler", None) is not None
-                       and (kind is None or kind_of(o) == kind)]
-            for scaler, saved in zip(scalers, got["grad_scalers"]):
+            for scaler, saved in zip(_scalers(optimizer, kind), got["grad_scalers"]):
                 scaler.load_state_dict(saved)
         elif "optimizer" in got:
             if optimizer is not None:
