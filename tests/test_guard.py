@@ -62,6 +62,50 @@ def test_wrapper_behaves_like_the_optimizer_for_schedulers_and_scalers(world):
     guard.close()
 
 
+def test_a_snapshot_copied_beside_the_next_step_holds_its_own_step(world, monkeypatch):
+    """Snapshots are copied on a thread while the next step computes; the
+    next update waits for the copy, so each snapshot holds the state of its
+    own step even when its copy is slow."""
+    import copy
+    import time
+
+    from trainguard.adapters.torch import snapshot as module
+    from trainguard.adapters.torch.snapshot import read_payload
+
+    real = module._copy
+
+    def slow_copy(views, tensors):
+        time.sleep(0.3)  # far longer than this model's forward and backward
+        real(views, tensors)
+    monkeypatch.setattr(module, "_copy", slow_copy)
+    monkeypatch.setenv("TRAINGUARD_SNAPSHOT_ROOT", str(world))
+    model, opt = make()
+    guard = Guard(model, opt, snapshot_every=1)
+    committed = {}
+    for step in guard.steps(3):
+        with guard.protect():
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+            guard.optimizer.zero_grad()
+            loss.backward()
+            guard.optimizer.step()
+        state = guard.state.committed_state_dict()
+        committed[guard.step] = copy.deepcopy({"model": state["model"], "optimizer": state["optimizer"]["state"]})
+    snaps = guard.snapshots
+    snaps.settle()
+    assert snaps.waited > 0  # the updates of steps 2 and 3 waited for the copies
+    for step in (2, 3):
+        slot = snaps.slots[snaps.holding(step)]
+        slot.lock(False, block=True)
+        try:
+            got = read_payload(slot.payload())[1]["state"]
+        finally:
+            slot.unlock()
+        assert state_sha256({"model": got["model"], "optimizer": got["optimizer"]["state"]}) == \
+            state_sha256(committed[step]), step
+    assert state_sha256(committed[2]) != state_sha256(committed[3])
+    guard.close()
+
+
 def test_ddp_keeps_its_initial_bucket_layout_when_summation_order_matters(world):
     # With 3+ ranks, a rebuild after the first step would make a relaunched
     # process (which starts with the initial layout) sum gradients in another

@@ -141,6 +141,54 @@ def test_a_persist_of_a_slot_being_sealed_takes_the_seal_threads_checksum(shm, t
         snaps.close()
 
 
+def test_a_background_copy_commits_and_seals_on_its_own_and_a_persist_waits_for_it(shm, tmp_path, monkeypatch):
+    """take(background=True) returns before the copy; the copy thread commits
+    the slot and asks for its seal even if the trainer never settles (it may
+    die in the next step); a persist asked meanwhile is sent once the copy
+    has landed; a copy that fails leaves the slot unloadable, not training."""
+    from trainguard.adapters.torch import snapshot as module
+
+    gate = __import__("threading").Event()
+    real = module._copy
+
+    def held_copy(views, tensors):
+        assert gate.wait(30), "the test never released the copy"
+        real(views, tensors)
+    monkeypatch.setattr(module, "_copy", held_copy)
+    snaps = Snapshots(shm, 0, count=2)
+    try:
+        index = snaps.take(_state(1), 1, background=True)
+        slot = snaps.slots[index]
+        assert snaps.pending is not None and slot.info().state is State.WRITING
+        assert snaps.available() == {}  # nothing loadable while it copies
+        root = tmp_path / "ckpt"
+        snaps.persist(index, 1, root=str(root), name="shard_k0_r0.safetensors",
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {"world_size": 1}, "meta": {}})
+        assert snaps.worker.pending == {}  # held back until the copy lands
+        gate.set()
+        _wait_sealed(snaps, index)  # committed and sealed without settle()
+        snaps.wait(60)  # settles, sends the persist, waits for it
+        assert snaps.pending is None and snaps.errors == [] and [p["step"] for p in snaps.persisted] == [1]
+        assert _equal(read_stored_snapshot(CheckpointStore(root).latest().file("shard_k0_r0.safetensors"), "cpu"),
+                      _state(1)["state"])
+
+        def broken(views, tensors):
+            raise RuntimeError("no memory")
+        monkeypatch.setattr(module, "_copy", broken)
+        bad = snaps.take(_state(2), 2, background=True)
+        snaps.settle()
+        assert snaps.errors == ["step 2: the snapshot copy failed: no memory"]
+        assert snaps.slots[bad].info().state is State.WRITING and snaps.holding(2) is None
+        monkeypatch.setattr(module, "_copy", real)
+        _wait_sealed(snaps, snaps.take(_state(3), 3, background=True))
+        assert sorted(snaps.available()) == [1, 3]
+        snaps.settle()
+        assert snaps.report(None)["taken"] == 2
+    finally:
+        gate.set()
+        snaps.close()
+
+
 def test_staged_copies_gather_small_tensors_and_read_back_exactly(shm):
     """The staging path (taken by CUDA tensors; forced here on the host):
     runs of small tensors gathered by dtype, a tensor larger than the buffer

@@ -69,15 +69,22 @@ class Checkpoints(JobHistory):
         state["step"] = step
         return {"state": state, "history": self.merged_history({})}
 
-    def take_snapshot(self, step: int, *, wait_s: float = 0.0) -> int | None:
+    def take_snapshot(self, step: int, *, wait_s: float = 0.0, background: bool = False) -> int | None:
         """Copy the committed state at ``step`` into memory; with ``wait_s``,
-        wait that long for a slot a persist still holds."""
-        index = self.snapshots.take(self.snapshot_state(step), step)
+        wait that long for a slot a persist still holds; with ``background``,
+        host state is copied while training goes on (:meth:`settle_snapshot`
+        before the next update)."""
+        index = self.snapshots.take(self.snapshot_state(step), step, background=background)
         if index is None and wait_s:
             log.warning("rank %d: every snapshot slot is being persisted; waiting for one", self.rank)
             self.snapshots.wait(wait_s)
-            index = self.snapshots.take(self.snapshot_state(step), step)
+            index = self.snapshots.take(self.snapshot_state(step), step, background=background)
         return index
+
+    def settle_snapshot(self) -> None:
+        """Wait for a snapshot copy still running (before the state changes)."""
+        if self.snapshots is not None:
+            self.snapshots.settle()
 
     def close_snapshots(self, wait_s: float) -> None:
         if self.snapshots is not None:
@@ -136,8 +143,8 @@ class Checkpoints(JobHistory):
         persist worker write it; its finaliser waits for every shard."""
         step, group, members = self._step, self.groups[0], self.process_group.members
         index = self.snapshots.holding(step)
-        if index is None:
-            index = self.take_snapshot(step, wait_s=self.save_timeout_s)
+        if index is None:  # the persist is sent when the copy has landed
+            index = self.take_snapshot(step, wait_s=self.save_timeout_s, background=True)
         if index is None:
             raise CheckpointError(f"rank {self.rank}: no snapshot slot came free to save step {step}")
         shards = sorted({tuple(c for c in group.copies(r)) for r in members})

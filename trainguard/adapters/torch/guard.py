@@ -361,6 +361,7 @@ class Guard(Checkpoints):
         self._step_started = time.perf_counter()
 
     def _start_update(self) -> None:
+        self.settle_snapshot()  # a snapshot copy of the last step may still be reading parameters
         if self.ddp is not None and self.ddp.will_sync_module_buffers():
             # Make buffers (BatchNorm statistics) identical on every replica
             # before the update, so any replica can serve or save the step.
@@ -389,12 +390,13 @@ class Guard(Checkpoints):
             else:
                 self.save()
         elif self.snapshot_every and self._step % self.snapshot_every == 0:
-            self.take_snapshot(self._step)
+            self.take_snapshot(self._step, background=True)  # settled at the next update
         if self._markers is not None:
             self._markers.step_end()
 
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left and carry out the recovery."""
+        self.settle_snapshot()  # before a repair or a dump touches the state or the slots
         phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
         own = report_left_step(self.processor, error, self.classifier, phase=phase)
         if own:

@@ -14,6 +14,12 @@ device into a staging buffer of the same byte layout (one ``_foreach_copy_``
 per dtype), then leaves in one copy (:class:`_Staging`). The persist worker
 (started here) seals each snapshot and writes the ones asked for to storage.
 
+``take(..., background=True)`` copies host (CPU) state on the ring's thread
+and returns at once: the caller must not change the state before
+:meth:`~trainguard.core.snapshot.ring.SnapshotRing.settle` (the Guard
+settles before the next optimizer update, so the copy runs beside the next
+forward and backward). Device state is copied in line.
+
 :func:`read_payload` turns a payload (a slot's, or a persisted
 ``.safetensors`` file's bytes) back into the state, with tensors that own
 their memory (a view into a slot would be overwritten by the next snapshot).
@@ -181,19 +187,23 @@ class Snapshots(SnapshotRing):
                 "staging_MB": self.staging_bytes >> 20,
                 "staged_copies": len(staged.runs) if staged else 0, "direct_copies": len(staged.direct) if staged else 0}
 
-    def take(self, state: Any, step: int) -> int | None:
+    def take(self, state: Any, step: int, *, background: bool = False) -> int | None:
         """Copy ``state`` (a nest of tensors and scalars) into a free slot as
-        the snapshot of ``step``; the slot index, or ``None`` when skipped."""
+        the snapshot of ``step``; the slot index, or ``None`` when skipped.
+        With ``background``, host tensors are copied on a thread while the
+        caller goes on (see the module docstring)."""
         paths: list[str] = []
         skeleton, tensors = flatten(state, paths)
 
-        def fill(index: int, payload: memoryview, layout) -> None:
+        def fill(index: int, payload: memoryview, layout):
             cuda = any(t.is_cuda for t in tensors)
             if cuda:
                 self._pin(index, payload)
             views = self._views.get(index)
             if views is None:
                 views = self._views[index] = self._make_views(payload, layout, paths)
+            if background and not cuda:
+                return lambda: _copy(views, tensors)
             staging = None
             with torch.no_grad():
                 if self.staging_bytes and any(self._stage(t) for t in tensors):
@@ -225,6 +235,11 @@ class Snapshots(SnapshotRing):
             by_name[e.name] = part.view(BY_NAME[e.dtype]).view(e.shape) if e.nbytes else \
                 torch.empty(e.shape, dtype=BY_NAME[e.dtype])
         return [by_name[p] for p in paths]
+
+
+def _copy(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        torch._foreach_copy_(views, tensors)
 
 
 def read_payload(payload: memoryview | bytes, device: torch.device | str = "cpu") -> tuple[int, Any]:

@@ -224,6 +224,7 @@ class PersistWorker:
         self._next = 0
         self.pending: dict[int, dict] = {}
         self.restarts = 0
+        self._lock = threading.Lock()  # the ring's copy thread asks for seals
 
     @property
     def pid(self) -> int | None:
@@ -248,19 +249,21 @@ class PersistWorker:
         self._replies.put({"died": proc.pid, "code": code})
 
     def submit(self, op: str, **fields: Any) -> int:
-        self._next += 1
-        req = {"id": self._next, "op": op, **fields}
-        proc = self._ensure()
-        try:
-            proc.stdin.write(json.dumps(req) + "\n")
-            proc.stdin.flush()
-        except BrokenPipeError:
-            self._proc = None  # died between the check and the write: the next submit restarts it
+        """Send a request (from any thread); its id."""
+        with self._lock:
+            self._next += 1
+            req = {"id": self._next, "op": op, **fields}
             proc = self._ensure()
-            proc.stdin.write(json.dumps(req) + "\n")
-            proc.stdin.flush()
-        self.pending[self._next] = req
-        return self._next
+            try:
+                proc.stdin.write(json.dumps(req) + "\n")
+                proc.stdin.flush()
+            except BrokenPipeError:
+                self._proc = None  # died between the check and the write: the next submit restarts it
+                proc = self._ensure()
+                proc.stdin.write(json.dumps(req) + "\n")
+                proc.stdin.flush()
+            self.pending[self._next] = req
+            return self._next
 
     def poll(self, timeout: float | None = None) -> list[dict]:
         """Replies that arrived (waiting up to ``timeout`` for the first).
@@ -274,11 +277,12 @@ class PersistWorker:
                 return out
             block = False
             if "died" in reply:
-                if self._proc is not None and self._proc.pid == reply["died"]:
-                    for rid, req in sorted(self.pending.items()):
-                        out.append({"id": rid, "op": req["op"], "step": req.get("step"), "ok": False,
-                                    "error": f"persist worker {reply['died']} died (exit {reply['code']})"})
-                    self.pending.clear()
+                with self._lock:
+                    if self._proc is not None and self._proc.pid == reply["died"]:
+                        for rid, req in sorted(self.pending.items()):
+                            out.append({"id": rid, "op": req["op"], "step": req.get("step"), "ok": False,
+                                        "error": f"persist worker {reply['died']} died (exit {reply['code']})"})
+                        self.pending.clear()
                 continue
             if self.pending.pop(reply["id"], None) is not None:
                 out.append(reply)

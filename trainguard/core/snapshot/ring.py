@@ -7,6 +7,14 @@ the layout of its state (one :class:`Entry` per tensor, in its own order),
 the metadata to carry (JSON) and a ``fill`` function that copies the
 tensors into the payload; it supplies :meth:`forget_views` to drop whatever
 it cached about a slot's memory when the layout changes.
+
+A ``fill`` may instead return the rest of its copy as a function: the ring
+runs it on a thread of its own while training goes on, then commits the
+slot and asks for its seal from that thread (so a trainer that dies in
+the next step still leaves the snapshot behind). The caller must not change
+the state before :meth:`SnapshotRing.settle`, which every other method
+calls first and the adapter calls before the next optimizer update. A
+persist asked for meanwhile is sent once the copy has landed.
 """
 
 from __future__ import annotations
@@ -15,7 +23,10 @@ import atexit
 import json
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..api import CheckpointError, ConfigError
@@ -56,24 +67,30 @@ class SnapshotRing:
         self._key: tuple = ()
         self._last_entries: Sequence[Entry] = ()
         self.held: dict[int, int] = {}  # slot -> step written there by this process
-        self.pinned: dict[int, int] = {}  # slot -> request id of a persist not answered yet
+        self.pinned: dict[int, int | None] = {}  # slot -> request id of a persist not answered yet (None: copying)
         self.taken = self.skipped = 0
         self.persisted: list[dict] = []
         self.errors: list[str] = []
         self.reused: list[int] = []  # steps whose dying-gasp save wrote the snapshot
+        self.pending: _Pending | None = None  # the snapshot whose copy is still running
+        self.waited = 0.0  # seconds settle() waited for copies still running
+        self._settling = threading.Lock()
+        self._copier: ThreadPoolExecutor | None = None  # runs the copies a fill left to the background
 
     def forget_views(self) -> None:
         """Drop every view into slot memory (the slots are about to be resized)."""
 
     def write(self, step: int, entries: Sequence[Entry], meta: dict,
-              fill: Callable[[int, memoryview, Layout], None]) -> int | None:
+              fill: Callable[[int, memoryview, Layout], Callable[[], None] | None]) -> int | None:
         """Write the snapshot of ``step`` into a free slot: ``fill(index,
-        payload, layout)`` copies the tensors.
+        payload, layout)`` copies the tensors, or returns a function that
+        does, to run in the background (see :meth:`settle`).
 
         Returns:
             The slot index, or ``None`` when every slot is being persisted
             (the snapshot is skipped).
         """
+        self.settle()
         self.poll()
         text = json.dumps({"format": FORMAT, "step": step, **meta})
         key = self._key if entries is self._last_entries else tuple((e.name, e.dtype, e.shape) for e in entries)
@@ -86,17 +103,64 @@ class SnapshotRing:
             self.skipped += 1
             return None
         slot, layout = self.slots[index], self.layout
+        rest = None
         try:
             payload = slot.begin(layout.payload_bytes)
             payload[:layout.data_start] = layout.header(text)
-            fill(index, payload, layout)
-            slot.commit(step, layout.payload_bytes)
+            rest = fill(index, payload, layout)
+        finally:
+            if rest is None:
+                slot.unlock()
+        if rest is not None:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"trainguard-snapshot-r{self.rank}")
+            self.pending = _Pending(index, step, self._copier.submit(self._finish, rest, index, step,
+                                                                     layout.payload_bytes))
+            self.pinned[index] = None  # no persist may pick it, nor write() reuse it, until settled
+            return index
+        self._finish(None, index, step, layout.payload_bytes)
+        self._held(index, step)
+        return index
+
+    def _finish(self, rest: Callable[[], None] | None, index: int, step: int, payload_bytes: int) -> None:
+        """The rest of the copy (when given), commit the slot, ask for its seal."""
+        slot = self.slots[index]
+        try:
+            if rest is not None:
+                rest()
+            slot.commit(step, payload_bytes)
         finally:
             slot.unlock()
+        self.worker.submit("seal", slot=str(slot.path), step=step, rank=self.rank, peer=self.peer)
+
+    def _held(self, index: int, step: int) -> None:
         self.held[index] = step
         self.taken += 1
-        self.worker.submit("seal", slot=str(slot.path), step=step, rank=self.rank, peer=self.peer)
-        return index
+
+    def settle(self) -> None:
+        """Wait for a copy :meth:`write` left running, commit its slot and
+        send what waited on it (seal, persist). A copy that failed leaves
+        the slot ``WRITING`` (never loaded) and its persist failed."""
+        if self.pending is None:
+            return
+        with self._settling:  # a recovery thread may settle while the training thread does
+            pending, self.pending = self.pending, None
+            if pending is None:
+                return
+            t = time.perf_counter()
+            try:
+                pending.copying.result()
+            except Exception as e:  # noqa: BLE001 - the copy's error belongs to this snapshot, not to training
+                self.pinned.pop(pending.index, None)
+                self.errors.append(f"step {pending.step}: the snapshot copy failed: {e}")
+                log.error("rank %d: copying the snapshot of step %d failed: %s", self.rank, pending.step, e)
+                return
+            finally:
+                self.waited += time.perf_counter() - t
+            del self.pinned[pending.index]
+            self._held(pending.index, pending.step)
+            for request in pending.persists:
+                self.persist(pending.index, pending.step, **request)
 
     def _free_slot(self) -> int | None:
         """The slot holding the oldest step (or none) that no persist needs
@@ -113,6 +177,7 @@ class SnapshotRing:
 
     def holding(self, step: int) -> int | None:
         """The slot this process wrote ``step`` into, if it still holds it."""
+        self.settle()
         for index, held in self.held.items():
             info = self.slots[index].info()
             if held == step and info is not None and info.step == step and \
@@ -122,7 +187,11 @@ class SnapshotRing:
 
     # ------------------------------------------------------------ persist
     def persist(self, index: int, step: int, *, root: str, name: str, finalize: dict | None) -> None:
-        """Ask the worker to write slot ``index`` (holding ``step``) to storage."""
+        """Ask the worker to write slot ``index`` (holding ``step``) to storage
+        (once its copy has landed, when it is still running)."""
+        if self.pending is not None and self.pending.index == index:
+            self.pending.persists.append({"root": root, "name": name, "finalize": finalize})
+            return
         rid = self.worker.submit("persist", slot=str(self.slots[index].path), step=step, root=root,
                                  naming=self.naming, name=name, finalize=finalize)
         self.pinned[index] = rid
@@ -131,7 +200,7 @@ class SnapshotRing:
         replies = self.worker.poll(timeout)
         for r in replies:
             if r["op"] == "persist":
-                self.pinned = {i: rid for i, rid in self.pinned.items() if rid != r["id"]}
+                self.pinned = {i: rid for i, rid in self.pinned.items() if rid is None or rid != r["id"]}
                 if r["ok"]:
                     self.persisted.append({"step": r["step"], "final": r.get("final")})
                 else:
@@ -143,6 +212,7 @@ class SnapshotRing:
 
     def wait(self, timeout: float) -> None:
         """Wait for every persist asked so far."""
+        self.settle()
         deadline = time.monotonic() + timeout
         while self.pinned and time.monotonic() < deadline:
             self.poll(timeout=0.2)
@@ -150,7 +220,8 @@ class SnapshotRing:
     def report(self, resumed_from: dict | None) -> dict:
         return {"taken": self.taken, "skipped": self.skipped, "persisted": list(self.persisted),
                 "errors": list(self.errors), "worker_restarts": self.worker.restarts,
-                "reused_for_dump": list(self.reused), "resumed_from": resumed_from}
+                "reused_for_dump": list(self.reused), "resumed_from": resumed_from,
+                "waited_for_copies_s": round(self.waited, 4)}
 
     def shutdown(self, wait_s: float) -> None:
         """At the end of training: wait up to ``wait_s`` for the persists
@@ -162,6 +233,10 @@ class SnapshotRing:
         self.directory.remove()
 
     def close(self, *, wait: bool = True) -> None:
+        self.settle()
+        if self._copier is not None:
+            self._copier.shutdown()
+            self._copier = None
         self.poll()
         self.worker.close(wait=wait)
         self.poll()
@@ -207,6 +282,15 @@ class SnapshotRing:
             finally:
                 slot.unlock()
         return found
+
+
+@dataclass
+class _Pending:
+    """A snapshot whose copy was still running when :meth:`SnapshotRing.write` returned."""
+    index: int
+    step: int
+    copying: Future
+    persists: list[dict] = field(default_factory=list)  # persist() requests made meanwhile
 
 
 def load_verified(slot: Slot, read: Callable[[memoryview], object]) -> object:
