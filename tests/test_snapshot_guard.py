@@ -56,6 +56,19 @@ def test_crash_dump_reuses_the_snapshot_and_the_restart_loads_from_memory(job_ru
     assert "reuses its snapshot in memory" in job.log, job
 
 
+def test_random_streams_of_every_rank_come_back_from_memory(job_runner):
+    """With dropout drawing from each rank's own global RNG, a restart from
+    memory sets each rank's streams as they were at the step it resumes."""
+    env = {"SNAP_DROPOUT": "1"}
+    clean = _job(job_runner, "dropout-clean", env=env)
+    assert clean.rc == 0, clean
+    job = _job(job_runner, "dropout-crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"], env=env)
+    assert job.rc == 0, job
+    assert {rank: rep["snapshots"]["resumed_from"] for rank, rep in _rank_reports(job).items()} == \
+        {0: {"step": 6, "source": "memory"}, 1: {"step": 6, "source": "memory"}}, job
+    assert job.report["final_state_sha256"] == clean.report["final_state_sha256"], job
+
+
 def test_corrupt_snapshot_in_memory_falls_back_to_storage(job_runner, fault_free):
     job = _job(job_runner, "corrupt", fault="crash:rank=1,step=7", strategies="exit",
                extra_args=["--max-restarts", "1"], env={"CORRUPT_ON_RESTART": "1"})

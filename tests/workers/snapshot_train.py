@@ -6,8 +6,9 @@ Snapshots every step, saves every SAVE_EVERY. With ``CORRUPT_ON_RESTART=R`` set,
 R flips a byte in each of its snapshots in memory when it is a restarted
 process, before the Guard looks at them. ``SNAP_DEVICE=cuda`` trains on
 GPU ``LOCAL_RANK % device_count`` (gloo: ranks may share one GPU);
-``SNAP_STEP_SLEEP=S`` makes each step last S seconds more. Each rank writes its report to
-``REPORT.<rank>`` (rank 0 to REPORT too).
+``SNAP_STEP_SLEEP=S`` makes each step last S seconds more. ``SNAP_DROPOUT=1`` adds a
+dropout layer drawing from the global RNG, seeded differently on each rank. Each rank writes
+its report to ``REPORT.<rank>`` (rank 0 to REPORT too).
 """
 
 import json
@@ -42,7 +43,10 @@ def main() -> None:
     if os.environ.get("CORRUPT_ON_RESTART") == str(rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT") != "0":
         corrupt_own_snapshots(rank)
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(device)
+    dropout = [torch.nn.Dropout(0.2)] if os.environ.get("SNAP_DROPOUT") == "1" else []
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), *dropout, torch.nn.Linear(256, 8)).to(device)
+    if dropout:
+        torch.manual_seed(1000 + rank)  # each rank its own masks
     model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)

@@ -8,9 +8,9 @@ groups and process group). The dying-gasp save goes through the same
 called by the recovery handlers.
 
 With ``snapshot_every`` set, the state is copied into shared memory every
-that many steps (:mod:`.snapshot`) and periodic saves become asynchronous:
-the persist worker writes the snapshot of a save step while training goes
-on. At start, every rank lists the steps it can load (its verified
+that many steps (:mod:`.snapshot`; beside the next step, settled before its
+update) and periodic saves become asynchronous: the persist worker writes
+the snapshot of a save step while training goes on. At start, every rank lists the steps it can load (its verified
 snapshots in this node's memory, the newest complete checkpoint on storage);
 all resume at the newest step every rank has, from memory where they can.
 """
@@ -215,6 +215,9 @@ class Checkpoints(JobHistory):
         self.history = found.manifest.get("meta", {}).get("history", self.history)
         self.resumed_from = {"step": found.step, "source": "storage"}
         log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
+        if not self.state.rng_loaded:
+            log.warning("rank %d: %s holds rank %s's random streams, not this rank's: they go on as this process "
+                        "seeded them", self.rank, path.name, "/".join(state.get("rng", {})) or "no")
         return found.step
 
 

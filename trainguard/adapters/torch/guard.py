@@ -93,8 +93,9 @@ class Guard(Checkpoints):
         save_every: periodic checkpoint interval in steps (0: none).
         keep: complete checkpoints kept (0: all).
         snapshot_every: copy the state into shared memory every this many
-            steps (0: never). Periodic saves then only block for that copy:
-            a persist worker writes them in the background. A restarted
+            steps (0: never). The copy of host state runs beside the next
+            step, whose optimizer update waits for it; periodic saves are
+            written by a persist worker in the background. A restarted
             process loads from memory when every rank can.
         snapshots_in_memory: snapshot slots per rank (each the size of the
             state: 12 bytes per parameter with fp32 Adam).
@@ -161,7 +162,8 @@ class Guard(Checkpoints):
         logs.setup(f"rank {self.rank}")
         self.device = for_module(model)
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
-        self.state = TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, data=data, extra=extra)
+        self.state = TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, data=data, extra=extra,
+                                rank=self.rank)
         self.optimizer = GuardedOptimizer(optimizer, self._start_update, self._end_update)
         self.groups = tuple(replicas) if replicas else (ReplicaGroup.full(range(self.world_size)),)
         self.store = CheckpointStore(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None

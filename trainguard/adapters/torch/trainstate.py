@@ -45,6 +45,32 @@ def _set_rng_state(state: dict) -> None:
         sys.modules["numpy"].random.set_state(state["numpy"])
 
 
+def _portable(rng: dict) -> dict:
+    """RNG streams as tensors and JSON scalars (what a checkpoint holds)."""
+    version, internal, gauss = rng["python"]
+    out = {"torch": rng["torch"], "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                                             "gauss": gauss}}
+    if "cuda" in rng:
+        out["cuda"] = list(rng["cuda"])
+    if "numpy" in rng:
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        out["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached": float(cached)}
+    return out
+
+
+def _from_portable(saved: dict) -> dict:
+    python = saved["python"]
+    rng = {"torch": saved["torch"].cpu(),
+           "python": (python["version"], tuple(python["state"].tolist()), python["gauss"])}
+    if "cuda" in saved and torch.cuda.is_available():
+        rng["cuda"] = [t.cpu() for t in saved["cuda"]]
+    if "numpy" in saved and "numpy" in sys.modules:
+        n = saved["numpy"]
+        rng["numpy"] = (n["name"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"])
+    return rng
+
+
 class TrainState:
     """The registered training objects and their last commit snapshot.
 
@@ -57,8 +83,10 @@ class TrainState:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
-                 scaler: Any = None, data: Any = None, extra: Mapping[str, Any] | None = None) -> None:
+                 scaler: Any = None, data: Any = None, extra: Mapping[str, Any] | None = None,
+                 rank: int = 0) -> None:
         self.module = unwrap(model)
+        self.rank = rank
         self.optimizer = optimizer
         self.host: dict[str, Any] = {k: v for k, v in
                                      {"scheduler": scheduler, "scaler": scaler, "data": data, **(extra or {})}.items()
@@ -69,6 +97,7 @@ class TrainState:
         self._buffer_names = [n for n, _ in self.module.named_buffers()]
         self.snapshot: dict[str, Any] | None = None
         self.snapshot_step: int | None = None
+        self.rng_loaded = False  # whether the last load_state_dict set this rank's RNG streams
 
     # ------------------------------------------------------------ snapshots
     def commit(self, step: int) -> None:
@@ -114,15 +143,19 @@ class TrainState:
     def committed_state_dict(self) -> dict:
         """The state at the last commit: current parameters and optimizer
         (unchanged since, outside an update) with the snapshot's buffers and
-        host objects."""
+        host objects, and this rank's RNG streams under ``rng.<rank>``."""
         state = self.state_dict()
         if self.snapshot is not None:
             state["model"].update(self.snapshot["buffers"])
             state["host"] = copy.deepcopy(self.snapshot["host"])
+            state["rng"] = {str(self.rank): _portable(self.snapshot["rng"])}
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a state produced by :meth:`state_dict` on a replica.
+        """Load a state produced by :meth:`state_dict` (or
+        :meth:`committed_state_dict`) here or on a replica. This rank's RNG
+        streams are set when the state holds them (a replica's are not
+        taken: data-parallel ranks may draw from streams of their own).
 
         Raises:
             KeyError/RuntimeError: the state does not fit these objects.
@@ -135,6 +168,10 @@ class TrainState:
             raise KeyError(f"state lacks {sorted(missing)}")
         for name, obj in self.host.items():
             obj.load_state_dict(state["host"][name])
+        own = state.get("rng", {}).get(str(self.rank))
+        self.rng_loaded = own is not None
+        if own is not None:
+            _set_rng_state(_from_portable(own))
 
     def model_and_optimizer(self) -> dict:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
