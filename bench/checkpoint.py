@@ -190,7 +190,13 @@ def table_rows(label: str, measured) -> list[dict]:
 
 def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], dict]:
     """Rows of measures 1-4 for one state, and what the goals judge."""
-    state, label, model, opt, train = made
+    _, label, model, opt, train = made
+    committed = TrainState(model, opt)
+
+    def snapshot_of(step: int) -> dict:  # what the Guard snapshots: the state committed at the end of a step
+        return {"state": {**committed.committed_state_dict(), "step": step}, "history": {"records": [], "pids": {}}}
+    committed.commit(1)  # the Guard commits every step, snapshots or not
+    state = snapshot_of(1)
     tensors = flatten(state)[1]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     src = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
@@ -202,21 +208,26 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict]
 
     saves, dcp_ret, dcp_done = torch_saves(state, reps, tmp)
     shm, root = SnapshotDir.create(job), tmp / f"ckpt-{job}"
-    snaps, committed = Snapshots(shm, 0, count=2), TrainState(model, opt)
+    snaps = Snapshots(shm, 0, count=2)
     blocked, take, persist, raw, flat, plain, with_ckpt = [], [], [], [], [], [], []
 
     def baselines() -> None:
         raw.append(on_disk(tmp / "raw.bin", lambda f: raw_write(f, view), buffering=0))
         flat.append(clock(lambda: dst.copy_(src)))
 
-    def persisted(index: int | None, step: int) -> None:
+    def persisted(index: int | None, step: int) -> float:
+        """Wait for the persist of ``step``; when it was answered."""
         snaps.wait(600)
+        done = time.perf_counter()
         if snaps.errors or index is None or snaps.persisted[-1]["step"] != step:
             raise RuntimeError(f"persist failed: slot {index}, {snaps.errors}")
         for old in CheckpointStore(root).steps()[1:]:  # keep the newest only
             shutil.rmtree(CheckpointStore(root).final_path(old))
+        return done
     try:
         first = [clock(lambda: snaps.take(state, step)) for step in (1, 2)]
+        snaps.take(state, 3, background=True)  # starts the copy thread
+        snaps.settle()
         while snaps.worker.pending:
             snaps.poll(0.5)
         for i in range(reps):
@@ -229,8 +240,7 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict]
             step = 10 + 2 * i
             committed.commit(step)
             t0 = time.perf_counter()
-            index = snaps.take({"state": {**committed.committed_state_dict(), "step": step},
-                                "history": {"records": [], "pids": {}}}, step, background=True)
+            index = snaps.take(snapshot_of(step), step, background=True)
             snaps.persist(index, step, root=str(root), name=NAME, finalize=FINALIZE)
             t1, waited = time.perf_counter(), snaps.waited
             with_ckpt.append(t1 - t0 + clock(lambda: train(snaps.settle)))
@@ -238,12 +248,13 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict]
             persisted(index, step)
             # The copy alone (measure 2) and the persist alone (measure 3).
             step += 1
+            committed.commit(step)
+            state = snapshot_of(step)
             t0 = time.perf_counter()
             index = snaps.take(state, step)
             t1 = time.perf_counter()
             snaps.persist(index, step, root=str(root), name=NAME, finalize=FINALIZE)
-            persisted(index, step)
-            persist.append(time.perf_counter() - t1)
+            persist.append(persisted(index, step) - t1)
             take.append(t1 - t0)
             if i % 2 == 1:
                 baselines()
