@@ -31,9 +31,11 @@ synthetic ~1 GB state (fp32 params in 400 tensors + AdamW state; ~100 MB with
    ``load_state_dict`` and write the optimizer state once in place (a mapped
    file's pages are copied there, not at the first step).
 5. **throughput of the ResNet-50 example** (``trainguard run``, 2 CPU ranks),
-   snapshot every step and persist every K, against no checkpoints; launches
-   alternate; rank 0's per-step times from its log, first 3 left out; the
-   goal takes the median over launch pairs undisturbed by other processes.
+   snapshot every step and persist every K, against no checkpoints, and
+   beside them the same snapshots copied in line
+   (``TRAINGUARD_SNAPSHOT_OVERLAP=0``); launch triples in rotated order;
+   rank 0's per-step times from its log, first 3 left out; the goal takes
+   the median over triples undisturbed by other processes.
 6. **GPU** (CUDA only; ``--gpu-only`` runs this alone): the same two states on
    the GPU, blocked per checkpoint as in 1, and take()'s device-to-host
    bandwidth against one flat copy_ into pinned memory.
@@ -346,10 +348,13 @@ def cpu_seconds() -> float:
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK") - sum(r.ru_utime + r.ru_stime for r in ours)
 
 
-def train(tmp: Path, tag: str, steps: int, every: int, snapshot: bool) -> tuple[list[float], dict, float]:
+def train(tmp: Path, tag: str, steps: int, every: int, snapshot: bool,
+          overlap: bool = True) -> tuple[list[float], dict, float]:
     """Rank 0's per-step times in one ``trainguard run`` of the example, its report, and the CPU cores
-    other processes used meanwhile (other work on the machine skews the comparison)."""
+    other processes used meanwhile (other work on the machine skews the comparison); ``overlap`` off:
+    snapshots copied in line (``TRAINGUARD_SNAPSHOT_OVERLAP=0``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env["TRAINGUARD_SNAPSHOT_OVERLAP"] = "1" if overlap else "0"
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--job-id", tag,
            str(EXAMPLE / "train.py"), f"steps={steps}", "log_every=1", f"report={tag}.json",
            f"checkpoint_dir={tag}-ckpt", f"save_every={every if snapshot else 0}",
@@ -401,24 +406,32 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
 
-        base, ckpt, reports, busy = [], [], [], [0.0] * pairs  # per launch: rank 0's step times
+        # Per launch, rank 0's step times: no checkpoints, snapshots beside the next step (the default),
+        # snapshots in line; each triple in a rotated order.
+        modes = {"base": (False, True), "ckpt": (True, True), "inline": (True, False)}
+        runs, reports, busy = {m: [] for m in modes}, [], [0.0] * pairs
         for p in range(pairs):
-            for snapshot in ((False, True) if p % 2 == 0 else (True, False)):
-                times, rep, others = train(tmp, f"{job}-{'ckpt' if snapshot else 'base'}{p}", steps, every, snapshot)
-                (ckpt if snapshot else base).append(times[skip:])
+            order = list(modes)[p % 3:] + list(modes)[:p % 3]
+            for mode in order:
+                times, rep, others = train(tmp, f"{job}-{mode}{p}", steps, every, *modes[mode])
+                runs[mode].append(times[skip:])
                 busy[p] = max(busy[p], others)
-                if snapshot:
+                if mode == "ckpt":
                     reports.append(rep.get("snapshots"))
+    base, ckpt = runs["base"], runs["ckpt"]
     label, ratios = "ResNet-50 example, 2 ranks, SGD", [100 * mean(b) / mean(c) for b, c in zip(base, ckpt)]
-    quiet = [r for r, b in zip(ratios, busy) if b < 0.25]  # pairs no other work disturbed
-    for method, runs in (("no checkpoints", base), (f"snapshot every step, persist every {every}", ckpt)):
-        times = [t for run in runs for t in run]
+    inline = [100 * mean(b) / mean(c) for b, c in zip(base, runs["inline"])]
+    quiet = [r for r, b in zip(ratios, busy) if b < 0.25]  # launches no other work disturbed
+    for method, mode in (("no checkpoints", "base"), (f"snapshot every step, persist every {every}", "ckpt"),
+                         ("... the snapshot copied in line (TRAINGUARD_SNAPSHOT_OVERLAP=0)", "inline")):
+        times = [t for run in runs[mode] for t in run]
         rows.append({"measure": "5 throughput", "state": label, "method": method, "seconds": mean(times),
                      "note": f"s/step; {1 / mean(times):.3g} steps/s over {len(times)} steps, {pairs} launches"})
-    rows[-1]["note"] += "; per pair ckpt/base " + ", ".join(f"{r:.1f}% ({b:.2f} other cores)"
-                                                          for r, b in zip(ratios, busy))
+    rows[-2]["note"] += "; per launch triple ckpt/base " + ", ".join(f"{r:.1f}% ({b:.2f} other cores)"
+                                                                    for r, b in zip(ratios, busy))
+    rows[-1]["note"] += "; per triple inline/base " + ", ".join(f"{r:.1f}%" for r in inline)
     goals.append(common.Goal(f"ResNet-50 example: throughput with snapshots / without (median of "
-                             f"{len(quiet or ratios)} {'quiet ' if quiet else ''}launch pairs)", med(quiet or ratios),
+                             f"{len(quiet or ratios)} {'quiet ' if quiet else ''}launch triples)", med(quiet or ratios),
                              97, "%", True))
 
     if torch.cuda.is_available():
@@ -442,10 +455,11 @@ def main() -> None:
              "safetensors (maps the file); both then load_state_dict and "
              "add_(0) on every optimizer state tensor. drop_caches drops the guest's page cache only",
         "5": f"`trainguard run --nproc-per-node 2 examples/resnet50/train.py steps={steps} save_every={every} "
-             f"snapshot_every=1` vs `save_every=0 snapshot_every=0` (default optimizer SGD, batch 8, 32x32), "
-             f"{pairs} alternating launch pair(s); per pair, mean of rank 0's logged step times (first {skip} left "
-             f"out); the goal: median over pairs where other processes used < 0.25 cores (else over all)"},
-        "6": NOTE_6, "per_state": per_state, "step_times_s": {"base": base, "ckpt": ckpt}, "snapshot_reports": reports,
+             f"snapshot_every=1` vs `save_every=0 snapshot_every=0` (default optimizer SGD, batch 8, 32x32), and the "
+             f"first again with TRAINGUARD_SNAPSHOT_OVERLAP=0; {pairs} launch triples in rotated order; per launch, "
+             f"mean of rank 0's logged step times (first {skip} left out); the goal: median over triples where "
+             f"other processes used < 0.25 cores (else over all)"},
+        "6": NOTE_6, "per_state": per_state, "step_times_s": runs, "snapshot_reports": reports,
         "shm_left": left, "tmp_dir": tempfile.gettempdir(), "load_avg": {"start": load_avg, "end": os.getloadavg()},
         "trainguard_tree": {"start": tree_at_start, "end": tree()}}
     common.report("checkpoint", rows, ["measure", "state", "method", "seconds", "GB_s", "note"], goals,

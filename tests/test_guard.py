@@ -106,6 +106,22 @@ def test_a_snapshot_copied_beside_the_next_step_holds_its_own_step(world, monkey
     guard.close()
 
 
+def test_snapshots_copied_in_line_when_overlap_is_off_and_a_bad_value_is_refused(world, monkeypatch):
+    from trainguard.adapters.torch.checkpoints import snapshot_overlap
+
+    monkeypatch.setenv("TRAINGUARD_SNAPSHOT_OVERLAP", "yes")
+    with pytest.raises(ConfigError, match="TRAINGUARD_SNAPSHOT_OVERLAP='yes'"):
+        snapshot_overlap()
+    monkeypatch.setenv("TRAINGUARD_SNAPSHOT_OVERLAP", "0")
+    monkeypatch.setenv("TRAINGUARD_SNAPSHOT_ROOT", str(world))
+    model, opt = make()
+    guard = Guard(model, opt, snapshot_every=1)
+    train(guard, model, 2)
+    assert guard.snapshots.pending is None and guard.snapshots._copier is None  # no copy ever left running
+    assert guard.snapshots.holding(2) is not None and guard.snapshots.taken == 2
+    guard.close()
+
+
 def test_ddp_keeps_its_initial_bucket_layout_when_summation_order_matters(world):
     # With 3+ ranks, a rebuild after the first step would make a relaunched
     # process (which starts with the initial layout) sum gradients in another

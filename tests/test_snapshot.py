@@ -189,6 +189,26 @@ def test_a_background_copy_commits_and_seals_on_its_own_and_a_persist_waits_for_
         snaps.close()
 
 
+def test_a_save_overtaken_by_a_newer_final_checkpoint_is_not_finalised(shm, tmp_path):
+    """A dying gasp at step 6 finalised before the background save of step 4
+    reached the worker: step 4 is refused and the tracker keeps step 6."""
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(root)
+    info = store.write(6, "shard_k0_r0.pt", lambda f: f.write(b"dump"))
+    store.finalize(6, [info], layout={"world_size": 1})
+    snaps = Snapshots(shm, 0, count=2)
+    try:
+        index = snaps.take(_state(4), 4)
+        snaps.persist(index, 4, root=str(root), name="shard_k0_r0.safetensors",
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {"world_size": 1}, "meta": {}})
+        snaps.wait(60)
+        assert snaps.persisted == [] and snaps.errors == \
+            ["step 4: step 4 not finalised: the newer step 6 is final already"]
+        assert CheckpointStore(root).tracked_step() == 6 and CheckpointStore(root).steps() == [6]
+    finally:
+        snaps.close()
+
+
 def test_staged_copies_gather_small_tensors_and_read_back_exactly(shm):
     """The staging path (taken by CUDA tensors; forced here on the host):
     runs of small tensors gathered by dtype, a tensor larger than the buffer

@@ -56,17 +56,39 @@ def test_crash_dump_reuses_the_snapshot_and_the_restart_loads_from_memory(job_ru
     assert "reuses its snapshot in memory" in job.log, job
 
 
-def test_random_streams_of_every_rank_come_back_from_memory(job_runner):
-    """With dropout drawing from each rank's own global RNG, a restart from
-    memory sets each rank's streams as they were at the step it resumes."""
-    env = {"SNAP_DROPOUT": "1"}
-    clean = _job(job_runner, "dropout-clean", env=env)
-    assert clean.rc == 0, clean
-    job = _job(job_runner, "dropout-crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"], env=env)
+DROPOUT = {"SNAP_DROPOUT": "1"}  # dropout drawing from each rank's own global RNG
+
+
+@pytest.fixture(scope="module")
+def dropout_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dropout-clean")
+    job = _job(lambda name, **kw: run_job(tmp, name, **kw), "clean", env=DROPOUT)
+    assert job.rc == 0, job
+    return job.report["final_state_sha256"]
+
+
+def test_random_streams_of_every_rank_come_back_from_memory(job_runner, dropout_free):
+    """A restart from memory sets each rank's streams as they were at the
+    step it resumes."""
+    job = _job(job_runner, "dropout-crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"],
+               env=DROPOUT)
     assert job.rc == 0, job
     assert {rank: rep["snapshots"]["resumed_from"] for rank, rep in _rank_reports(job).items()} == \
         {0: {"step": 6, "source": "memory"}, 1: {"step": 6, "source": "memory"}}, job
-    assert job.report["final_state_sha256"] == clean.report["final_state_sha256"], job
+    assert job.report["final_state_sha256"] == dropout_free, job
+
+
+def test_random_streams_of_a_rank_that_saves_no_shard_come_back_from_storage(job_runner, dropout_free):
+    """Rank 0 saves the shard (with its own streams); rank 1 writes its
+    streams beside it, and takes them back when it resumes from storage."""
+    job = _job(job_runner, "dropout-storage", fault="crash:rank=1,step=7", strategies="exit",
+               extra_args=["--max-restarts", "1"], env={**DROPOUT, "CORRUPT_ON_RESTART": "1"})
+    assert job.rc == 0, job
+    assert _rank_reports(job)[1]["snapshots"]["resumed_from"] == {"step": 4, "source": "storage"}, job
+    manifest = json.loads((job.ckpt / "step_00000004" / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["rng_r1.pt", "shard_k0_r0.safetensors"], manifest
+    assert "random streams" not in job.log, job  # every rank found its own
+    assert job.report["final_state_sha256"] == dropout_free, job
 
 
 def test_corrupt_snapshot_in_memory_falls_back_to_storage(job_runner, fault_free):

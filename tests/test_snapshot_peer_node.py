@@ -71,6 +71,18 @@ def run_nodes(tmp: Path, name: str, *, lose_after_s: float = 0.0) -> tuple[list,
                 time.sleep(0.05)
             time.sleep(lose_after_s)
             victim = next(n for n, log in zip(nodes, logs) if not any("controller listening" in x for x in list(log)))
+            # Kill just after a push of rank 1's newest snapshot landed on the other node: its next
+            # snapshot is a step (0.1 s of sleep) away, so the peer holds the step the dump locks.
+            copy = Path(f"/dev/shm/trainguard-{job}-{next(n for n in nodes if n is not victim).pid}/peer/r1")
+
+            def pushed() -> int | None:
+                try:
+                    return copy.stat().st_ino  # each push renames a new file into place
+                except FileNotFoundError:
+                    return None
+            seen, until = pushed(), time.time() + 30
+            while pushed() == seen and time.time() < until:
+                time.sleep(0.002)
             workers = subprocess.run(["pgrep", "-P", str(victim.pid)], capture_output=True, text=True).stdout.split()
             for pid in [victim.pid, *map(int, workers)]:
                 os.kill(pid, signal.SIGKILL)

@@ -57,7 +57,10 @@ ENV: Mapping[str, str] = {
                                  "memory every this many iterations; periodic saves then persist it in the "
                                  "background (default 0: off)",
     "TRAINGUARD_SNAPSHOTS_IN_MEMORY": "... snapshot slots per rank, each the size of the rank's state (default 2)",
+    "TRAINGUARD_SNAPSHOT_OVERLAP": "torch Guard: 1 (default) copies a snapshot beside the next step, whose optimizer "
+                                   "update waits for it; 0 copies it in line (parameters changed outside updates)",
     "TRAINGUARD_SNAPSHOT_ROOT": "where snapshot directories live in shared memory (default /dev/shm)",
+    "TRAINGUARD_PERSIST_PARENT": "set by a trainer for its persist worker: the trainer's pid (do not set by hand)",
     "TRAINGUARD_SNAPSHOT_DIR": "set by the node agent: this node's snapshot directory (do not set by hand)",
     "TRAINGUARD_SNAPSHOT_PEER": "set by the node agent: host:port of the next node's snapshot copies (do not set by hand)",
     "TRAINGUARD_STORE_ROUND": "set by the node agent: names this round's worker store, the same on every node "

@@ -24,9 +24,10 @@ from typing import Sequence
 
 import torch
 
-from trainguard.core import CheckpointError
+from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified, shard_file
 from trainguard.core.history import JobHistory
+from trainguard.core.snapshot.persist import write_record
 from trainguard.core.snapshot.ring import check_settings, directory_for, load_verified, resume
 
 from .handlers import read_shard, shard_name
@@ -54,6 +55,7 @@ class Checkpoints(JobHistory):
             ConfigError: see :func:`~trainguard.core.snapshot.ring.check_settings`.
         """
         check_settings(every, count, self.save_every)
+        self.snapshot_overlap = snapshot_overlap()
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
         if not every:
             return
@@ -74,6 +76,7 @@ class Checkpoints(JobHistory):
         wait that long for a slot a persist still holds; with ``background``,
         host state is copied while training goes on (:meth:`settle_snapshot`
         before the next update)."""
+        background = background and self.snapshot_overlap
         index = self.snapshots.take(self.snapshot_state(step), step, background=background)
         if index is None and wait_s:
             log.warning("rank %d: every snapshot slot is being persisted; waiting for one", self.rank)
@@ -118,9 +121,16 @@ class Checkpoints(JobHistory):
         state["step"] = step
         return self.store.write(step, shard_name(copies), lambda f: torch.save(state, f))
 
-    def finalize_checkpoint(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
+    def write_rng(self, step: int) -> FileInfo:
+        """This rank's RNG streams at ``step`` as a file of its checkpoint
+        (written by the ranks that save no shard: a shard holds its saver's)."""
+        rng = self.state.committed_rng()
+        return self.store.write(step, rng_file(self.rank), lambda f: torch.save(rng, f))
+
+    def finalize_checkpoint(self, step: int, shards: Sequence[SavedShard], history: dict,
+                            extra: Sequence[FileInfo] = ()) -> None:
         self.store.finalize(
-            step, [f for s in shards for f in s.files],
+            step, [f for s in shards for f in s.files] + list(extra),
             layout={"world_size": self.world_size, "shards": [s.describe() for s in shards]},
             meta={"history": history, "finalised_by": self.rank})
 
@@ -150,10 +160,18 @@ class Checkpoints(JobHistory):
         shards = sorted({tuple(c for c in group.copies(r)) for r in members})
         savers = {min(c for c in copies if c in members): copies for copies in shards}
         if self.rank not in savers:
+            try:
+                written = self.write_rng(step)
+            except CheckpointError as e:  # as a persist that fails: reported, training goes on
+                self.snapshots.errors.append(f"step {step}: {e}")
+                log.error("rank %d: %s", self.rank, e)
+                written = FileInfo(rng_file(self.rank), -1, "")
+            write_record(self.store, step, written)
             return
         finalize = None
         if self.rank == members[0]:
-            finalize = {"expected": [shard_file(0, c, ".safetensors") for c in savers.values()],
+            finalize = {"expected": [shard_file(0, c, ".safetensors") for c in savers.values()] +
+                                    [rng_file(r) for r in members if r not in savers],
                         "timeout_s": self.save_timeout_s, "keep": self.store.keep,
                         "layout": {"world_size": self.world_size, "shards": [
                             {"kind": 0, "copies": list(c), "full": group.replica_cnt == len(group.rank_list),
@@ -172,11 +190,15 @@ class Checkpoints(JobHistory):
             info = self.write_shard(step)
             mine = {"copies": copies, "full": group.replica_cnt == len(group.rank_list),
                     "file": [info.name, info.bytes, info.sha256]}
-        shards = [s for s in self.process_group.all_gather_json(mine, self.device.torch_device) if s]
+        else:
+            info = self.write_rng(step)
+            mine = {"rng": [info.name, info.bytes, info.sha256]}
+        every = self.process_group.all_gather_json(mine, self.device.torch_device)
         if self.rank == members[0]:
             saved = [SavedShard(kind=0, copies=tuple(s["copies"]), full=s["full"], rank=min(s["copies"]),
-                                files=(FileInfo(*s["file"]),)) for s in shards]
-            self.finalize_checkpoint(step, saved, self.merged_history({}))
+                                files=(FileInfo(*s["file"]),)) for s in every if "file" in s]
+            self.finalize_checkpoint(step, saved, self.merged_history({}),
+                                     extra=[FileInfo(*s["rng"]) for s in every if "rng" in s])
 
     def _load(self) -> int:
         """Load the newest step every rank can load -- from this node's
@@ -211,6 +233,12 @@ class Checkpoints(JobHistory):
         path = found.file(mine["files"][0])
         state = read_stored_snapshot(path, self.device.torch_device) if path.suffix == ".safetensors" else \
             read_shard(path, self.device.torch_device)
+        own = rng_file(self.rank)
+        if str(self.rank) not in state.get("rng", {}) and own in found.manifest.get("files", {}):
+            try:
+                state.setdefault("rng", {}).update(torch.load(found.file(own), weights_only=True))
+            except Exception as e:  # noqa: BLE001 - torch.load raises many kinds; the file passed its checksum
+                raise CheckpointError(f"{found.file(own)} is not a readable RNG file: {e}") from None
         self.state.load_state_dict(state)
         self.history = found.manifest.get("meta", {}).get("history", self.history)
         self.resumed_from = {"step": found.step, "source": "storage"}
@@ -219,6 +247,23 @@ class Checkpoints(JobHistory):
             log.warning("rank %d: %s holds rank %s's random streams, not this rank's: they go on as this process "
                         "seeded them", self.rank, path.name, "/".join(state.get("rng", {})) or "no")
         return found.step
+
+
+def snapshot_overlap() -> bool:
+    """Whether snapshots are copied beside the next step (``TRAINGUARD_SNAPSHOT_OVERLAP``, default 1).
+
+    Raises:
+        ConfigError: a value other than 0 or 1.
+    """
+    overlap = os.environ.get("TRAINGUARD_SNAPSHOT_OVERLAP", "1")
+    if overlap not in ("0", "1"):
+        raise ConfigError(f"TRAINGUARD_SNAPSHOT_OVERLAP={overlap!r}: use 1 (copy beside the next step) or 0 (in line)")
+    return overlap == "1"
+
+
+def rng_file(rank: int) -> str:
+    """The file of a checkpoint holding the RNG streams of ``rank`` (a rank that saves no shard)."""
+    return f"rng_r{rank}.pt"
 
 
 def read_stored_snapshot(path, device: torch.device) -> dict:

@@ -148,8 +148,12 @@ class TrainState:
         if self.snapshot is not None:
             state["model"].update(self.snapshot["buffers"])
             state["host"] = copy.deepcopy(self.snapshot["host"])
-            state["rng"] = {str(self.rank): _portable(self.snapshot["rng"])}
+            state["rng"] = self.committed_rng()
         return state
+
+    def committed_rng(self) -> dict:
+        """This rank's RNG streams at the last commit, as ``{"<rank>": streams}``."""
+        return {str(self.rank): _portable(self.snapshot["rng"])} if self.snapshot is not None else {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load a state produced by :meth:`state_dict` (or

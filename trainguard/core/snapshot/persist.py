@@ -55,6 +55,17 @@ def _record_path(tmp: Path, name: str) -> Path:
     return tmp / RECORDS / (name.replace("/", "__") + ".json")
 
 
+def write_record(store: CheckpointStore, step: int, info: FileInfo) -> None:
+    """Record a file written into ``step``'s temporary directory, for the
+    finalising persist to collect (whole or not at all: it may read at once);
+    ``bytes=-1``: it could not be written, and the step is not finalised."""
+    record = _record_path(store.tmp_path(step), info.name)
+    record.parent.mkdir(exist_ok=True)
+    part = record.with_suffix(".part")
+    part.write_text(json.dumps([info.name, info.bytes, info.sha256, info.xxh3]))
+    os.replace(part, record)
+
+
 def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Future | None = None) -> dict:
     """Write the slot's payload as a checkpoint file; ``sealing``: the seal of
     that slot already under way on the seal thread (its checksum is taken
@@ -63,6 +74,7 @@ def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Futu
     storage is in the peer's memory too, as when seals ran in line)."""
     store = CheckpointStore(req["root"], NAMINGS[req["naming"]], keep=req.get("keep", 0))
     step, name = req["step"], req["name"]
+    _not_superseded(store, step)
     slot = Slot(Path(req["slot"]))
     try:
         slot.lock(False, block=True)
@@ -91,14 +103,12 @@ def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Futu
             payload.release()
     finally:
         slot.close()
+    write_record(store, step, written)
     tmp = store.tmp_path(step)
-    record = _record_path(tmp, name)
-    record.parent.mkdir(exist_ok=True)
-    record.write_text(json.dumps([written.name, written.bytes, written.sha256, written.xxh3]))
     reply = {"file": [written.name, written.bytes, written.sha256, written.xxh3], "final": None}
     fin = req.get("finalize")
     if fin:
-        files = _await_records(tmp, fin["expected"], fin.get("timeout_s", 1800.0), parent)
+        files = _await_records(tmp, fin["expected"], fin.get("timeout_s", 1800.0), parent, store, step)
         for p in (tmp / RECORDS).iterdir():
             p.unlink()
         (tmp / RECORDS).rmdir()
@@ -107,12 +117,27 @@ def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Futu
     return reply
 
 
-def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int) -> list[FileInfo]:
+def _not_superseded(store: CheckpointStore, step: int) -> None:
+    """Raises CheckpointError when a newer step is final already (a dying
+    gasp that overtook this save): finalising this one would move the
+    tracker back, and the newer one's finalise removed its other files."""
+    newest = store.tracked_step()
+    if newest is not None and newest > step:
+        raise CheckpointError(f"step {step} not finalised: the newer step {newest} is final already")
+
+
+def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int,
+                   store: CheckpointStore, step: int) -> list[FileInfo]:
     deadline, orphaned = time.monotonic() + timeout_s, None
     while True:
+        _not_superseded(store, step)
         paths = [_record_path(tmp, n) for n in expected]
         if all(p.is_file() for p in paths):
-            return [FileInfo(*json.loads(p.read_text())) for p in paths]
+            files = [FileInfo(*json.loads(p.read_text())) for p in paths]
+            failed = [f.name for f in files if f.bytes < 0]  # its rank could not write it (see write_record)
+            if failed:
+                raise CheckpointError(f"step {tmp.name}: {failed[:4]} could not be written; not finalised")
+            return files
         now = time.monotonic()
         if orphaned is None and os.getppid() != parent:
             orphaned = now
@@ -154,7 +179,8 @@ def _serve(stdin: Any, stdout: Any) -> None:
     """Requests in order on this thread; seals (and their peer pushes) on a
     second one, so a persist of a slot being sealed writes the file while
     the checksum pass runs, and takes its result."""
-    parent = os.getppid()
+    # The trainer, named by it: a worker that starts after its trainer died has another parent already.
+    parent = int(os.environ.get("TRAINGUARD_PERSIST_PARENT", os.getppid()))
     todo: collections.deque = collections.deque()
     cond, out_lock = threading.Condition(), threading.Lock()
     done = threading.Event()
@@ -237,7 +263,9 @@ class PersistWorker:
             self._proc = subprocess.Popen([sys.executable, "-c", "from trainguard.core.snapshot.persist import main; "
                                                            "main()"],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                          env={**os.environ, **(self._env or {})}, start_new_session=False)
+                                          env={**os.environ, **(self._env or {}),
+                                               "TRAINGUARD_PERSIST_PARENT": str(os.getpid())},
+                                          start_new_session=False)
             proc = self._proc
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()
         return self._proc
