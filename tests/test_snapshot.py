@@ -176,9 +176,13 @@ def test_a_background_copy_commits_and_seals_on_its_own_and_a_persist_waits_for_
             raise RuntimeError("no memory")
         monkeypatch.setattr(module, "_copy", broken)
         bad = snaps.take(_state(2), 2, background=True)
-        snaps.settle()
-        assert snaps.errors == ["step 2: the snapshot copy failed: no memory"]
+        snaps.persist(bad, 2, root=str(root), name="shard_k0_r0.safetensors",
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {"world_size": 1}, "meta": {}})
+        snaps.wait(60)
+        assert snaps.errors == ["step 2: the snapshot copy failed: no memory",
+                                f"step 2: slot {snaps.slots[bad].path.name} no longer holds step 2"]
         assert snaps.slots[bad].info().state is State.WRITING and snaps.holding(2) is None
+        assert CheckpointStore(root).steps() == [1]
         monkeypatch.setattr(module, "_copy", real)
         _wait_sealed(snaps, snaps.take(_state(3), 3, background=True))
         assert sorted(snaps.available()) == [1, 3]
@@ -207,6 +211,27 @@ def test_a_save_overtaken_by_a_newer_final_checkpoint_is_not_finalised(shm, tmp_
         assert CheckpointStore(root).tracked_step() == 6 and CheckpointStore(root).steps() == [6]
     finally:
         snaps.close()
+
+
+def test_a_shard_that_fails_on_its_rank_stops_the_finaliser_waiting(shm, tmp_path):
+    """Rank 1's persist fails (its slot no longer holds the step): it leaves a
+    failed record, and rank 0's worker, finalising, gives up at once rather
+    than waiting its timeout for the file."""
+    root = tmp_path / "ckpt"
+    fin = {"expected": ["a.safetensors", "b.safetensors"], "timeout_s": 600, "layout": {"world_size": 2},
+           "meta": {}}
+    zero, one = Snapshots(shm, 0, count=1), Snapshots(shm, 1, count=1)
+    try:
+        one.persist(one.take(_state(1), 1), 5, root=str(root), name="b.safetensors", finalize=None)
+        zero.persist(zero.take(_state(5), 5), 5, root=str(root), name="a.safetensors", finalize=fin)
+        one.wait(60)
+        zero.wait(60)
+        assert one.errors == [f"step 5: slot {one.slots[0].path.name} no longer holds step 5"]
+        assert zero.errors == ["step 5: step_00000005_tmp: ['b.safetensors'] could not be written; not finalised"]
+        assert CheckpointStore(root).steps() == []
+    finally:
+        zero.close()
+        one.close()
 
 
 def test_staged_copies_gather_small_tensors_and_read_back_exactly(shm):

@@ -10,9 +10,12 @@ called by the recovery handlers.
 With ``snapshot_every`` set, the state is copied into shared memory every
 that many steps (:mod:`.snapshot`; beside the next step, settled before its
 update) and periodic saves become asynchronous: the persist worker writes
-the snapshot of a save step while training goes on. At start, every rank lists the steps it can load (its verified
-snapshots in this node's memory, the newest complete checkpoint on storage);
-all resume at the newest step every rank has, from memory where they can.
+the snapshot of a save step while training goes on. At start, every rank
+lists the steps it can load (its verified snapshots in this node's memory,
+the newest complete checkpoint on storage); all resume at the newest step
+every rank has, from memory where they can. Each rank's RNG streams travel
+with its snapshot, its shard, or (a rank that saves no shard) its own
+``rng_r<rank>.pt`` of a periodic save.
 """
 
 from __future__ import annotations
@@ -244,8 +247,8 @@ class Checkpoints(JobHistory):
         self.resumed_from = {"step": found.step, "source": "storage"}
         log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
         if not self.state.rng_loaded:
-            log.warning("rank %d: %s holds rank %s's random streams, not this rank's: they go on as this process "
-                        "seeded them", self.rank, path.name, "/".join(state.get("rng", {})) or "no")
+            log.warning("rank %d: %s holds no random streams of this rank (a dying gasp saves its savers' only): "
+                        "they go on as this process seeded them", self.rank, found.path.name)
         return found.step
 
 

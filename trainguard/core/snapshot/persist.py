@@ -60,7 +60,7 @@ def write_record(store: CheckpointStore, step: int, info: FileInfo) -> None:
     finalising persist to collect (whole or not at all: it may read at once);
     ``bytes=-1``: it could not be written, and the step is not finalised."""
     record = _record_path(store.tmp_path(step), info.name)
-    record.parent.mkdir(exist_ok=True)
+    record.parent.mkdir(parents=True, exist_ok=True)  # a failed record may come first
     part = record.with_suffix(".part")
     part.write_text(json.dumps([info.name, info.bytes, info.sha256, info.xxh3]))
     os.replace(part, record)
@@ -73,6 +73,33 @@ def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Futu
     included, waited for before the file counts as written (so a step on
     storage is in the peer's memory too, as when seals ran in line)."""
     store = CheckpointStore(req["root"], NAMINGS[req["naming"]], keep=req.get("keep", 0))
+    step, name = req["step"], req["name"]
+    try:
+        written = _write(req, store, sealing, pushed)
+    except (CheckpointError, OSError):
+        newest = store.tracked_step()
+        if newest is None or newest <= step:  # (a superseded step's directory is gone: leave it so)
+            try:  # the finalising rank's worker stops waiting for this file
+                write_record(store, step, FileInfo(name, -1, ""))
+            except OSError:
+                pass
+        raise
+    write_record(store, step, written)
+    tmp = store.tmp_path(step)
+    reply = {"file": [written.name, written.bytes, written.sha256, written.xxh3], "final": None}
+    fin = req.get("finalize")
+    if fin:
+        files = _await_records(tmp, fin["expected"], fin.get("timeout_s", 1800.0), parent, store, step)
+        for p in (tmp / RECORDS).iterdir():
+            p.unlink()
+        (tmp / RECORDS).rmdir()
+        reply["final"] = str(store.finalize(step, files, layout=fin.get("layout"), meta=fin.get("meta"),
+                                            rehash=False))
+    return reply
+
+
+def _write(req: dict, store: CheckpointStore, sealing: Future | None, pushed: Future | None) -> FileInfo:
+    """:func:`_persist`'s file: the slot's payload, with the checksum it was sealed with."""
     step, name = req["step"], req["name"]
     _not_superseded(store, step)
     slot = Slot(Path(req["slot"]))
@@ -103,18 +130,7 @@ def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Futu
             payload.release()
     finally:
         slot.close()
-    write_record(store, step, written)
-    tmp = store.tmp_path(step)
-    reply = {"file": [written.name, written.bytes, written.sha256, written.xxh3], "final": None}
-    fin = req.get("finalize")
-    if fin:
-        files = _await_records(tmp, fin["expected"], fin.get("timeout_s", 1800.0), parent, store, step)
-        for p in (tmp / RECORDS).iterdir():
-            p.unlink()
-        (tmp / RECORDS).rmdir()
-        reply["final"] = str(store.finalize(step, files, layout=fin.get("layout"), meta=fin.get("meta"),
-                                            rehash=False))
-    return reply
+    return written
 
 
 def _not_superseded(store: CheckpointStore, step: int) -> None:
@@ -136,14 +152,14 @@ def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int
             files = [FileInfo(*json.loads(p.read_text())) for p in paths]
             failed = [f.name for f in files if f.bytes < 0]  # its rank could not write it (see write_record)
             if failed:
-                raise CheckpointError(f"step {tmp.name}: {failed[:4]} could not be written; not finalised")
+                raise CheckpointError(f"{tmp.name}: {failed[:4]} could not be written; not finalised")
             return files
         now = time.monotonic()
         if orphaned is None and os.getppid() != parent:
             orphaned = now
         missing = [n for n, p in zip(expected, paths) if not p.is_file()]
         if now > deadline or (orphaned is not None and now - orphaned > ORPHAN_GRACE_S):
-            raise CheckpointError(f"step {tmp.name}: {missing[:4]} never arrived; not finalised")
+            raise CheckpointError(f"{tmp.name}: {missing[:4]} never arrived; not finalised")
         time.sleep(0.05)
 
 

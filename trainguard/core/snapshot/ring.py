@@ -151,15 +151,14 @@ class SnapshotRing:
             try:
                 pending.copying.result()
             except Exception as e:  # noqa: BLE001 - the copy's error belongs to this snapshot, not to training
-                self.pinned.pop(pending.index, None)
                 self.errors.append(f"step {pending.step}: the snapshot copy failed: {e}")
                 log.error("rank %d: copying the snapshot of step %d failed: %s", self.rank, pending.step, e)
-                return
+            else:
+                self._held(pending.index, pending.step)
             finally:
                 self.waited += time.perf_counter() - t
             del self.pinned[pending.index]
-            self._held(pending.index, pending.step)
-            for request in pending.persists:
+            for request in pending.persists:  # after a failed copy the worker refuses them, and says so
                 self.persist(pending.index, pending.step, **request)
 
     def _free_slot(self) -> int | None:
