@@ -14,6 +14,11 @@ from pathlib import Path
 from conftest import WORKERS
 
 STEPS = 6
+#: MindSpore's cluster retries and heartbeats wait a random whole number of
+#: seconds between these two (default 3 and 5): a worker's exit joins its
+#: heartbeat thread, and a registration that came too early waits for its
+#: next try. One second each keeps a small job from idling seconds at both.
+FAST_CLUSTER = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 
 
 def free_port() -> int:
@@ -44,7 +49,7 @@ def run_ms(tmp: Path, name: str, *, fault: str | None = None, strategies: str | 
     logs = tmp / f"{name}-logs"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MS_"))}
     # The survivors of a killed worker leave their collective after this long (MindSpore's default is ~30 s).
-    full_env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "MS_CPU_COMM_OP_TIMEOUT": "10",
+    full_env.update({**FAST_CLUSTER, "TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "MS_CPU_COMM_OP_TIMEOUT": "10",
                      "PYTHONUNBUFFERED": "1",
                      # as in an activated environment: plain msrun starts `python` from PATH
                      "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _assert_no_stray_processes
+from ms_jobs import FAST_CLUSTER
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "resnet50" / "train_mindspore.py"
@@ -56,7 +57,7 @@ def free_port() -> int:
 def example(tmp: Path, name: str, *, fault: str | None = None, guard: bool = True) -> Run:
     """One launch of the example: ``trainguard run --framework mindspore``,
     or plain msrun for ``guard=False``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, **FAST_CLUSTER}
     # msrun starts `python SCRIPT`: the test's interpreter, the one MindSpore is in.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     if fault:

@@ -47,7 +47,9 @@ def test_switch_toggles_markers_while_the_job_runs(tmp_path):
         time.sleep(1.0)  # polls of the malformed file go by
         for name, text in (("markers", NO_COMM), ("comm", ALL_ON), ("off", ALL_OFF)):
             marks[name] = time.time()
-            switch.write_text(text)
+            tmp = prof / "profilingSwitch.new"  # replaced whole, as a ConfigMap update does: a poll
+            tmp.write_text(text)                # between truncate and write would read an empty file
+            tmp.replace(switch)
             time.sleep(3.0)
 
     toggler = threading.Thread(target=toggle)

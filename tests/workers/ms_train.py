@@ -61,3 +61,4 @@ if rank == 0:
 print(f"rank {rank} done at step {out['steps_completed']}", flush=True)
 if __import__("os").environ.get("MS_TRAIN_DUMP"):
     np.savez(f"{__import__('os').environ['MS_TRAIN_DUMP']}_{rank}.npz", **guard.state.arrays())
+__import__("gc").freeze()  # exit without a last full collection of the heap: ~1 s of CPU per worker

@@ -12,6 +12,7 @@ dying-gasp checkpoint (relaunch the same command to resume); 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -132,3 +133,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainguardError as e:
         print(f"trainguard run: {e}", file=sys.stderr)
         return 2
+    finally:
+        gc.freeze()  # the process ends: skip the last full collection of torch's heap (~0.4 s of CPU)
