@@ -14,10 +14,10 @@ An *episode* begins with the first fault while training runs normally:
 3. **phases** -- the plan's commands go out phase by phase (retry and
    elastic-training: clean, rebuild, repair, rollback, resume;
    recover-in-place and recover: clean, respawn, join, repair, rollback,
-   resume -- see :mod:`.restarts`; dump: save, finalise, exit); a phase
-   ends when every target answered. A failed answer, a timeout or a new fault
-   abandons the plan: the strategy is marked tried, every rank is stopped
-   again and the next strategy is decided.
+   resume -- see :mod:`.phases` and :mod:`.restarts`; dump: save, finalise,
+   exit); a phase ends when every target answered. A failed answer, a
+   timeout or a new fault abandons the plan: the strategy is marked tried,
+   every rank is stopped again and the next strategy is decided.
 
 Costs stay linear in the number of ranks: groups are interned at
 registration, a phase's command is built when the phase starts and shared by
@@ -27,7 +27,6 @@ every rank it goes to, and the prelock counts the ranks still to stop.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from typing import Any, Callable
@@ -40,7 +39,6 @@ from .api import (
     DataStatus,
     Fault,
     FaultKind,
-    Plan,
     ProtocolError,
     RankState,
     RecoveryRecord,
@@ -50,10 +48,11 @@ from .api import (
 from .agents import AgentTable
 from .config import ControllerConfig
 from .decide import decide
-from .episode import Episode, Phase, Rank, Starts
+from .episode import Episode, Rank, Starts
 from .protocol import trainguard_pb2 as pb
-from .replicas import Registry, ReplicaGroup, shard_ids
+from .replicas import Registry, ReplicaGroup
 from .rpc import fault_fields
+from .phases import Phases
 from .restarts import Restarts
 from .transitions import advance
 
@@ -62,7 +61,7 @@ __all__ = ["ControllerCore"]
 log = logging.getLogger("trainguard.controller")
 
 
-class ControllerCore(Restarts):
+class ControllerCore(Restarts, Phases):
     """The job's brain. Every method is called from one thread (the server's
     event loop); none blocks.
 
@@ -423,134 +422,6 @@ class ControllerCore(Restarts):
                   Strategy.DUMP: ControllerState.DUMPING}.get(plan.strategy, ControllerState.EXITED))
         self._start_phase()
 
-    # --------------------------------------------------------------- phases
-    def _command(self, **action) -> pb.Command:
-        """A command with a fresh id; one object may go to many ranks."""
-        cmd = pb.Command(id=self._next_id, epoch=self.episode.epoch if self.episode else 0, **action)
-        self._next_id += 1
-        return cmd
-
-    def _to_all(self, ranks, **action) -> dict[int, pb.Command]:
-        cmd = self._command(**action)
-        return dict.fromkeys(ranks, cmd)
-
-    def _phases(self, plan: Plan, layout) -> list[Phase]:
-        cfg, everyone = self.config, list(plan.participants)
-        exit_phase = Phase("exit", 0, lambda: self._to_all(
-            everyone, exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason)))
-        if plan.strategy in (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.RECOVER,
-                             Strategy.ELASTIC_TRAINING):
-            return self._repair_phases(plan)
-        if plan.strategy is Strategy.DUMP:
-            keys = {sid: key for key, sid in shard_ids(layout).items()}
-            kinds: dict[int, list[int]] = {}
-            for sid, rank in sorted(plan.savers.items()):
-                key = keys[sid]
-                kinds.setdefault(rank, []).append(key.kind)
-                self.episode.shards.append(pb.ShardFiles(kind=key.kind, copies=key.copies, rank=rank,
-                                                         full=layout[rank][key.kind].is_full))
-
-            def finalize() -> dict[int, pb.Command]:
-                history = {"records": [self._record().to_dict()], "pids": {str(k): v for k, v in self._pids.items()}}
-                return {plan.finaliser: self._command(finalize=pb.Finalize(
-                    step=plan.step, shards=self.episode.shards, history_json=json.dumps(history)))}
-
-            return [
-                Phase("save", cfg.save_timeout_s, lambda: {
-                    r: self._command(save=pb.Save(step=plan.step, kinds=k)) for r, k in kinds.items()}),
-                Phase("finalize", cfg.handler_timeout_s, finalize),
-                exit_phase,
-            ]
-        self._record()
-        return [exit_phase]
-
-    def _repair_phases(self, plan: Plan) -> list[Phase]:
-        """retry: clean, rebuild, repair, rollback, resume. With new
-        processes (recover-in-place, recover) the agents start them first and
-        the rebuild becomes a join: the survivors meet them on the store
-        their agent serves."""
-        cfg, everyone = self.config, list(plan.participants)
-        new = sorted(plan.replacements)
-        after = sorted(everyone + new)
-        uce = {f.rank for f in self.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
-        if self.episode.grow:  # the new processes build the generation reserved when they started
-            generation = self.episode.starts.generation
-        else:
-            self.generation += 1
-            generation = self.generation
-        involved = sorted({t.src for t in plan.transfers} | {t.dst for t in plan.transfers})
-
-        def clean() -> dict[int, pb.Command]:
-            faulty, healthy = self._command(clean=pb.Clean(uce=True)), self._command(clean=pb.Clean(uce=False))
-            return {r: faulty if r in uce else healthy for r in everyone}
-
-        phases = [Phase("clean", cfg.handler_timeout_s, clean)]
-        if new:
-            if not self.episode.grow:  # growing back: they run already
-                phases.append(Phase("respawn", cfg.restart_timeout_s, dict))
-            phases.append(Phase("join", cfg.restart_timeout_s, lambda: self._to_all(everyone, rebuild=pb.Rebuild(
-                generation=generation, join_store=self.episode.join_store)), also_wait=tuple(new)))
-        else:
-            excluded = sorted(set(range(self.world_size)) - set(everyone))
-            phases.append(Phase("rebuild", cfg.handler_timeout_s, lambda: self._to_all(
-                everyone, rebuild=pb.Rebuild(generation=generation, excluded=excluded))))
-        if plan.transfers:
-            transfers = [pb.Transfer(src=t.src, dst=t.dst, kind=t.kind) for t in plan.transfers]
-            phases.append(Phase("repair", cfg.handler_timeout_s, lambda: self._to_all(
-                involved, repair=pb.Repair(step=plan.step, transfers=transfers))))
-        phases.append(Phase("rollback", cfg.handler_timeout_s, lambda: self._to_all(
-            after, rollback=pb.Rollback(step=plan.step))))
-        phases.append(Phase("resume", 0, lambda: self._to_all(after, resume=pb.Resume(
-            step=plan.step, record_json=json.dumps(self._record().to_dict()) if self.episode.faults else "",
-            pids_json=json.dumps({str(k): v for k, v in self._pids.items()}) if new else "",
-            replicas=len(after)))))
-        if plan.strategy is Strategy.ELASTIC_TRAINING:
-            self._drop(set(range(self.world_size)) - set(after))
-        return phases
-
-    def _current_phase(self) -> Phase | None:
-        ep = self.episode
-        if ep is None or not ep.phases or self.state not in (ControllerState.RECOVERING, ControllerState.DUMPING):
-            return None
-        return ep.phases[0]
-
-    def _start_phase(self) -> None:
-        phase = self.episode.phases[0]
-        phase.commands = phase.build()
-        if phase.name == "exit":
-            self._exiting.update(phase.commands)
-        phase.deadline = self._clock() + phase.timeout_s
-        phase.waiting = set(phase.commands) | set(phase.also_wait) if phase.timeout_s > 0 else set()
-        for rank, cmd in phase.commands.items():
-            self._send(rank, cmd)
-        if phase.name == "respawn":
-            phase.waiting = set(self.episode.plan.replacements)
-            self._respawn(phase, self.episode.plan)
-        if not phase.waiting:
-            self._next_phase()
-
-    def _next_phase(self) -> None:
-        ep = self.episode
-        done = ep.phases.pop(0)
-        if ep.phases:
-            self._start_phase()
-            return
-        if done.name == "resume":
-            for r in self.ranks.values():
-                r.stopped = False
-            self.episode = None
-            self._to(ControllerState.NORMAL)
-            log.warning("recovered: training resumed at step %d", ep.plan.step)
-            if ep.grow:
-                self.dropped -= set(ep.plan.replacements)
-                self._grow = None
-            elif ep.plan.strategy is Strategy.ELASTIC_TRAINING:
-                self._grow_back()
-        else:
-            if self.state is not ControllerState.EXITED:
-                self._to(ControllerState.EXITED)
-            log.warning("job exiting: %s", ep.reason)
-
     def _plan_failed(self, why: str) -> None:
         ep = self.episode
         log.warning("%s; falling back", why)
@@ -591,6 +462,12 @@ class ControllerCore(Restarts):
         return ep.record
 
     # --------------------------------------------------------------- helpers
+    def _command(self, **action) -> pb.Command:
+        """A command with a fresh id; one object may go to many ranks."""
+        cmd = pb.Command(id=self._next_id, epoch=self.episode.epoch if self.episode else 0, **action)
+        self._next_id += 1
+        return cmd
+
     def _known(self, rank: int) -> Rank:
         r = self.ranks.get(rank)
         if r is None:
