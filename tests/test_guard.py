@@ -156,6 +156,9 @@ def test_wrong_usage_is_refused(world):
     injector = FaultInjector(FaultSpec.parse("crash:rank=0,step=2,phase=reduce"), rank=0)
     with pytest.raises(ConfigError, match="phase=reduce is the MindSpore Guard's"):
         Guard(model, opt, injector=injector)
+    model, opt = make()
+    with pytest.raises(ConfigError, match="snapshot_shared with snapshot_peer is not supported"):
+        Guard(model, opt, snapshot_every=1, snapshot_shared=True, snapshot_peer=True)
 
 
 def test_without_a_controller_a_fault_is_raised_not_swallowed(world):

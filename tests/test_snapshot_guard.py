@@ -1,7 +1,9 @@
 """The torch Guard with in-memory snapshots, in real jobs under ``trainguard run``:
 a restarted job resumes from memory (or, when its snapshots are corrupt,
 from storage) and ends bit-identical to a fault-free run; the dying-gasp
-save reuses the snapshot; nothing is left in shared memory."""
+save reuses the snapshot; nothing is left in shared memory. The same with
+``snapshot_shared``, where rank 1 keeps only its random streams and resumes
+with rank 0's snapshot of the state."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import WORKERS, run_job
+from trainguard.adapters.torch.checkpoints import read_stored_snapshot
 
 SCRIPT = WORKERS / "snapshot_train.py"
 pytestmark = pytest.mark.timeout(240)
@@ -104,3 +107,51 @@ def test_corrupt_snapshot_in_memory_falls_back_to_storage(job_runner, fault_free
     assert reports[0]["snapshots"]["resumed_from"]["step"] == 4, job
     assert "fails its checksum (corrupted in memory)" in job.log, job
 
+
+
+SHARED = {"SNAPSHOT_SHARED": "1"}
+
+
+def test_shared_snapshots_a_replica_resumes_with_its_holders_state_and_its_own_streams(job_runner, dropout_free):
+    job = _job(job_runner, "shared-crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"],
+               env={**DROPOUT, **SHARED})
+    assert job.rc == 0, job
+    reports = _rank_reports(job)
+    resumed = {rank: rep["snapshots"]["resumed_from"] for rank, rep in reports.items()}
+    assert resumed[0] == {"step": 6, "source": "memory"}, job
+    assert resumed[1]["step"] == 6 and resumed[1]["source"] == "memory" and \
+        resumed[1]["state_of"].startswith("r0.s"), job
+    # After its first snapshot (rank 0's did not exist yet) rank 1 copied its own streams only.
+    assert reports[0]["snapshots"]["shared"] == {"holder": 0, "own_part_taken": 0}, job
+    assert reports[1]["snapshots"]["shared"]["holder"] == 0, job
+    assert reports[1]["snapshots"]["shared"]["own_part_taken"] >= 12 - 6 - 1, job  # the restarted process's
+    assert "reuses its snapshot in memory" in job.log, job  # rank 0's, for the dying gasp
+    assert job.report["final_state_sha256"] == dropout_free, job
+
+
+def test_shared_snapshots_when_the_holder_dies_its_replica_saves_its_whole_state(job_runner, fault_free):
+    job = _job(job_runner, "shared-holder", fault="crash:rank=0,step=6", extra_args=["--max-restarts", "1"],
+               env=SHARED)
+    assert job.rc == 0, job
+    manifest = json.loads((job.ckpt / "step_00000006" / "manifest.json").read_text())
+    assert [s["saved_by"] for s in manifest["layout"]["shards"]] == [1], manifest
+    (name,) = manifest["layout"]["shards"][0]["files"]  # rank 1's snapshot held its streams only: it took a whole one
+    assert {"model", "optimizer"} <= set(read_stored_snapshot(job.ckpt / "step_00000006" / name, "cpu")), manifest
+    reports = _rank_reports(job)
+    assert reports[1]["snapshots"]["resumed_from"]["step"] == 6, job
+    assert reports[1]["snapshots"]["resumed_from"]["source"] == "memory", job
+    assert reports[0]["snapshots"]["resumed_from"]["step"] == 6, job
+    assert job.report["final_state_sha256"] == fault_free, job
+
+
+def test_shared_snapshots_a_corrupt_holder_snapshot_sends_its_replicas_to_storage(job_runner, fault_free):
+    job = _job(job_runner, "shared-corrupt", fault="crash:rank=1,step=7", strategies="exit",
+               extra_args=["--max-restarts", "1"], env={**SHARED, "CORRUPT_ON_RESTART": "0"})
+    assert job.rc == 0, job
+    reports = _rank_reports(job)
+    assert {rank: rep["snapshots"]["resumed_from"] for rank, rep in reports.items()} == \
+        {0: {"step": 4, "source": "storage"}, 1: {"step": 4, "source": "storage"}}, job
+    # Rank 1 read its own part, then rank 0's snapshot of the state failed its checksum, as it did for rank 0.
+    assert any("rank 1 " in line and ": r0.s" in line and "fails its checksum" in line
+               for line in job.log.splitlines()), job
+    assert job.report["final_state_sha256"] == fault_free, job

@@ -130,7 +130,7 @@ def main(cfg: DictConfig) -> None:
     scheduler = make_scheduler(cfg, optimizer)
     guard = Guard(model, optimizer, scheduler=scheduler, data=loader, checkpoint_dir=checkpoint_dir,
                   save_every=cfg.save_every, keep=cfg.keep, snapshot_every=cfg.snapshot_every,
-                  snapshots_in_memory=cfg.snapshots_in_memory,
+                  snapshots_in_memory=cfg.snapshots_in_memory, snapshot_shared=cfg.snapshot_shared,
                   compile_cache_key={"batch_size": cfg.batch_size, "image_size": cfg.image_size})
     start_step = guard.step
     if rank == 0:

@@ -8,7 +8,8 @@ process, before the Guard looks at them. ``SNAP_DEVICE=cuda`` trains on
 GPU ``LOCAL_RANK % device_count`` (gloo: ranks may share one GPU);
 ``SNAP_STEP_SLEEP=S`` makes each step last S seconds more. ``SNAP_DROPOUT=1`` adds a
 dropout layer drawing from the global RNG, seeded differently on each rank. Each rank writes
-its report to ``REPORT.<rank>`` (rank 0 to REPORT too).
+its report to ``REPORT.<rank>`` (rank 0 to REPORT too). ``SNAPSHOT_PEER=1`` and
+``SNAPSHOT_SHARED=1`` turn on the Guard's options of those names.
 """
 
 import json
@@ -51,7 +52,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every, snapshot_every=1,
-                  snapshot_peer=os.environ.get("SNAPSHOT_PEER") == "1")
+                  snapshot_peer=os.environ.get("SNAPSHOT_PEER") == "1",
+                  snapshot_shared=os.environ.get("SNAPSHOT_SHARED") == "1")
     step_sleep = float(os.environ.get("SNAP_STEP_SLEEP", "0"))
     for step in guard.steps(steps):
         with guard.protect():

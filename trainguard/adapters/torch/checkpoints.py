@@ -15,7 +15,9 @@ lists the steps it can load (its verified snapshots in this node's memory,
 the newest complete checkpoint on storage); all resume at the newest step
 every rank has, from memory where they can. Each rank's RNG streams travel
 with its snapshot, its shard, or (a rank that saves no shard) its own
-``rng_r<rank>.pt`` of a periodic save.
+``rng_r<rank>.pt`` of a periodic save. With ``snapshot_shared``, the
+replicas on a node share one snapshot of their state
+(:mod:`trainguard.core.snapshot.shared`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from trainguard.core.checkpoint import FileInfo, SavedShard, Verified, shard_fil
 from trainguard.core.history import JobHistory
 from trainguard.core.snapshot.persist import write_record
 from trainguard.core.snapshot.ring import check_settings, directory_for, load_verified, resume
+from trainguard.core.snapshot.shared import DENSE_FROM, choose_holder, keeping_up, local_ranks, newest_step, \
+    with_holders
 
 from .handlers import read_shard, shard_name
 from .process_group import job_namespace
@@ -50,16 +54,25 @@ class Checkpoints(JobHistory):
         return float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800"))
 
     # ------------------------------------------------------------ snapshots
-    def setup_snapshots(self, every: int, count: int, peer: bool) -> None:
+    def setup_snapshots(self, every: int, count: int, peer: bool, shared: bool = False) -> None:
         """Snapshots every ``every`` steps in ``count`` slots (0: none), with a
-        copy on the next node when ``peer``.
+        copy on the next node when ``peer``, one per node for the replicas
+        there when ``shared``.
 
         Raises:
-            ConfigError: see :func:`~trainguard.core.snapshot.ring.check_settings`.
+            ConfigError: see :func:`~trainguard.core.snapshot.ring.check_settings`;
+                ``shared`` with ``peer``.
         """
         check_settings(every, count, self.save_every)
+        if shared and peer:
+            raise ConfigError("snapshot_shared with snapshot_peer is not supported: a lost node's replicas would "
+                              "each need their holder's copy from the peer; choose one")
         self.snapshot_overlap = snapshot_overlap()
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
+        self.snapshot_shared, self._local = shared, local_ranks()
+        self._own_part: dict[int, int] = {}  # step -> holder, of this rank's snapshots holding its own part only
+        self._dense: dict = {}  # at load: step -> the holder's slot of an own-part snapshot
+        self._holder_behind, self.own_part_taken = False, 0
         if not every:
             return
         address = os.environ.get("TRAINGUARD_SNAPSHOT_PEER") if peer else None
@@ -69,23 +82,57 @@ class Checkpoints(JobHistory):
         directory = directory_for(f"{job_namespace()}-r{self.rank}-{os.getpid()}")
         self.snapshots = Snapshots(directory, self.rank, count=count, peer=address)
 
-    def snapshot_state(self, step: int) -> dict:
+    def snapshot_state(self, step: int, holder: int | None = None) -> dict:
+        """The snapshot of ``step``: the committed state, or with a
+        ``holder`` other than this rank only this rank's own part."""
+        if holder is not None and holder != self.rank:
+            return {"state": {"rng": self.state.committed_rng(), "step": step}, "history": self.merged_history({})}
         state = self.state.committed_state_dict()
         state["step"] = step
         return {"state": state, "history": self.merged_history({})}
 
-    def take_snapshot(self, step: int, *, wait_s: float = 0.0, background: bool = False) -> int | None:
+    def take_snapshot(self, step: int, *, wait_s: float = 0.0, background: bool = False,
+                      whole: bool = False) -> int | None:
         """Copy the committed state at ``step`` into memory; with ``wait_s``,
         wait that long for a slot a persist still holds; with ``background``,
         host state is copied while training goes on (:meth:`settle_snapshot`
-        before the next update)."""
+        before the next update); with ``whole``, the whole state even where
+        a replica's snapshot on this node holds it."""
         background = background and self.snapshot_overlap
-        index = self.snapshots.take(self.snapshot_state(step), step, background=background)
+        holder = self.rank if whole else self.snapshot_holder()
+        meta = {DENSE_FROM: holder} if holder != self.rank else None
+        index = self.snapshots.take(self.snapshot_state(step, holder), step, background=background, meta=meta)
         if index is None and wait_s:
             log.warning("rank %d: every snapshot slot is being persisted; waiting for one", self.rank)
             self.snapshots.wait(wait_s)
-            index = self.snapshots.take(self.snapshot_state(step), step, background=background)
+            index = self.snapshots.take(self.snapshot_state(step, holder), step, background=background, meta=meta)
+        if index is not None:
+            self._own_part.pop(step, None)
+            if holder != self.rank:
+                self._own_part[step] = holder
+                self.own_part_taken += 1
+                for old in sorted(self._own_part)[:-2 * len(self.snapshots.slots)]:
+                    del self._own_part[old]
         return index
+
+    def snapshot_holder(self) -> int:
+        """The rank whose snapshots hold this rank's state on this node: the
+        lowest replica here with ``snapshot_shared`` (while its snapshots
+        keep up), else this rank."""
+        if not self.snapshot_shared:
+            return self.rank
+        holder = choose_holder(self.rank, self.groups[0].copies(self.rank), self.process_group.members, self._local)
+        if holder == self.rank:
+            return holder
+        last = max(self._own_part, default=None)
+        if keeping_up(newest_step(self.snapshots.directory.slots_of(holder)), last, self.snapshot_every):
+            self._holder_behind = False
+            return holder
+        if not self._holder_behind and last is not None:
+            log.warning("rank %d: rank %d's snapshots on this node fell behind; snapshotting the whole state",
+                        self.rank, holder)
+        self._holder_behind = True
+        return self.rank
 
     def settle_snapshot(self) -> None:
         """Wait for a snapshot copy still running (before the state changes)."""
@@ -97,7 +144,11 @@ class Checkpoints(JobHistory):
             self.snapshots.shutdown(wait_s)
 
     def snapshot_report(self) -> dict:
-        return {"snapshots": self.snapshots.report(self.resumed_from)} if self.snapshots is not None else {}
+        if self.snapshots is None:
+            return {}
+        shared = {"shared": {"holder": self.snapshot_holder(), "own_part_taken": self.own_part_taken}} \
+            if self.snapshot_shared else {}
+        return {"snapshots": {**self.snapshots.report(self.resumed_from), **shared}}
 
     # ------------------------------------------------------------ saves
     def write_shard(self, step: int):
@@ -106,12 +157,12 @@ class Checkpoints(JobHistory):
         now unless memory already holds it)."""
         copies = self.groups[0].copies(self.rank)
         if self.snapshots is not None:
-            index = self.snapshots.holding(step)
+            index = self.snapshots.holding(step) if step not in self._own_part else None
             if index is not None:
                 self.snapshots.reused.append(step)
                 log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
             else:
-                index = self.take_snapshot(step, wait_s=self.save_timeout_s)
+                index = self.take_snapshot(step, wait_s=self.save_timeout_s, whole=True)
                 if index is None:
                     raise CheckpointError(f"rank {self.rank}: no snapshot slot came free for step {step}")
             slot = self.snapshots.slots[index]
@@ -155,14 +206,15 @@ class Checkpoints(JobHistory):
         """Snapshot (unless memory holds this step already) and let the
         persist worker write it; its finaliser waits for every shard."""
         step, group, members = self._step, self.groups[0], self.process_group.members
-        index = self.snapshots.holding(step)
-        if index is None:  # the persist is sent when the copy has landed
-            index = self.take_snapshot(step, wait_s=self.save_timeout_s, background=True)
-        if index is None:
-            raise CheckpointError(f"rank {self.rank}: no snapshot slot came free to save step {step}")
         shards = sorted({tuple(c for c in group.copies(r)) for r in members})
         savers = {min(c for c in copies if c in members): copies for copies in shards}
-        if self.rank not in savers:
+        saver = self.rank in savers
+        index = self.snapshots.holding(step) if not (saver and step in self._own_part) else None
+        if index is None:  # the persist is sent when the copy has landed
+            index = self.take_snapshot(step, wait_s=self.save_timeout_s, background=True, whole=saver)
+        if index is None:
+            raise CheckpointError(f"rank {self.rank}: no snapshot slot came free to save step {step}")
+        if not saver:
             try:
                 written = self.write_rng(step)
             except CheckpointError as e:  # as a persist that fails: reported, training goes on
@@ -208,24 +260,36 @@ class Checkpoints(JobHistory):
         memory where a sealed snapshot holds it, else the newest complete
         checkpoint on storage -- and return it (0: nothing to load)."""
         memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
+        if memory and self.snapshot_shared:
+            memory, self._dense = with_holders(memory, self.snapshots.replica_slots)
         found = self.store.latest() if self.store is not None else None
         device = self.device.torch_device
-        return resume(memory, found.step if found is not None else None,
-                      gather=lambda steps: self.process_group.all_gather_json(steps, device),
-                      agree=lambda ok: all(self.process_group.all_gather_json(ok, device)),
-                      load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found),
-                      load_stored=lambda: self._load_stored(found))
+        try:
+            return resume(memory, found.step if found is not None else None,
+                          gather=lambda steps: self.process_group.all_gather_json(steps, device),
+                          agree=lambda ok: all(self.process_group.all_gather_json(ok, device)),
+                          load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found),
+                          load_stored=lambda: self._load_stored(found))
+        finally:
+            for slot in self._dense.values():
+                slot.close()
+            self._dense = {}
 
     def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
-        _, held = load_verified(slot, lambda payload: read_payload(payload, self.device.torch_device))
-        self.state.load_state_dict(held["state"])
+        read = lambda payload: read_payload(payload, self.device.torch_device)  # noqa: E731
+        _, held = load_verified(slot, read)
+        state, holder = held["state"], self._dense.pop(step, None)
+        if holder is not None:  # this rank's own part: the rest is in its holder's snapshot of the step
+            state = {**load_verified(holder, read)[1]["state"], "rng": state.get("rng", {})}
+        self.state.load_state_dict(state)
         # A dying-gasp checkpoint of the same step knows of the fault
         # that stopped the job; the snapshot was taken before it.
         stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
             else None
         self.history = stored or held["history"]
-        self.resumed_from = {"step": step, "source": source}
-        log.info("rank %d resumed from %s at step %d (%s)", self.rank, source, step, slot.path)
+        self.resumed_from = {"step": step, "source": source, **({"state_of": holder.path.name} if holder else {})}
+        log.info("rank %d resumed from %s at step %d (%s%s)", self.rank, source, step, slot.path,
+                 f" and {holder.path.name}" if holder else "")
 
     def _load_stored(self, found: Verified) -> int:
         shards = found.manifest.get("layout", {}).get("shards", [])

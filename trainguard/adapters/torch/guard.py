@@ -101,6 +101,10 @@ class Guard(Checkpoints):
             state: 12 bytes per parameter with fp32 Adam).
         snapshot_peer: keep a copy of each snapshot on the next node
             (``trainguard run`` with several nodes).
+        snapshot_shared: the data-parallel replicas on a node share one
+            snapshot of their state: the lowest copies it, the others only
+            their random streams (memory and copying per node instead of per
+            rank; not with ``snapshot_peer``).
         profiling_dir: where per-rank profiling markers go, switched at run
             time by a JSON file (default: ``TRAINGUARD_PROFILING_DIR``;
             unset: no markers; see :mod:`trainguard.core.profiling`).
@@ -138,6 +142,7 @@ class Guard(Checkpoints):
         snapshot_every: int = 0,
         snapshots_in_memory: int = 2,
         snapshot_peer: bool = False,
+        snapshot_shared: bool = False,
         keep: int = 2,
         replicas: Sequence[ReplicaGroup] | None = None,
         processor: Processor | None = None,
@@ -198,7 +203,7 @@ class Guard(Checkpoints):
             except RuntimeError as e:
                 raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
             self.attach_ddp()
-        self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer)
+        self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer, snapshot_shared)
         started_at = time.time()
         if join:
             # The others are paused in a recovery: no start-up collectives;

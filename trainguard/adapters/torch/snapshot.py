@@ -187,11 +187,12 @@ class Snapshots(SnapshotRing):
                 "staging_MB": self.staging_bytes >> 20,
                 "staged_copies": len(staged.runs) if staged else 0, "direct_copies": len(staged.direct) if staged else 0}
 
-    def take(self, state: Any, step: int, *, background: bool = False) -> int | None:
+    def take(self, state: Any, step: int, *, background: bool = False, meta: dict | None = None) -> int | None:
         """Copy ``state`` (a nest of tensors and scalars) into a free slot as
         the snapshot of ``step``; the slot index, or ``None`` when skipped.
         With ``background``, host tensors are copied on a thread while the
-        caller goes on (see the module docstring)."""
+        caller goes on (see the module docstring); ``meta``: more JSON for
+        the payload header."""
         paths: list[str] = []
         skeleton, tensors = flatten(state, paths)
 
@@ -223,7 +224,7 @@ class Snapshots(SnapshotRing):
         sig = [(t.dtype, t.shape) for t in tensors]
         if sig != self._sig or paths != self._paths:  # entries only when the structure changed
             self._cached, self._sig, self._paths = _entries(paths, tensors), sig, paths
-        return self.write(step, self._cached, {"names": paths, "skeleton": skeleton}, fill)
+        return self.write(step, self._cached, {"names": paths, "skeleton": skeleton, **(meta or {})}, fill)
 
     @staticmethod
     def _make_views(payload: memoryview, layout, paths: list[str]) -> list[torch.Tensor]:

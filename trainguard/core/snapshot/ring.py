@@ -263,6 +263,11 @@ class SnapshotRing:
                 found = self._verified(self.directory.candidates(self.rank), verify)
         return found
 
+    def replica_slots(self, rank: int) -> dict[int, Slot]:
+        """Sealed snapshots another rank wrote on this node, by step (their
+        checksums are checked when one is read, :func:`load_verified`)."""
+        return {step: slot for step, (slot, _) in self._verified(self.directory.slots_of(rank), False).items()}
+
     def _verified(self, slots: list[Slot], verify: bool) -> dict[int, tuple[Slot, str]]:
         found: dict[int, tuple[Slot, str]] = {}
         peer_dir = self.directory.path / "peer"

@@ -131,11 +131,14 @@ class SnapshotDir:
     def peer_copy(self, rank: int) -> Slot:
         return Slot(self.path / "peer" / f"r{rank}")
 
+    def slots_of(self, rank: int) -> list[Slot]:
+        """The slots ``rank`` wrote on this node (not a peer's copy)."""
+        return [Slot(p) for p in sorted(self.path.glob(f"r{rank}.s*"))]
+
     def candidates(self, rank: int) -> list[Slot]:
         """Every slot that may hold a snapshot of ``rank``: its own and a peer's copy."""
-        own = sorted(self.path.glob(f"r{rank}.s*"))
         peer = self.path / "peer" / f"r{rank}"
-        return [Slot(p) for p in own] + ([Slot(peer)] if peer.is_file() else [])
+        return self.slots_of(rank) + ([Slot(peer)] if peer.is_file() else [])
 
     def remove(self) -> None:
         """Delete the directory (owner only, at exit)."""
