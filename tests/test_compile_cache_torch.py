@@ -106,7 +106,7 @@ def _other_torch(entry: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("damage, says", [(_truncate_largest, "truncated"),
+@pytest.mark.parametrize("damage, says", [pytest.param(_truncate_largest, "truncated", marks=pytest.mark.slow),
                                           (_other_torch, "torch='2.12.0' (this process: '2.13")])
 def test_a_damaged_or_foreign_entry_is_not_used(tmp_path, first, damage, says):
     cache = tmp_path / "cache"

@@ -123,6 +123,7 @@ def test_a_retried_uce_ends_in_the_fault_free_state_with_the_same_processes(tmp_
     assert not (tmp_path / "outputs").exists(), "hydra must not create output directories"
 
 
+@pytest.mark.slow  # CI: the guarded run against its fault-free twin
 def test_plain_mindspore_reaches_the_same_state(tmp_path, fault_free):
     run = example(tmp_path, "plain", guard=False)
     _assert_no_stray_processes(tmp_path)

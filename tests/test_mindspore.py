@@ -55,8 +55,10 @@ def test_profiling_markers_leave_the_numbers_alone(tmp_path, baseline):
 @needs_mindspore
 @pytest.mark.timeout(300)
 # The repair goes through shared memory (same machine), and once through MindSpore's Broadcast.
-@pytest.mark.parametrize("rank,phase,shm", [(1, "forward", "1"), (0, "backward", "1"), (1, "optimizer", "1"),
-                                            (1, "backward", "0")])
+# CI: the update and the Broadcast repair; the rest with -m slow.
+@pytest.mark.parametrize("rank,phase,shm", [pytest.param(1, "forward", "1", marks=pytest.mark.slow),
+                                            pytest.param(0, "backward", "1", marks=pytest.mark.slow),
+                                            (1, "optimizer", "1"), (1, "backward", "0")])
 def test_retry_after_a_device_memory_error_is_bit_identical_and_keeps_every_pid(tmp_path, baseline, rank, phase, shm):
     job = run_ms(tmp_path, "uce", fault=f"uce:rank={rank},step=3,phase={phase}", env={"TRAINGUARD_SHM_REPAIR": shm})
     assert job.rc == 0 and job.report is not None, job
@@ -76,7 +78,7 @@ def test_retry_after_a_device_memory_error_is_bit_identical_and_keeps_every_pid(
 @pytest.mark.timeout(400)
 # backward: rank 0 waits in the vote; reduce: the vote passed and rank 0 waits in
 # the gradient all-reduce, so its update was agreed but must not have started.
-@pytest.mark.parametrize("phase", ["backward", "reduce"])
+@pytest.mark.parametrize("phase", [pytest.param("backward", marks=pytest.mark.slow), "reduce"])
 def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identical(tmp_path, baseline, phase):
     ckpt = tmp_path / "ckpt"
     fault = f"crash:rank=1,step=3,phase={phase}"

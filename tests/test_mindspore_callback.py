@@ -162,7 +162,7 @@ def test_ckpt_save_fn_writes_the_dying_gasp_and_the_user_resumes_from_it(tmp_pat
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("phase, step", [("forward", 3), ("optimizer", 4)])
+@pytest.mark.parametrize("phase, step", [("forward", 3), pytest.param("optimizer", 4, marks=pytest.mark.slow)])
 def test_graph_mode_device_error_is_retried_inside_model_train(tmp_path, graph_baseline, phase, step):
     # forward: struck at the step's start, before the compiled step; the drain replays it voting 0.
     # optimizer: struck at the step's end, after every replica updated; the next step is the one skipped.
@@ -177,6 +177,7 @@ def test_graph_mode_device_error_is_retried_inside_model_train(tmp_path, graph_b
     _assert_no_stray_processes(tmp_path)
 
 
+@pytest.mark.slow  # CI: the PyNative dump, the graph-mode retry
 @pytest.mark.timeout(240)
 def test_graph_mode_killed_worker_is_dumped_and_the_relaunch_resumes(tmp_path, graph_baseline):
     ckpt = tmp_path / "ckpt"

@@ -71,6 +71,7 @@ def test_a_frozen_worker_is_killed_and_restarted_alone(job_runner, reference):
     assert job.report["final_state_sha256"] == reference["final_state_sha256"]
 
 
+@pytest.mark.slow  # CI: a second fault during a retry (test_torch_recovery)
 def test_a_second_fault_during_the_recovery_falls_back_to_a_dump(job_runner, tmp_path):
     """Rank 1 is killed; while the job recovers, rank 2 dies too. The
     recovery is abandoned for a dump by rank 0, and torch's restart of the
@@ -164,6 +165,7 @@ def run_two_nodes(tmp: Path, name: str, *, fault: str, strategies: str, steps: i
     return outs, (json.loads(report.read_text()) if report.exists() else None)
 
 
+@pytest.mark.slow  # CI: the lost node, whose ranks move too
 def test_recover_starts_the_lost_rank_under_the_other_node_agent(tmp_path):
     # The reference has the same topology: torchrun sets OMP_NUM_THREADS=1
     # only with several processes per node, so one rank per node computes

@@ -88,7 +88,9 @@ def slow_nodes(directory: Path) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("factor,within", [(1.3, 10), (1.1, 100), (None, None)])
+# CI runs the 1.3x case; bench/slow_nodes.py measures all three over 20 seeded trials each.
+@pytest.mark.parametrize("factor,within", [(1.3, 10), pytest.param(1.1, 100, marks=pytest.mark.slow),
+                                           pytest.param(None, None, marks=pytest.mark.slow)])
 def test_detection_on_real_runs(tmp_path, factor, within):
     prof = tmp_path / "prof"
     prof.mkdir()

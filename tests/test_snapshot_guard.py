@@ -70,6 +70,7 @@ def dropout_free(tmp_path_factory):
     return job.report["final_state_sha256"]
 
 
+@pytest.mark.slow  # CI: the same with snapshot_shared
 def test_random_streams_of_every_rank_come_back_from_memory(job_runner, dropout_free):
     """A restart from memory sets each rank's streams as they were at the
     step it resumes."""

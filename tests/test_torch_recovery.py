@@ -28,7 +28,7 @@ def assert_same_training(report, reference):
     assert report["lost_steps"] == 0
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
+@pytest.mark.parametrize("phase", [pytest.param("forward", marks=pytest.mark.slow), "backward", "optimizer"])
 def test_uce_is_retried_in_place(job_runner, reference, phase):
     job = job_runner("uce", fault=f"uce:rank=2,step=4,phase={phase}")
     assert job.rc == 0, job
@@ -83,6 +83,7 @@ def test_second_fault_during_retry_falls_back_to_dump(job_runner, reference):
     assert record["strategy"] == "dump" and "retry: already failed in this episode" in record["reason"]
 
 
+@pytest.mark.slow  # CI: the strategy lists in test_decide.py
 def test_dump_only_strategy_list_is_respected(job_runner, reference):
     first = job_runner("dumponly", fault="uce:rank=0,step=7,phase=forward", strategies="dump,exit")
     assert first.rc == 75, first
@@ -104,6 +105,7 @@ def test_unrecoverable_faults_exit_with_the_reason(job_runner, fault, why):
     assert not (job.ckpt / "latest_step.txt").exists()
 
 
+@pytest.mark.slow  # CI: the background saves (test_snapshot_guard.py)
 def test_periodic_checkpoints_resume_after_a_plain_failure(job_runner, reference):
     # With only `exit` allowed, a crash loses the steps since the last periodic checkpoint.
     first = job_runner("periodic", fault="crash:rank=2,step=7", strategies="exit", save_every=3)
@@ -114,6 +116,7 @@ def test_periodic_checkpoints_resume_after_a_plain_failure(job_runner, reference
     assert second.report["final_state_sha256"] == reference["final_state_sha256"]
 
 
+@pytest.mark.slow  # CI: --max-restarts after a dump (test_snapshot_guard.py)
 def test_max_restarts_relaunches_from_the_dying_gasp_checkpoint(job_runner, reference):
     # One command: the crash is dumped, torch's agent restarts the workers, they resume.
     job = job_runner("restarts", fault="crash:rank=3,step=6", extra_args=["--max-restarts", "1"])

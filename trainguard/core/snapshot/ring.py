@@ -134,6 +134,8 @@ class SnapshotRing:
         self.worker.submit("seal", slot=str(slot.path), step=step, rank=self.rank, peer=self.peer)
 
     def _held(self, index: int, step: int) -> None:
+        for other in [i for i, held in self.held.items() if held == step]:  # taken again (whole, for a save)
+            del self.held[other]
         self.held[index] = step
         self.taken += 1
 
