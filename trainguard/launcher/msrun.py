@@ -238,10 +238,12 @@ class MsrunPlugin:
         self.manager.kill_tail_log_processes()  # `tail -f` of each worker log (--join=True) would outlive msrun
         scheduler = self.manager.msn_process
         if scheduler is not None and scheduler.poll() is None:
-            # Every worker of this node has left: the scheduler has nothing
-            # more to do, yet it looks for nodes still registered only every
-            # 5 s, and waits for killed ones that will never unregister.
-            scheduler.terminate()
+            # Every worker has left (one node): the scheduler has nothing more
+            # to do, yet it looks for nodes still registered only every 5 s,
+            # and waits for killed ones that will never unregister. With
+            # other nodes, their workers get those 5 s to unregister.
+            if self.nodes == 1:
+                scheduler.terminate()
             try:
                 scheduler.wait(timeout=5)
             except subprocess.TimeoutExpired:
