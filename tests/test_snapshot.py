@@ -193,6 +193,33 @@ def test_a_background_copy_commits_and_seals_on_its_own_and_a_persist_waits_for_
         snaps.close()
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="torch runs one intra-op thread here: no OpenMP team")
+def test_a_background_copy_leaves_the_training_threads_cores_alone(shm):
+    """The background copy starts no OpenMP team on the ring's thread (torch's
+    own copy of a large tensor would: a thread of its own, whose presence
+    makes every parallel region of the training thread sleep and wake at its
+    barriers); strided, bf16 and empty tensors still read back exactly."""
+    big = torch.randn(4 << 20)  # 16 MB: copied in parallel by torch
+    state = {"big": big, "strided": torch.randn(64, 32).t(), "bf16": torch.randn(300).bfloat16(),
+             "empty": torch.empty(0, 3), "n": 7}
+    snaps = Snapshots(shm, 0, count=2)
+    try:
+        _wait_sealed(snaps, snaps.take(state, 1))  # in line: this thread's team, the persist worker's reader
+        before = _threads()
+        index = snaps.take(state, 2, background=True)
+        snaps.settle()
+        assert _threads() == before + 1  # the ring's copy thread, and nothing it started
+        _wait_sealed(snaps, index)
+        step, held = read_payload(snaps.slots[index].payload())
+        assert step == 2 and _equal(held, state)
+    finally:
+        snaps.close()
+
+
 def test_a_save_overtaken_by_a_newer_final_checkpoint_is_not_finalised(shm, tmp_path):
     """A dying gasp at step 6 finalised before the background save of step 4
     reached the worker: step 4 is refused and the tracker keeps step 6."""
@@ -312,7 +339,7 @@ def test_a_replica_can_load_the_steps_its_holder_holds_sealed_on_the_node(shm, c
             _wait_sealed(replica, replica.take(own, step, meta={DENSE_FROM: 0}))
         memory, dense = with_holders(replica.available(), replica.replica_slots)
         assert sorted(memory) == sorted(dense) == [1, 2]
-        assert "rank 0's snapshot of that step is not in this node's memory" in caplog.text
+        assert "rank 0's snapshot of that step is not sealed in this node's memory" in caplog.text
         _, own = read_payload(memory[2][0].payload())
         _, state = read_payload(dense[2].payload())
         assert own["state"]["rng"]["1"]["torch"].item() == 2 and _equal(state, _state(2))

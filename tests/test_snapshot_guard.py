@@ -146,8 +146,11 @@ def test_shared_snapshots_when_the_holder_dies_its_replica_saves_its_whole_state
 
 
 def test_shared_snapshots_a_corrupt_holder_snapshot_sends_its_replicas_to_storage(job_runner, fault_free):
+    # Each step sleeps first, so rank 1's snapshot of step 7, copied beside step 8, is sealed before the
+    # crash at step 8's update: without it rank 1 may hold no step that rank 0 holds, and never read r0's.
     job = _job(job_runner, "shared-corrupt", fault="crash:rank=1,step=7", strategies="exit",
-               extra_args=["--max-restarts", "1"], env={**SHARED, "CORRUPT_ON_RESTART": "0"})
+               extra_args=["--max-restarts", "1"],
+               env={**SHARED, "CORRUPT_ON_RESTART": "0", "SNAP_STEP_SLEEP": "0.3"})
     assert job.rc == 0, job
     reports = _rank_reports(job)
     assert {rank: rep["snapshots"]["resumed_from"] for rank, rep in reports.items()} == \

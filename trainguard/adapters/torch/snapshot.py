@@ -15,7 +15,7 @@ per dtype), then leaves in one copy (:class:`_Staging`). The persist worker
 (started here) seals each snapshot and writes the ones asked for to storage.
 
 ``take(..., background=True)`` copies host (CPU) state on the ring's thread
-and returns at once: the caller must not change the state before
+(by ``memmove``, see :func:`_copy`) and returns at once: the caller must not change the state before
 :meth:`~trainguard.core.snapshot.ring.SnapshotRing.settle` (the Guard
 settles before the next optimizer update, so the copy runs beside the next
 forward and backward). Device state is copied in line.
@@ -27,6 +27,7 @@ their memory (a view into a slot would be overwritten by the next snapshot).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections import defaultdict
@@ -239,8 +240,22 @@ class Snapshots(SnapshotRing):
 
 
 def _copy(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
-    with torch.no_grad():  # grad mode is per thread
-        torch._foreach_copy_(views, tensors)
+    """The background copy, on the ring's thread: contiguous tensors by
+    ``memmove`` (one core, the GIL released). Not torch's own copy: its
+    OpenMP team on a second thread leaves the training thread's parallel
+    regions to sleep and wake at every barrier for the rest of the process
+    (with 2 intra-op threads a ResNet-50 CPU step took 1.1 s before the
+    first such copy, 1.6 s after)."""
+    rest = []
+    for view, t in zip(views, tensors):
+        if t.is_contiguous() and t.dtype == view.dtype and t.device.type == "cpu":
+            if view.nbytes:
+                ctypes.memmove(view.data_ptr(), t.data_ptr(), view.nbytes)
+        else:
+            rest.append((view, t))
+    if rest:  # strided or on another device: torch's copy
+        with torch.no_grad():  # grad mode is per thread
+            torch._foreach_copy_([v for v, _ in rest], [t for _, t in rest])
 
 
 def read_payload(payload: memoryview | bytes, device: torch.device | str = "cpu") -> tuple[int, Any]:

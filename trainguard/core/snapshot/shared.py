@@ -117,8 +117,8 @@ def with_holders(memory: dict[int, tuple[Slot, str]], holder_slots) -> tuple[dic
         if step in theirs[holder]:
             loadable[step], dense[step] = (slot, source), theirs[holder].pop(step)
         else:
-            log.info("snapshot %s of step %d: rank %d's snapshot of that step is not in this node's memory",
-                     slot.path.name, step, holder)
+            log.warning("not using snapshot %s of step %d: rank %d's snapshot of that step is not sealed in "
+                        "this node's memory", slot.path.name, step, holder)
             slot.close()
     for slots in theirs.values():
         for slot in slots.values():
