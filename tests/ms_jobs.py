@@ -8,7 +8,7 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from conftest import WORKERS
@@ -33,6 +33,7 @@ class MsJob:
     log: str
     report: dict | None
     ckpt: Path
+    ranks: dict = field(default_factory=dict)  # rank -> its report (workers that write REPORT.<rank>)
 
     def __str__(self) -> str:
         return f"rc={self.rc}\n{self.log[-6000:]}"
@@ -45,7 +46,8 @@ def run_ms(tmp: Path, name: str, *, fault: str | None = None, strategies: str | 
     ``trainguard run --framework mindspore``, or plain ``msrun``)."""
     ckpt = ckpt or tmp / f"{name}-ckpt"
     report = tmp / f"{name}.json"
-    report.unlink(missing_ok=True)
+    for old in [report, *tmp.glob(f"{report.name}.[0-9]")]:
+        old.unlink(missing_ok=True)
     logs = tmp / f"{name}-logs"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MS_"))}
     # The survivors of a killed worker leave their collective after this long (MindSpore's default is ~30 s).
@@ -70,4 +72,5 @@ def run_ms(tmp: Path, name: str, *, fault: str | None = None, strategies: str | 
         line for line in p.read_text(errors="replace").splitlines() if "trainguard" in line or "Error" in line)
         for p in sorted(logs.glob("worker_*.log")))
     data = json.loads(report.read_text()) if report.exists() else None
-    return MsJob(proc.returncode, proc.stdout + proc.stderr + worker_logs, data, ckpt)
+    ranks = {int(p.suffix[1:]): json.loads(p.read_text()) for p in tmp.glob(f"{report.name}.[0-9]")}
+    return MsJob(proc.returncode, proc.stdout + proc.stderr + worker_logs, data, ckpt, ranks)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import WORKERS
 from ms_jobs import STEPS, MsJob, run_ms
 from trainguard.launcher.msrun import strategies_from_env
 
@@ -133,6 +134,47 @@ def test_with_snapshots_the_dump_writes_the_snapshot_and_the_relaunch_is_bit_ide
     assert r["snapshots"]["resumed_from"] == {"step": 3, "source": "storage"}, again
     assert r["snapshots"]["errors"] == [] and r["snapshots"]["taken"] >= 3, again
     assert [(x["fault"], x["strategy"], x["step"]) for x in r["recoveries"]] == [("process_lost", "dump", 3)], again
+
+
+@needs_mindspore
+@pytest.mark.timeout(400)
+def test_shared_snapshots_when_the_holder_dies_its_replica_dumps_the_whole_state(tmp_path, baseline):
+    """snapshot_shared: rank 1's snapshots hold only a header naming rank 0's.
+    Rank 0 is killed, so rank 1 writes the dump from its own parameters; the
+    relaunch loads it from storage and ends bit-identical."""
+    ckpt, fault = tmp_path / "ckpt", "crash:rank=0,step=3,phase=backward"
+    env = {"TRAIN_SNAPSHOT_EVERY": "1", "TRAIN_SNAPSHOT_SHARED": "1"}
+    first = run_ms(tmp_path, "shared", fault=fault, ckpt=ckpt, env=env)
+    assert first.rc == 75, first
+    shards = sorted((ckpt / "tft_saved_checkpoints-step_3").glob("rank_*/*.safetensors"))
+    assert [p.parent.name for p in shards] == ["rank_1"], first
+    from safetensors import safe_open
+    with safe_open(str(shards[0]), "np") as f:  # the parameters and the optimizer's moments, not a header
+        assert any("moment" in k for k in f.keys()) and "fc1.weight" in f.keys(), first
+
+    again = run_ms(tmp_path, "shared", fault=fault, ckpt=ckpt, env=env)
+    assert again.rc == 0 and again.report is not None, again
+    assert again.report["final_state_sha256"] == baseline.report["final_state_sha256"], again
+    assert again.report["snapshots"]["resumed_from"] == {"step": 3, "source": "storage"}, again
+    shared = {rank: r["snapshots"]["shared"] for rank, r in again.ranks.items()}
+    assert shared[0] == {"holder": 0, "own_part_taken": 0}, again
+    assert shared[1]["holder"] == 0 and shared[1]["own_part_taken"] >= STEPS - 3 - 1, again  # its first is whole
+
+
+@needs_mindspore
+@pytest.mark.timeout(120)
+def test_shared_snapshots_a_replica_loads_its_holders_parameters_of_a_step_both_hold():
+    """The Guard's load with shared snapshots (msrun removes a job's
+    snapshots when it ends, so no relaunch finds them): a header naming rank
+    0's snapshot, the step rank 0 lacks skipped (tests/workers/ms_shared_load.py)."""
+    out = subprocess.run([sys.executable, str(WORKERS / "ms_shared_load.py")], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["step"] == 2 and got["equal"], got
+    assert got["resumed_from"] == {"step": 2, "source": "memory", "state_of": "r0.s1"}, got
+    assert got["own_bytes"] < 8192, got  # a header, no parameters
+    assert "rank 0's snapshot of that step is not sealed" in out.stderr, out.stderr
 
 
 @needs_mindspore

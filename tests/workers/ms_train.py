@@ -3,7 +3,9 @@ fault tests (launched by msrun).
 
     ms_train.py STEPS REPORT CHECKPOINT_DIR [SAVE_EVERY]
 
-Batches are a function of (step, rank); rank 0 writes the Guard's report.
+Batches are a function of (step, rank); rank 0 writes the Guard's report to
+REPORT, every rank to REPORT.<rank>. ``TRAIN_SNAPSHOT_EVERY=N`` snapshots
+every N steps, ``TRAIN_SNAPSHOT_SHARED=1`` one per machine for the replicas.
 """
 
 import json
@@ -42,7 +44,8 @@ class Net(nn.Cell):
 net = Net()
 loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 guard = Guard(net, nn.Momentum(net.trainable_params(), 0.05, 0.9), checkpoint_dir=ckpt, save_every=save_every,
-              snapshot_every=int(__import__("os").environ.get("TRAIN_SNAPSHOT_EVERY", "0")))
+              snapshot_every=int(__import__("os").environ.get("TRAIN_SNAPSHOT_EVERY", "0")),
+              snapshot_shared=__import__("os").environ.get("TRAIN_SNAPSHOT_SHARED") == "1")
 grad_fn = ms.value_and_grad(nn.WithLossCell(net, loss_fn), None, guard.optimizer.parameters)
 rank = get_rank()
 for step in guard.steps(steps):
@@ -55,6 +58,8 @@ for step in guard.steps(steps):
         guard.optimizer(grads)
 out = guard.report()
 guard.close()
+with open(f"{report}.{rank}", "w") as f:
+    json.dump(out, f)
 if rank == 0:
     with open(report, "w") as f:
         json.dump(out, f)

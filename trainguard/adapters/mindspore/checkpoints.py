@@ -11,6 +11,12 @@ hands that slot to the persist worker, which writes it as
 whose tensor names are the parameter names, readable by
 ``mindspore.load_checkpoint(path, format="safetensors")``). A dying-gasp
 save of a step memory already holds writes that payload as is.
+
+With ``snapshot_shared`` the data-parallel replicas on a machine share one
+snapshot per step (:mod:`trainguard.core.snapshot.shared`): the lowest
+copies the parameters, the others only a header naming it (MindSpore's
+state has no per-rank part), and a replica that writes a save copies them
+itself.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from trainguard.core.checkpoint import Verified
 from trainguard.core.history import JobHistory
 from trainguard.core.snapshot import Entry, SnapshotDir, SnapshotRing, payload_header
 from trainguard.core.snapshot.ring import FORMAT, check_settings, directory_for, load_verified, resume
+from trainguard.core.snapshot.shared import Sharing, with_holders
 
 from .handlers import load_checkpoint, shard_name
 
@@ -48,7 +55,10 @@ class ParamSnapshots(SnapshotRing):
     def forget_views(self) -> None:
         self._views.clear()
 
-    def take(self, arrays: dict[str, np.ndarray], step: int, history: dict) -> int | None:
+    def take(self, arrays: dict[str, np.ndarray], step: int, history: dict, meta: dict | None = None) -> int | None:
+        """Copy ``arrays`` into a free slot as the snapshot of ``step``; the
+        slot index, or ``None`` when skipped. ``meta``: more JSON for the
+        payload header."""
         names = list(arrays)
         entries = []
         for name in names:
@@ -67,7 +77,7 @@ class ParamSnapshots(SnapshotRing):
             for view, name in zip(views, names):
                 np.copyto(view, arrays[name])
 
-        return self.write(step, entries, {"names": names, "history": history}, fill)
+        return self.write(step, entries, {"names": names, "history": history, **(meta or {})}, fill)
 
 
 def read_arrays(payload) -> tuple[int, dict[str, np.ndarray], dict]:
@@ -95,41 +105,61 @@ def read_arrays(payload) -> tuple[int, dict[str, np.ndarray], dict]:
 class Checkpoints(JobHistory):
     """Saving and loading for the MindSpore :class:`~.guard.Guard` (a mix-in)."""
 
-    def setup_snapshots(self, every: int, count: int) -> None:
-        """Snapshots every ``every`` steps in ``count`` slots (0: none).
+    def setup_snapshots(self, every: int, count: int, shared: bool = False) -> None:
+        """Snapshots every ``every`` steps in ``count`` slots (0: none), one
+        per machine for the replicas there when ``shared``.
 
         Raises:
             ConfigError: see :func:`~trainguard.core.snapshot.ring.check_settings`.
         """
         check_settings(every, count, self.save_every)
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
+        here = self.hosts[self.rank]
+        self.sharing = Sharing(self.rank, every, shared, {r for r, h in self.hosts.items() if h == here})
+        self._dense: dict = {}  # at load: step -> the holder's slot of a snapshot naming it
         if every:
             directory = directory_for(f"{os.environ.get('TRAINGUARD_JOB_ID', 'ms')}-r{self.rank}-{os.getpid()}")
             self.snapshots = ParamSnapshots(directory, self.rank, count=count)
 
-    def take_snapshot(self, step: int, *, wait_s: float = 0.0) -> int | None:
-        take = lambda: self.snapshots.take(self.state.arrays(), step, self.merged_history({}))  # noqa: E731
+    def take_snapshot(self, step: int, *, wait_s: float = 0.0, whole: bool = False) -> int | None:
+        """Copy the parameters at ``step`` into memory (only a header naming
+        the replica whose snapshot holds them, when shared, unless
+        ``whole``); with ``wait_s``, wait that long for a slot a persist holds."""
+        holder = self.rank if whole else self.snapshot_holder()
+        arrays = self.state.arrays() if holder == self.rank else {}
+        take = lambda: self.snapshots.take(arrays, step, self.merged_history({}),  # noqa: E731
+                                           meta=self.sharing.meta(holder))
         index = take()
         if index is None and wait_s:
             self.snapshots.wait(wait_s)
             index = take()
         if index is None:
             raise CheckpointError(f"rank {self.rank}: no snapshot slot came free for step {step}")
+        self.sharing.taken(step, holder, len(self.snapshots.slots))
         return index
+
+    def snapshot_holder(self) -> int:
+        """The rank whose snapshots hold this rank's parameters on this
+        machine (see :meth:`~trainguard.core.snapshot.shared.Sharing.holder`)."""
+        return self.sharing.holder(self.groups[0].copies(self.rank), range(self.world_size),
+                                   self.snapshots.directory.slots_of)
 
     def close_snapshots(self, wait_s: float) -> None:
         if self.snapshots is not None:
             self.snapshots.shutdown(wait_s)
 
     def snapshot_report(self) -> dict:
-        return {"snapshots": self.snapshots.report(self.resumed_from)} if self.snapshots is not None else {}
+        if self.snapshots is None:
+            return {}
+        return {"snapshots": {**self.snapshots.report(self.resumed_from),
+                              **self.sharing.report(self.snapshot_holder())}}
 
     def write_snapshot_file(self, step: int):
         """The dying-gasp file of ``step`` from its snapshot (taken now
         unless memory holds it already)."""
-        index = self.snapshots.holding(step)
+        index = self.snapshots.holding(step) if self.sharing.whole(step) else None
         if index is None:
-            index = self.take_snapshot(step, wait_s=_save_timeout_s())
+            index = self.take_snapshot(step, wait_s=_save_timeout_s(), whole=True)
         else:
             self.snapshots.reused.append(step)
             log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
@@ -149,11 +179,11 @@ class Checkpoints(JobHistory):
         self.injector.strike("save", self._step)
         copies = self.groups[0].copies(self.rank)
         if self.snapshots is not None:
-            step = self._step
-            index = self.snapshots.holding(step)
+            step, saver = self._step, self.rank == min(copies)
+            index = self.snapshots.holding(step) if not saver or self.sharing.whole(step) else None
             if index is None:
-                index = self.take_snapshot(step, wait_s=_save_timeout_s())
-            if self.rank == min(copies):
+                index = self.take_snapshot(step, wait_s=_save_timeout_s(), whole=saver)
+            if saver:
                 name = _snapshot_name(self, step)
                 self.snapshots.persist(index, step, root=str(self.store.root), name=name, finalize={
                     "expected": [name], "timeout_s": _save_timeout_s(), "keep": self.store.keep,
@@ -172,15 +202,25 @@ class Checkpoints(JobHistory):
         a sealed snapshot holds it (and passes its checksum when read), else
         from storage."""
         memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
+        if memory and self.sharing.enabled:
+            memory, self._dense = with_holders(memory, self.snapshots.replica_slots)
         found = self.store.latest() if self.store is not None else None
-        return resume(memory, found.step if found is not None else None,
-                      gather=lambda steps: _gather_lists(self, steps),
-                      agree=lambda ok: min(self.all_gather_ints([int(ok)])) == 1,
-                      load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found),
-                      load_stored=lambda: self._load_stored(found))
+        try:
+            return resume(memory, found.step if found is not None else None,
+                          gather=lambda steps: _gather_lists(self, steps),
+                          agree=lambda ok: min(self.all_gather_ints([int(ok)])) == 1,
+                          load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found),
+                          load_stored=lambda: self._load_stored(found))
+        finally:
+            for slot in self._dense.values():
+                slot.close()
+            self._dense = {}
 
     def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
         _, arrays, history = load_verified(slot, read_arrays)
+        holder = self._dense.pop(step, None)
+        if holder is not None:  # a header naming the replica whose snapshot of the step holds the parameters
+            arrays = load_verified(holder, read_arrays)[1]
         try:
             self.state.load_arrays(arrays, source=str(slot.path))
         except ValueError as e:
@@ -188,8 +228,9 @@ class Checkpoints(JobHistory):
         stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
             else None
         self.history = stored or history
-        self.resumed_from = {"step": step, "source": source}
-        log.info("rank %d resumed from %s at step %d (%s)", self.rank, source, step, slot.path)
+        self.resumed_from = {"step": step, "source": source, **({"state_of": holder.path.name} if holder else {})}
+        log.info("rank %d resumed from %s at step %d (%s%s)", self.rank, source, step, slot.path,
+                 f" and {holder.path.name}" if holder else "")
 
     def _load_stored(self, found: Verified) -> int:
         shards = found.manifest.get("layout", {}).get("shards", [])

@@ -114,6 +114,9 @@ class Guard(Checkpoints):
             many steps (0: never); saves then only wait for that copy (see
             :mod:`.checkpoints`).
         snapshots_in_memory: snapshot slots per rank.
+        snapshot_shared: the data-parallel replicas on a machine share one
+            snapshot of the parameters: the lowest copies them, the others
+            only a header naming it (memory and copying per machine).
         steps_per_epoch: for ``epoch_num`` inside checkpoints (0: one epoch).
         reduce_gradients: all-reduce (mean) the gradients across the replicas
             in the wrapper; ``False`` when something else does (``Model``'s
@@ -150,6 +153,7 @@ class Guard(Checkpoints):
         keep: int = 2,
         snapshot_every: int = 0,
         snapshots_in_memory: int = 2,
+        snapshot_shared: bool = False,
         steps_per_epoch: int = 0,
         reduce_gradients: bool = True,
         reducer: nn.Cell | None = None,
@@ -212,7 +216,7 @@ class Guard(Checkpoints):
         self.recorder = recorder_from_env(rank=self.rank, started_at=ids[2], directory=profiling_dir)
         self._markers = MindSporeMarkers(self.recorder, None if self._graph else network, lambda: self._step,
                                          context.world_group(), list(range(self.world_size))) if self.recorder else None
-        self.setup_snapshots(snapshot_every, snapshots_in_memory)
+        self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_shared)
         self._step = self._load()
         self.state.commit(self._step)
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None

@@ -34,8 +34,7 @@ from trainguard.core.checkpoint import FileInfo, SavedShard, Verified, shard_fil
 from trainguard.core.history import JobHistory
 from trainguard.core.snapshot.persist import write_record
 from trainguard.core.snapshot.ring import check_settings, directory_for, load_verified, resume
-from trainguard.core.snapshot.shared import DENSE_FROM, choose_holder, keeping_up, local_ranks, newest_step, \
-    with_holders
+from trainguard.core.snapshot.shared import Sharing, local_ranks, with_holders
 
 from .handlers import read_shard, shard_name
 from .process_group import job_namespace
@@ -69,10 +68,8 @@ class Checkpoints(JobHistory):
                               "each need their holder's copy from the peer; choose one")
         self.snapshot_overlap = snapshot_overlap()
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
-        self.snapshot_shared, self._local = shared, local_ranks()
-        self._own_part: dict[int, int] = {}  # step -> holder, of this rank's snapshots holding its own part only
+        self.snapshot_shared, self.sharing = shared, Sharing(self.rank, every, shared, local_ranks())
         self._dense: dict = {}  # at load: step -> the holder's slot of an own-part snapshot
-        self._holder_behind, self.own_part_taken = False, 0
         if not every:
             return
         address = os.environ.get("TRAINGUARD_SNAPSHOT_PEER") if peer else None
@@ -100,39 +97,22 @@ class Checkpoints(JobHistory):
         a replica's snapshot on this node holds it."""
         background = background and self.snapshot_overlap
         holder = self.rank if whole else self.snapshot_holder()
-        meta = {DENSE_FROM: holder} if holder != self.rank else None
+        meta = self.sharing.meta(holder)
         index = self.snapshots.take(self.snapshot_state(step, holder), step, background=background, meta=meta)
         if index is None and wait_s:
             log.warning("rank %d: every snapshot slot is being persisted; waiting for one", self.rank)
             self.snapshots.wait(wait_s)
             index = self.snapshots.take(self.snapshot_state(step, holder), step, background=background, meta=meta)
         if index is not None:
-            self._own_part.pop(step, None)
-            if holder != self.rank:
-                self._own_part[step] = holder
-                self.own_part_taken += 1
-                for old in sorted(self._own_part)[:-2 * len(self.snapshots.slots)]:
-                    del self._own_part[old]
+            self.sharing.taken(step, holder, len(self.snapshots.slots))
         return index
 
     def snapshot_holder(self) -> int:
         """The rank whose snapshots hold this rank's state on this node: the
         lowest replica here with ``snapshot_shared`` (while its snapshots
         keep up), else this rank."""
-        if not self.snapshot_shared:
-            return self.rank
-        holder = choose_holder(self.rank, self.groups[0].copies(self.rank), self.process_group.members, self._local)
-        if holder == self.rank:
-            return holder
-        last = max(self._own_part, default=None)
-        if keeping_up(newest_step(self.snapshots.directory.slots_of(holder)), last, self.snapshot_every):
-            self._holder_behind = False
-            return holder
-        if not self._holder_behind and last is not None:
-            log.warning("rank %d: rank %d's snapshots on this node fell behind; snapshotting the whole state",
-                        self.rank, holder)
-        self._holder_behind = True
-        return self.rank
+        return self.sharing.holder(self.groups[0].copies(self.rank), self.process_group.members,
+                                   self.snapshots.directory.slots_of)
 
     def settle_snapshot(self) -> None:
         """Wait for a snapshot copy still running (before the state changes)."""
@@ -146,9 +126,8 @@ class Checkpoints(JobHistory):
     def snapshot_report(self) -> dict:
         if self.snapshots is None:
             return {}
-        shared = {"shared": {"holder": self.snapshot_holder(), "own_part_taken": self.own_part_taken}} \
-            if self.snapshot_shared else {}
-        return {"snapshots": {**self.snapshots.report(self.resumed_from), **shared}}
+        return {"snapshots": {**self.snapshots.report(self.resumed_from),
+                              **self.sharing.report(self.snapshot_holder())}}
 
     # ------------------------------------------------------------ saves
     def write_shard(self, step: int):
@@ -157,7 +136,7 @@ class Checkpoints(JobHistory):
         now unless memory already holds it)."""
         copies = self.groups[0].copies(self.rank)
         if self.snapshots is not None:
-            index = self.snapshots.holding(step) if step not in self._own_part else None
+            index = self.snapshots.holding(step) if self.sharing.whole(step) else None
             if index is not None:
                 self.snapshots.reused.append(step)
                 log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
@@ -209,7 +188,7 @@ class Checkpoints(JobHistory):
         shards = sorted({tuple(c for c in group.copies(r)) for r in members})
         savers = {min(c for c in copies if c in members): copies for copies in shards}
         saver = self.rank in savers
-        index = self.snapshots.holding(step) if not (saver and step in self._own_part) else None
+        index = self.snapshots.holding(step) if not saver or self.sharing.whole(step) else None
         if index is None:  # the persist is sent when the copy has landed
             index = self.take_snapshot(step, wait_s=self.save_timeout_s, background=True, whole=saver)
         if index is None:

@@ -11,7 +11,9 @@ its own snapshot and the holder's of that step are both sealed here
 A replica snapshots its whole state itself when the holder's snapshots on
 this node do not keep up (:func:`keeping_up`: a holder restarted on another
 node, or one that skipped a snapshot), and when a save needs its payload.
-Which ranks share a node comes from torchrun's environment (:func:`local_ranks`).
+Which ranks share a node comes from torchrun's environment (:func:`local_ranks`)
+or from the adapter (MindSpore: the ranks' machine ids). :class:`Sharing` is
+one rank's side of it, for any adapter.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Iterable
 from ..api import CheckpointError
 from .segment import PAGE, Slot, State, payload_header
 
-__all__ = ["DENSE_FROM", "choose_holder", "dense_from", "keeping_up", "local_ranks", "newest_step", "with_holders"]
+__all__ = ["DENSE_FROM", "Sharing", "choose_holder", "dense_from", "keeping_up", "local_ranks", "newest_step",
+           "with_holders"]
 
 log = logging.getLogger("trainguard.snapshot")
 
@@ -124,3 +127,61 @@ def with_holders(memory: dict[int, tuple[Slot, str]], holder_slots) -> tuple[dic
         for slot in slots.values():
             slot.close()
     return loadable, dense
+
+
+class Sharing:
+    """One rank's side of shared snapshots: whose snapshots hold its state,
+    and which of its own snapshots hold its own part only.
+
+    Args:
+        rank: this rank.
+        every: the snapshot interval (steps).
+        enabled: sharing on (else this rank is always its own holder).
+        local: the global ranks on this node.
+    """
+
+    def __init__(self, rank: int, every: int, enabled: bool, local: set[int]) -> None:
+        self.rank, self.every, self.enabled, self.local = rank, every, enabled, set(local)
+        self.own_part: dict[int, int] = {}  # step -> holder, of this rank's snapshots holding its own part only
+        self.own_part_taken = 0
+        self._behind = False
+
+    def holder(self, copies: Iterable[int], members: Iterable[int], slots_of) -> int:
+        """The rank whose snapshots hold this rank's state on this node: the
+        lowest live replica here (while its snapshots keep up), else this
+        rank. ``slots_of(rank)``: that rank's slots on this node."""
+        if not self.enabled:
+            return self.rank
+        holder = choose_holder(self.rank, copies, members, self.local)
+        if holder == self.rank:
+            return holder
+        last = max(self.own_part, default=None)
+        if keeping_up(newest_step(slots_of(holder)), last, self.every):
+            self._behind = False
+            return holder
+        if not self._behind and last is not None:
+            log.warning("rank %d: rank %d's snapshots on this node fell behind; snapshotting the whole state",
+                        self.rank, holder)
+        self._behind = True
+        return self.rank
+
+    def meta(self, holder: int) -> dict | None:
+        """The payload metadata of a snapshot whose state ``holder`` holds."""
+        return {DENSE_FROM: holder} if holder != self.rank else None
+
+    def taken(self, step: int, holder: int, slots: int) -> None:
+        """Record a snapshot of ``step`` taken (whole when ``holder`` is this
+        rank); ``slots``: this rank's slot count (older records are dropped)."""
+        self.own_part.pop(step, None)
+        if holder != self.rank:
+            self.own_part[step] = holder
+            self.own_part_taken += 1
+            for old in sorted(self.own_part)[:-2 * slots]:
+                del self.own_part[old]
+
+    def whole(self, step: int) -> bool:
+        """Whether this rank's snapshot of ``step`` (if memory holds one) holds its whole state."""
+        return step not in self.own_part
+
+    def report(self, holder: int) -> dict:
+        return {"shared": {"holder": holder, "own_part_taken": self.own_part_taken}} if self.enabled else {}
