@@ -379,6 +379,20 @@ def test_ownership_stale_directories_and_refusal(tmp_path):
     assert list(root.iterdir()) == []
 
 
+def test_the_persist_worker_and_its_threads_run_below_the_trainers_priority(shm):
+    from trainguard.core.snapshot.persist import NICE
+
+    snaps = Snapshots(shm, 0, count=2)
+    try:
+        _wait_sealed(snaps, snaps.take(_state(1), 1))  # the worker has started its seal thread
+        pid, mine = snaps.worker.pid, os.getpriority(os.PRIO_PROCESS, 0)
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        assert len(threads) > 1
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {min(mine + NICE, 19)}
+    finally:
+        snaps.close()
+
+
 def test_persist_worker_killed_mid_persist_is_restarted_and_nothing_partial_is_final(shm, tmp_path):
     root = tmp_path / "ckpt"
     snaps = Snapshots(shm, 0, count=2)
