@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ import xxhash
 
 from ..api import CheckpointError
 
-__all__ = ["PAGE", "Entry", "Layout", "Slot", "State", "payload_header"]
+__all__ = ["PAGE", "Entry", "Layout", "Mappings", "Slot", "State", "payload_header"]
 
 MAGIC = b"TGSNAP02"
 PAGE = 4096
@@ -129,14 +130,61 @@ class Info:
     committed: float
 
 
-class Slot:
-    """One slot file, mapped. Not thread-safe; one user per process."""
+def _map(fd: int, size: int) -> mmap.mmap | None:
+    # Every page mapped at once (one call instead of a fault per page), so
+    # neither a snapshot copy nor a checksum pass waits on faults.
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE) if size else None
 
-    def __init__(self, path: Path) -> None:
+
+def _unmap(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:  # views handed out are still alive; the mapping goes with them
+        pass
+
+
+class Mappings:
+    """Slot mappings kept from one use to the next, one per file, for a
+    process that opens the same slots again and again (the persist worker:
+    a seal and a persist of every snapshot). Mapping a 1 GB slot costs
+    0.1-0.15 s and unmapping it 0.05 s, beside a write of 0.7 s. A file
+    replaced or resized since is mapped anew. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, tuple[tuple[int, int, int], mmap.mmap | None]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: Path, fd: int) -> mmap.mmap | None:
+        """The mapping of the file open as ``fd`` (at ``path``), whole."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, st.st_size)
+        with self._lock:
+            old = self._maps.get(path)
+            if old is not None and old[0] == key:
+                return old[1]
+            if old is not None and old[1] is not None:
+                _unmap(old[1])
+            self._maps[path] = (key, _map(fd, st.st_size))
+            return self._maps[path][1]
+
+    def close(self) -> None:
+        with self._lock:
+            for _, m in self._maps.values():
+                if m is not None:
+                    _unmap(m)
+            self._maps.clear()
+
+
+class Slot:
+    """One slot file, mapped. Not thread-safe; one user per process (the
+    mapping may be shared, see :class:`Mappings`)."""
+
+    def __init__(self, path: Path, mappings: Mappings | None = None) -> None:
         self.path = Path(path)
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._locked = 0
+        self._shared = mappings
 
     # ---------------------------------------------------------------- mapping
     def _open(self, create: bool) -> bool:
@@ -148,13 +196,14 @@ class Slot:
         return True
 
     def _mapped(self) -> mmap.mmap:
+        if self._shared is not None:
+            self._map = self._shared.get(self.path, self._fd)
+            return self._map
         size = os.fstat(self._fd).st_size
         if self._map is None or len(self._map) != size:
             if self._map is not None:
                 self._map.close()
-            # Every page mapped at once (one call instead of a fault per
-            # page), so neither a snapshot copy nor a checksum pass waits on faults.
-            self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | _POPULATE) if size else None
+            self._map = _map(self._fd, size)
         return self._map
 
     def reserve(self, payload_bytes: int) -> mmap.mmap:
@@ -181,15 +230,13 @@ class Slot:
 
     def close(self) -> None:
         if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # views handed out are still alive; the mapping goes with them
-                pass
+            if self._shared is None:
+                _unmap(self._map)
             self._map = None
         if self._fd is not None:
+            self.unlock()  # a shared mapping holds a duplicate of the descriptor, and with it the lock
             os.close(self._fd)
             self._fd = None
-            self._locked = 0
 
     # ---------------------------------------------------------------- locks
     def lock(self, exclusive: bool, *, block: bool = False) -> bool:
