@@ -28,7 +28,8 @@ synthetic ~1 GB state (fp32 params in 400 tensors + AdamW state; ~100 MB with
    medians, 3 and 4 the best of each (the noise only ever adds).
 4. **load after restart**, until model and optimizer hold the state: from
    memory (a fresh ``Snapshots``, as the Guard loads: ``available()`` +
-   ``load_verified`` + ``read_payload``) against storage (page cache dropped;
+   ``load_verified`` + ``read_payload_into`` the model's parameters, the
+   optimizer's state copied out) against storage (page cache dropped;
    ``CheckpointStore.latest()`` + ``read_stored_snapshot``); both then
    ``load_state_dict`` and write the optimizer state once in place (a mapped
    file's pages are copied there, not at the first step).
@@ -65,7 +66,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainguard.adapters.torch.checkpoints import read_stored_snapshot
-from trainguard.adapters.torch.snapshot import Snapshots, read_payload
+from trainguard.adapters.torch.snapshot import Snapshots, destinations, fill, read_payload_into
 from trainguard.adapters.torch.state import flatten
 from trainguard.adapters.torch.trainstate import TrainState
 from trainguard.core.checkpoint import CheckpointStore, shard_file
@@ -287,7 +288,11 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[dict, Call
             again = Snapshots(SnapshotDir.attach(shm.path), 0)
             held = again.available(verify=False)  # as the Guard loads: checksum of the one slot it reads
             verified = time.perf_counter() - t
-            got, loaded = load_verified(held[max(held)][0], read_payload)
+            # As the Guard reads: straight into what a restarted process has (the model; its
+            # optimizer has no state yet) once the checksum passed, the rest copied out.
+            into = destinations({"state": {"model": model.state_dict()}})
+            got, loaded = load_verified(held[max(held)][0], lambda p: read_payload_into(p, "cpu", into),
+                                        lambda got: (fill(got[2]), got[:2])[1])
             load(loaded["state"])
             dt = time.perf_counter() - t
             assert got == step
@@ -472,7 +477,8 @@ def main() -> None:
         "3": "persist() to reply: the worker's XXH3-64 seal (when it had not sealed the slot yet), the copy to the "
              "file, fsync, manifest, rename and tracker",
         "4": "memory, as the Guard loads: available(verify=False) + load_verified (XXH3-64 of the slot read) + "
-             "read_payload (copies out); storage: latest() (the manifest's checksum, named in the row) + "
+             "read_payload_into (the model's parameters filled in place after the check, the optimizer's state "
+             "copied out); storage: latest() (the manifest's checksum, named in the row) + "
              "safetensors (maps the file); both then load_state_dict and "
              "add_(0) on every optimizer state tensor. drop_caches drops the guest's page cache only",
         "5": f"`trainguard run --nproc-per-node 2 examples/resnet50/train.py steps={steps} save_every={every} "

@@ -19,11 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from trainguard.adapters.torch.checkpoints import read_stored_snapshot
-from trainguard.adapters.torch.snapshot import Snapshots, read_payload
+from trainguard.adapters.torch.snapshot import Snapshots, destinations, fill, read_payload, read_payload_into
 from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import CheckpointStore
 from trainguard.core.snapshot import PeerServer, SnapshotDir, State, fetch, push, sweep
-from trainguard.core.snapshot.segment import PAGE
+from trainguard.core.snapshot.ring import load_verified
+from trainguard.core.snapshot.segment import PAGE, Slot
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -321,6 +322,42 @@ def test_corrupt_unsealed_and_half_written_snapshots_are_never_loaded(shm, caplo
         memory = snaps.available()
         assert sorted(memory) == [1]
         assert "fails its checksum" in caplog.text and "snapshot is writing, not sealed" in caplog.text
+    finally:
+        snaps.close()
+
+
+def test_a_load_fills_the_tensors_a_restart_has_in_place_and_only_once_the_checksum_passed(shm):
+    snaps = Snapshots(shm, 0, count=1)
+    try:
+        index = snaps.take(_state(4), 4)
+        _wait_sealed(snaps, index)
+        # What a restarted process has: its model (the half-precision bias saved in its
+        # own dtype here: no place for it), and no optimizer state.
+        model = {"w": torch.zeros(300, 70), "b": torch.zeros(70), "n": torch.tensor(0)}
+        into = destinations({"state": {"model": model}})
+        w = model["w"]
+        slot = Slot(snaps.slots[index].path)
+        with open(slot.path, "r+b") as f:  # one byte of the payload's end (the optimizer's moments) flipped
+            f.seek(-5, 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        read = lambda payload: read_payload_into(payload, "cpu", into)  # noqa: E731
+        with pytest.raises(CheckpointError, match="fails its checksum"):
+            load_verified(slot, read, lambda got: fill(got[2]))
+        assert not w.any(), "a destination was written before the checksum was checked"
+
+        with open(slot.path, "r+b") as f:  # flipped back
+            f.seek(-5, 2)
+            f.write(b)
+        step, loaded = load_verified(Slot(slot.path), read, lambda got: (fill(got[2]), got[:2])[1])
+        state, want = loaded["state"], _state(4)["state"]
+        assert step == 4 and _equal(state, want)
+        held = state["model"]
+        assert held["w"] is w and held["n"] is model["n"]  # filled in place
+        assert held["b"] is not model["b"] and not model["b"].any()  # another dtype: copied out
+        _wait_sealed(snaps, snaps.take(_state(5), 5))  # the slot written again: what was copied out stays
+        assert _equal(state["optimizer"], want["optimizer"]) and _equal(state["model"]["b"], want["model"]["b"])
     finally:
         snaps.close()
 

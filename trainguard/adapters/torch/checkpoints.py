@@ -38,7 +38,7 @@ from trainguard.core.snapshot.shared import Sharing, local_ranks, with_holders
 
 from .handlers import read_shard, shard_name
 from .process_group import job_namespace
-from .snapshot import Snapshots, read_payload
+from .snapshot import Snapshots, destinations, fill, read_payload_into
 
 __all__ = ["Checkpoints"]
 
@@ -255,11 +255,14 @@ class Checkpoints(JobHistory):
             self._dense = {}
 
     def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
-        read = lambda payload: read_payload(payload, self.device.torch_device)  # noqa: E731
-        _, held = load_verified(slot, read)
+        # Straight into the parameters and whatever optimizer state exists, once the checksum passed.
+        into = destinations({"state": self.state.state_dict()})
+        read = lambda payload: read_payload_into(payload, self.device.torch_device, into)  # noqa: E731
+        done = lambda got: (fill(got[2]), got[1])[1]  # noqa: E731
+        held = load_verified(slot, read, done)
         state, holder = held["state"], self._dense.pop(step, None)
         if holder is not None:  # this rank's own part: the rest is in its holder's snapshot of the step
-            state = {**load_verified(holder, read)[1]["state"], "rng": state.get("rng", {})}
+            state = {**load_verified(holder, read, done)["state"], "rng": state.get("rng", {})}
         self.state.load_state_dict(state)
         # A dying-gasp checkpoint of the same step knows of the fault
         # that stopped the job; the snapshot was taken before it.

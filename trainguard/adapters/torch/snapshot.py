@@ -42,7 +42,7 @@ from trainguard.core.snapshot.ring import FORMAT, SnapshotRing
 
 from .state import flatten, unflatten
 
-__all__ = ["Snapshots", "read_payload", "staging_bytes"]
+__all__ = ["Snapshots", "destinations", "fill", "read_payload", "read_payload_into", "staging_bytes"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -264,19 +264,65 @@ def read_payload(payload: memoryview | bytes, device: torch.device | str = "cpu"
     Raises:
         CheckpointError: the payload is malformed or not a trainguard snapshot.
     """
+    step, state, _ = read_payload_into(payload, device, {})
+    return step, state
+
+
+def read_payload_into(payload: memoryview | bytes, device: torch.device | str,
+                      into: dict[str, torch.Tensor]) -> tuple[int, Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Like :func:`read_payload`, where ``into`` (path -> tensor, see
+    :func:`destinations`) names tensors that already hold a place for a
+    payload tensor (a restarted model's parameters): the state holds those
+    tensors, still unchanged, and the returned copies (destination, view
+    into the payload) fill them -- the caller runs :func:`fill` once the
+    payload passed its checksum, before the payload is unmapped. A
+    destination of another dtype, shape or device is left alone.
+
+    A restart then allocates and touches fresh memory only for what has no
+    place yet (an optimizer's moments), and copies the rest once.
+
+    Raises:
+        CheckpointError: the payload is malformed or not a trainguard snapshot.
+    """
     table, meta, start = payload_header(payload)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"not a {FORMAT} payload")
     base = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-    tensors = []
+    device = torch.device(device)
+    tensors, later = [], []
     try:
         for name in meta["names"]:
             e = table[name]
             b, end = e["data_offsets"]
-            dtype = BY_NAME[e["dtype"]]
-            t = base[start + b:start + end].clone().view(dtype).view(e["shape"]) if end > b else \
-                torch.empty(e["shape"], dtype=dtype)
-            tensors.append(t.to(device))
-        return int(meta["step"]), unflatten(meta["skeleton"], tensors)
+            dtype, shape = BY_NAME[e["dtype"]], e["shape"]
+            view = base[start + b:start + end].view(dtype).view(shape) if end > b else None
+            dst = into.get(name)
+            if dst is not None and dst.dtype == dtype and list(dst.shape) == shape and _on(dst, device):
+                tensors.append(dst)
+                if view is not None:
+                    later.append((dst, view))
+            elif view is None:
+                tensors.append(torch.empty(shape, dtype=dtype, device=device))
+            else:  # straight to the device: no host copy on the way
+                tensors.append(view.clone() if device.type == "cpu" else view.to(device))
+        return int(meta["step"]), unflatten(meta["skeleton"], tensors), later
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"snapshot payload does not match its header ({e})") from None
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def destinations(state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` by path, as a snapshot of the same structure names them."""
+    paths: list[str] = []
+    tensors = flatten(state, paths)[1]
+    return dict(zip(paths, tensors))
+
+
+def fill(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Run the copies :func:`read_payload_into` left."""
+    with torch.no_grad():
+        for dst, src in copies:
+            dst.copy_(src)

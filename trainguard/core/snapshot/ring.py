@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..api import CheckpointError, ConfigError
 from .peer import fetch
@@ -299,10 +299,12 @@ class _Pending:
     persists: list[dict] = field(default_factory=list)  # persist() requests made meanwhile
 
 
-def load_verified(slot: Slot, read: Callable[[memoryview], object]) -> object:
-    """``read(payload)`` of a slot whose checksum checks out, under its lock
-    (the read runs beside the checksum pass; its result is dropped unless
-    the checksum matches).
+def load_verified(slot: Slot, read: Callable[[memoryview], Any],
+                  then: Callable[[Any], Any] = lambda got: got) -> Any:
+    """``then(read(payload))`` of a slot whose checksum checks out, under its
+    lock (the read runs beside the checksum pass; its result is dropped
+    unless the checksum matches; ``then`` runs after the check, with the
+    payload still mapped).
 
     Raises:
         CheckpointError: the snapshot fails its check (or vanished).
@@ -310,7 +312,7 @@ def load_verified(slot: Slot, read: Callable[[memoryview], object]) -> object:
     try:
         if not slot.lock(False, block=True):
             raise CheckpointError(f"{slot.path.name}: gone")
-        return slot.verified(read)[1]
+        return then(slot.verified(read)[1])
     finally:
         slot.close()
 
