@@ -396,7 +396,7 @@ def main() -> None:
                     for a in (["rev-parse", "--short", "HEAD"], ["status", "--short", "trainguard"])]
     tree_at_start = tree()
     layers, reps = (10, 3) if args.quick else (100, 8)
-    steps, every, pairs, skip = (12, 5, 1, 3) if args.quick else (30, 10, 3, 3)
+    steps, every, pairs, skip = (12, 5, 1, 3) if args.quick else (30, 10, 5, 3)
     rows, goals, per_state, job = [], [], {}, f"bench-checkpoint-{os.getpid()}"
     if args.gpu_only:
         if not torch.cuda.is_available():
