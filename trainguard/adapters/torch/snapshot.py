@@ -22,7 +22,9 @@ forward and backward). Device state is copied in line.
 
 :func:`read_payload` turns a payload (a slot's, or a persisted
 ``.safetensors`` file's bytes) back into the state, with tensors that own
-their memory (a view into a slot would be overwritten by the next snapshot).
+their memory (a view into a slot would be overwritten by the next snapshot);
+:func:`read_payload_into` fills the tensors a restarted process already has
+instead, once the payload passed its checksum (:func:`fill`).
 """
 
 from __future__ import annotations
