@@ -28,9 +28,21 @@ def _job(job_runner, name, **kw):
     return job
 
 
+def _said(job) -> str:
+    """What the job logged about snapshots and resuming (pytest cuts a whole job's repr short)."""
+    return "\n".join(line for line in job.log.splitlines()
+                     if any(w in line for w in ("snapshot", "resumed", "slot", "sealed", "checksum")))
+
+
 def _rank_reports(job) -> dict[int, dict]:
     name = job.ckpt.name.removesuffix("-ckpt")
     return {int(p.suffix[1:]): json.loads(p.read_text()) for p in job.ckpt.parent.glob(f"{name}.json.[0-9]")}
+
+
+# A crash at step N strikes in the forward right after update N, while the copy of step N's snapshot
+# runs beside it: whether that copy landed first is a race (lost, the rank rightly resumes from storage).
+# Each step sleeps first, so the tests that expect a restart from memory at step N see it land.
+LANDED = {"SNAP_STEP_SLEEP": "0.3"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +55,7 @@ def fault_free(tmp_path_factory):
 
 
 def test_crash_dump_reuses_the_snapshot_and_the_restart_loads_from_memory(job_runner, fault_free):
-    job = _job(job_runner, "crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"])
+    job = _job(job_runner, "crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"], env=LANDED)
     assert job.rc == 0, job
     r = job.report
     assert r["final_state_sha256"] == fault_free, job
@@ -54,7 +66,7 @@ def test_crash_dump_reuses_the_snapshot_and_the_restart_loads_from_memory(job_ru
     # The restarted processes resumed from memory at the locked step.
     reports = _rank_reports(job)
     assert {rank: rep["snapshots"]["resumed_from"] for rank, rep in reports.items()} == \
-        {0: {"step": 6, "source": "memory"}, 1: {"step": 6, "source": "memory"}}, job
+        {0: {"step": 6, "source": "memory"}, 1: {"step": 6, "source": "memory"}}, _said(job)
     assert all(len(pids) == 2 for pids in r["pids"].values()), r["pids"]
     assert "reuses its snapshot in memory" in job.log, job
 
@@ -75,7 +87,7 @@ def test_random_streams_of_every_rank_come_back_from_memory(job_runner, dropout_
     """A restart from memory sets each rank's streams as they were at the
     step it resumes."""
     job = _job(job_runner, "dropout-crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"],
-               env=DROPOUT)
+               env={**DROPOUT, **LANDED})
     assert job.rc == 0, job
     assert {rank: rep["snapshots"]["resumed_from"] for rank, rep in _rank_reports(job).items()} == \
         {0: {"step": 6, "source": "memory"}, 1: {"step": 6, "source": "memory"}}, job
@@ -115,7 +127,7 @@ SHARED = {"SNAPSHOT_SHARED": "1"}
 
 def test_shared_snapshots_a_replica_resumes_with_its_holders_state_and_its_own_streams(job_runner, dropout_free):
     job = _job(job_runner, "shared-crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"],
-               env={**DROPOUT, **SHARED})
+               env={**DROPOUT, **SHARED, **LANDED})
     assert job.rc == 0, job
     reports = _rank_reports(job)
     resumed = {rank: rep["snapshots"]["resumed_from"] for rank, rep in reports.items()}
@@ -132,7 +144,7 @@ def test_shared_snapshots_a_replica_resumes_with_its_holders_state_and_its_own_s
 
 def test_shared_snapshots_when_the_holder_dies_its_replica_saves_its_whole_state(job_runner, fault_free):
     job = _job(job_runner, "shared-holder", fault="crash:rank=0,step=6", extra_args=["--max-restarts", "1"],
-               env=SHARED)
+               env={**SHARED, **LANDED})
     assert job.rc == 0, job
     manifest = json.loads((job.ckpt / "step_00000006" / "manifest.json").read_text())
     assert [s["saved_by"] for s in manifest["layout"]["shards"]] == [1], manifest
@@ -146,11 +158,10 @@ def test_shared_snapshots_when_the_holder_dies_its_replica_saves_its_whole_state
 
 
 def test_shared_snapshots_a_corrupt_holder_snapshot_sends_its_replicas_to_storage(job_runner, fault_free):
-    # Each step sleeps first, so rank 1's snapshot of step 7, copied beside step 8, is sealed before the
-    # crash at step 8's update: without it rank 1 may hold no step that rank 0 holds, and never read r0's.
+    # Rank 1's snapshot of step 7 must land before the crash (LANDED): without it rank 1 may hold no
+    # step that rank 0 holds, and never read r0's.
     job = _job(job_runner, "shared-corrupt", fault="crash:rank=1,step=7", strategies="exit",
-               extra_args=["--max-restarts", "1"],
-               env={**SHARED, "CORRUPT_ON_RESTART": "0", "SNAP_STEP_SLEEP": "0.3"})
+               extra_args=["--max-restarts", "1"], env={**SHARED, "CORRUPT_ON_RESTART": "0", **LANDED})
     assert job.rc == 0, job
     reports = _rank_reports(job)
     assert {rank: rep["snapshots"]["resumed_from"] for rank, rep in reports.items()} == \
