@@ -66,7 +66,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainguard.adapters.torch.checkpoints import read_stored_snapshot
-from trainguard.adapters.torch.snapshot import Snapshots, destinations, fill, read_payload_into
+from trainguard.adapters.torch.snapshot import Snapshots, destinations, filled, read_payload_into
 from trainguard.adapters.torch.state import flatten
 from trainguard.adapters.torch.trainstate import TrainState
 from trainguard.core.checkpoint import CheckpointStore, shard_file
@@ -292,7 +292,7 @@ def bench_state(made: tuple, reps: int, tmp: Path, job: str) -> tuple[dict, Call
             # optimizer has no state yet) once the checksum passed, the rest copied out.
             into = destinations({"state": {"model": model.state_dict()}})
             got, loaded = load_verified(held[max(held)][0], lambda p: read_payload_into(p, "cpu", into),
-                                        lambda got: (fill(got[2]), got[:2])[1])
+                                        filled)
             load(loaded["state"])
             dt = time.perf_counter() - t
             assert got == step

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from trainguard.adapters.torch.checkpoints import read_stored_snapshot
-from trainguard.adapters.torch.snapshot import Snapshots, destinations, fill, read_payload, read_payload_into
+from trainguard.adapters.torch.snapshot import Snapshots, destinations, filled, read_payload, read_payload_into
 from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import CheckpointStore
 from trainguard.core.snapshot import PeerServer, SnapshotDir, State, fetch, push, sweep
@@ -344,13 +344,13 @@ def test_a_load_fills_the_tensors_a_restart_has_in_place_and_only_once_the_check
             f.write(bytes([b[0] ^ 0xFF]))
         read = lambda payload: read_payload_into(payload, "cpu", into)  # noqa: E731
         with pytest.raises(CheckpointError, match="fails its checksum"):
-            load_verified(slot, read, lambda got: fill(got[2]))
+            load_verified(slot, read, filled)
         assert not w.any(), "a destination was written before the checksum was checked"
 
         with open(slot.path, "r+b") as f:  # flipped back
             f.seek(-5, 2)
             f.write(b)
-        step, loaded = load_verified(Slot(slot.path), read, lambda got: (fill(got[2]), got[:2])[1])
+        step, loaded = load_verified(Slot(slot.path), read, filled)
         state, want = loaded["state"], _state(4)["state"]
         assert step == 4 and _equal(state, want)
         held = state["model"]

@@ -38,7 +38,7 @@ from trainguard.core.snapshot.shared import Sharing, local_ranks, with_holders
 
 from .handlers import read_shard, shard_name
 from .process_group import job_namespace
-from .snapshot import Snapshots, destinations, fill, read_payload_into
+from .snapshot import Snapshots, destinations, filled, read_payload_into
 
 __all__ = ["Checkpoints"]
 
@@ -258,11 +258,10 @@ class Checkpoints(JobHistory):
         # Straight into the parameters and whatever optimizer state exists, once the checksum passed.
         into = destinations({"state": self.state.state_dict()})
         read = lambda payload: read_payload_into(payload, self.device.torch_device, into)  # noqa: E731
-        done = lambda got: (fill(got[2]), got[1])[1]  # noqa: E731
-        held = load_verified(slot, read, done)
+        held = load_verified(slot, read, filled)[1]
         state, holder = held["state"], self._dense.pop(step, None)
         if holder is not None:  # this rank's own part: the rest is in its holder's snapshot of the step
-            state = {**load_verified(holder, read, done)["state"], "rng": state.get("rng", {})}
+            state = {**load_verified(holder, read, filled)[1]["state"], "rng": state.get("rng", {})}
         self.state.load_state_dict(state)
         # A dying-gasp checkpoint of the same step knows of the fault
         # that stopped the job; the snapshot was taken before it.

@@ -24,7 +24,7 @@ forward and backward). Device state is copied in line.
 ``.safetensors`` file's bytes) back into the state, with tensors that own
 their memory (a view into a slot would be overwritten by the next snapshot);
 :func:`read_payload_into` fills the tensors a restarted process already has
-instead, once the payload passed its checksum (:func:`fill`).
+instead, once the payload passed its checksum (:func:`filled`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from trainguard.core.snapshot.ring import FORMAT, SnapshotRing
 
 from .state import flatten, unflatten
 
-__all__ = ["Snapshots", "destinations", "fill", "read_payload", "read_payload_into", "staging_bytes"]
+__all__ = ["Snapshots", "destinations", "filled", "read_payload", "read_payload_into", "staging_bytes"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -276,7 +276,7 @@ def read_payload_into(payload: memoryview | bytes, device: torch.device | str,
     :func:`destinations`) names tensors that already hold a place for a
     payload tensor (a restarted model's parameters): the state holds those
     tensors, still unchanged, and the returned copies (destination, view
-    into the payload) fill them -- the caller runs :func:`fill` once the
+    into the payload) fill them -- the caller runs :func:`filled` once the
     payload passed its checksum, before the payload is unmapped. A
     destination of another dtype, shape or device is left alone.
 
@@ -323,8 +323,11 @@ def destinations(state: Any) -> dict[str, torch.Tensor]:
     return dict(zip(paths, tensors))
 
 
-def fill(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Run the copies :func:`read_payload_into` left."""
+def filled(read: tuple[int, Any, list[tuple[torch.Tensor, torch.Tensor]]]) -> tuple[int, Any]:
+    """``(step, state)`` of what :func:`read_payload_into` returned, once the
+    copies it left have run."""
+    step, state, copies = read
     with torch.no_grad():
         for dst, src in copies:
             dst.copy_(src)
+    return step, state
