@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -47,11 +48,29 @@ def run_job(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault: str
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1",
            *(extra_args or []), str(script or WORKERS / "tiny_train.py"), str(steps), str(report), str(ckpt),
            str(save_every)]
-    proc = subprocess.run(cmd, env=full_env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+    proc = run_bounded(cmd, env=full_env, cwd=tmp, timeout=timeout)
     if proc.returncode:  # pytest shows a test's captured output when it fails: the log tail then reaches CI
         print(f"--- {name}: exit {proc.returncode}; log tail ---\n{(proc.stdout + proc.stderr)[-8000:]}")
     data = json.loads(report.read_text()) if report.exists() else None
     return Job(proc.returncode, proc.stdout + proc.stderr, data, ckpt)
+
+
+def run_bounded(cmd: list[str], *, env: dict, cwd: Path, timeout: float,
+                merge: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a launcher and its workers: past ``timeout``
+    the whole process group is killed (no orphaned workers) and the test
+    fails with the job's log tail, which a bare ``TimeoutExpired`` drops.
+    ``merge``: stderr goes into stdout (``stderr`` is then empty)."""
+    with subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                          stderr=subprocess.STDOUT if merge else subprocess.PIPE) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{' '.join(cmd)}\nstill running after {timeout:.0f} s; log tail:\n"
+                        f"{(out + (err or ''))[-12000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err or "")
 
 
 @pytest.fixture
@@ -83,8 +102,26 @@ def _assert_no_stray_processes(tmp: Path) -> None:
     assert not stray, f"processes left behind: {stray}"
 
 
+#: Test files that must have the machine to themselves: CI runs every other
+#: test two at a time (``-n 2``), then these one at a time (``-m serial``).
+SERIAL = {
+    # They patch the installed torchrun / msrun that every other job launches.
+    "test_patch.py", "test_patch_msrun.py",
+    # They tell a benign pause or a slow rank from a fault by timing real runs.
+    "test_detect.py", "test_slow_nodes.py",
+}
+#: Tests elsewhere that patch an installed launcher (fixtures of these names) are serial too.
+PATCHING = {"patched_msrun"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks added here
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where a CUDA device is present."""
+    """GPU tests run only where a CUDA device is present; the files in
+    :data:`SERIAL`, and tests with a fixture in :data:`PATCHING`, are marked
+    ``serial``."""
+    for item in items:
+        if item.path.name in SERIAL or PATCHING & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.serial)
     try:
         import torch
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import WORKERS
+from conftest import WORKERS, run_bounded
 
 STEPS = 6
 #: MindSpore's cluster retries and heartbeats wait a random whole number of
@@ -67,7 +66,7 @@ def run_ms(tmp: Path, name: str, *, fault: str | None = None, strategies: str | 
     else:
         cmd = [str(Path(sys.executable).parent / "msrun"), *msrun_flags]
     cmd += [str(script), str(steps), str(report), str(ckpt)]
-    proc = subprocess.run(cmd, env=full_env, cwd=tmp, capture_output=True, text=True, timeout=200)
+    proc = run_bounded(cmd, env=full_env, cwd=tmp, timeout=200)
     worker_logs = "".join(f"\n--- {p.name}\n" + "\n".join(
         line for line in p.read_text(errors="replace").splitlines() if "trainguard" in line or "Error" in line)
         for p in sorted(logs.glob("worker_*.log")))

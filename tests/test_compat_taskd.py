@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_bounded
 from trainguard.compat import init_taskd_manager, init_taskd_worker, start_taskd_manager, start_taskd_worker
 from trainguard.compat.taskd import TASKD_PORT
 from trainguard.compat.taskd.api import taskd_manager_api, taskd_worker_api
@@ -351,16 +352,9 @@ class TaskdJob:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--monitor-interval", "0.1",
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                "worker.py", str(steps), str(self.tmp), str(self.tmp / "ckpt")]
-        proc = subprocess.Popen(cmd, cwd=self.tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"torchrun did not finish within {timeout} s:\n{out[-4000:]}")
+        proc = run_bounded(cmd, env=env, cwd=self.tmp, timeout=timeout, merge=True)
         reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in self.tmp.glob("rank*.json")}
-        return proc.returncode, out, reports
+        return proc.returncode, proc.stdout, reports
 
     def manager_result(self, timeout: float = 40) -> tuple[int, str, dict]:
         try:

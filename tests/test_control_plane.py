@@ -228,9 +228,10 @@ def test_fault_at_step_zero_exits(controller):
 def test_silent_rank_is_declared_hung_and_the_rest_dump(controller):
     procs = [connect(controller, r) for r in range(3)]
     train_to(procs, 3)
-    # Rank 2 stops heartbeating (as a SIGSTOPped process would): simulate by
-    # cancelling its call without the controller seeing a clean end.
-    procs[2]._outbox.put(pb.RankMessage(heartbeat=pb.Status(step=3, run=2, data=1)))
+    # Rank 2, with a step time learned, stops heartbeating (as a SIGSTOPped
+    # process would): simulate by cancelling its call without the controller
+    # seeing a clean end.
+    procs[2]._outbox.put(pb.RankMessage(heartbeat=pb.Status(step=3, run=2, data=1, step_time_s=0.01)))
     procs[2]._heartbeat_s = 3600
     outcomes = {}
 

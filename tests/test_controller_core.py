@@ -1,6 +1,6 @@
 """The controller's state machine driven directly, at thousands of ranks."""
 
-from trainguard.core import ControllerConfig, ControllerState
+from trainguard.core import EXIT_HUNG, ControllerConfig, ControllerState
 from trainguard.core.controller import ControllerCore
 from trainguard.core.processor import _pb_group
 from trainguard.core import ReplicaGroup
@@ -54,7 +54,7 @@ def test_a_stalled_controller_does_not_declare_everyone_hung():
     core = ControllerCore(ControllerConfig(), 4, send=lambda r, c: sent.append((r, c)), clock=lambda: now[0])
     for rank in range(4):
         core.on_hello(pb.Hello(rank=rank, world_size=4, pid=1 + rank,
-                               status=pb.Status(step=1, run=pb.TRAINING, data=pb.UPDATED)))
+                               status=pb.Status(step=1, run=pb.TRAINING, data=pb.UPDATED, step_time_s=0.1)))
     now[0] = 10.0  # the event loop was blocked for 10 s: no tick, no heartbeat processed
     core.tick()
     assert core.state is ControllerState.NORMAL and not sent
@@ -64,6 +64,59 @@ def test_a_stalled_controller_does_not_declare_everyone_hung():
     # 4 s > 3 missed 1 s heartbeats: every rank is hung, nobody is left to save, the job exits.
     assert core.state is ControllerState.EXITED
     assert core.records[-1].fault == "hang" and core.records[-1].strategy == "exit"
+
+
+def test_a_rank_silent_before_its_first_step_time_gets_the_first_step_limit():
+    """A graph compile holds Python's GIL, and the heartbeat thread, for
+    seconds: a rank that has reported no step time yet is not lost after 3
+    missed heartbeats but after ``first_step_silence_s``; once it reported a
+    step time, the usual limit applies again."""
+    now, sent = [0.0], []
+    core = ControllerCore(ControllerConfig(first_step_silence_s=60), 2, send=lambda r, c: sent.append((r, c)),
+                          clock=lambda: now[0])
+    for rank in range(2):
+        core.on_hello(pb.Hello(rank=rank, world_size=2, pid=1 + rank,
+                               status=pb.Status(step=0, run=pb.TRAINING, data=pb.UPDATED)))
+
+    def silent(until: float, beating: tuple[int, ...] = ()) -> None:
+        while now[0] < until:
+            now[0] += 0.05
+            for rank in beating:
+                core.on_heartbeat(rank, pb.Status(step=2, run=pb.TRAINING, data=pb.UPDATED, step_time_s=0.1))
+            core.tick()
+
+    silent(50.0)  # both compiling for 50 s: 16x the 3 missed heartbeats
+    assert core.state is ControllerState.NORMAL and not sent
+    silent(70.0, beating=(0,))  # rank 0 steps on; rank 1 is still silent at 60 s
+    assert [(r, c.exit.code) for r, c in sent if c.HasField("exit")] == [(1, EXIT_HUNG)]
+    reason = next(c.exit.reason for _, c in sent if c.HasField("exit"))
+    assert reason.startswith("no heartbeat for ") and 60 <= float(reason.split()[3]) <= 60.2, reason
+
+    # Rank 0 has a step time now: 3 missed heartbeats are enough.
+    before = len(sent)
+    silent(75.0)
+    assert [r for r, c in sent[before:] if c.HasField("exit")] == [0]
+
+
+def test_a_rank_in_a_section_may_be_silent_for_the_section_s_limit():
+    """A rank that announced an open section (an evaluation compiling holds
+    the GIL) may stay silent for the section's limit, not 5 steps; once it
+    reported the section closed, the usual limit is back."""
+    now, sent = [0.0], []
+    core = ControllerCore(ControllerConfig(), 1, send=lambda r, c: sent.append((r, c)), clock=lambda: now[0])
+    core.on_hello(pb.Hello(rank=0, world_size=1, pid=1, status=pb.Status(step=0, run=pb.TRAINING, data=pb.UPDATED)))
+
+    def silent_until(t: float) -> None:
+        while now[0] < t:
+            now[0] += 0.1
+            core.tick()
+
+    core.on_heartbeat(0, pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED, step_time_s=0.2, silence_s=600))
+    silent_until(500.0)
+    assert core.state is ControllerState.NORMAL and not sent
+    core.on_heartbeat(0, pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED, step_time_s=0.2))
+    silent_until(504.0)  # max(3 heartbeats, 5 x 0.2 s + 2 heartbeats) = 3 s
+    assert [(r, c.exit.code) for r, c in sent if c.HasField("exit")] == [(0, EXIT_HUNG)]
 
 
 def test_a_rank_that_does_not_stop_is_told_to_exit_and_the_others_dump():
@@ -99,21 +152,29 @@ def test_a_rank_that_does_not_stop_is_told_to_exit_and_the_others_dump():
     assert saves and saves <= {0, 3}, saves
 
 
-def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
-    """recover-in-place with a rank lost on each of two nodes: the first
-    agent makes the store, the second is ordered onto it; the survivors are
-    told to join only when both new processes run; the new ranks register,
-    get their state and resume with everyone."""
-    world = 4
+def _training_job(world: int, strategies: str, *, max_restarts: int):
+    """A controller whose ``world`` ranks (pids 100 + rank) train at step 3,
+    recording what it sends to ranks and to node agents."""
     sent: dict[int, list[pb.Command]] = {}
     orders: list[tuple[str, pb.AgentOrder]] = []
-    core = ControllerCore(ControllerConfig(strategies="recover-in-place,dump", max_restarts=2), world,
+    core = ControllerCore(ControllerConfig(strategies=strategies, max_restarts=max_restarts), world,
                           send=lambda r, c: sent.setdefault(r, []).append(c),
                           send_agent=lambda n, o: orders.append((n, o)))
     full = [_pb_group(ReplicaGroup.full(range(world)))]
     for rank in range(world):
         core.on_hello(pb.Hello(rank=rank, world_size=world, pid=100 + rank, replicas=full,
                                status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
+    return core, sent, orders
+
+
+def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
+    """recover-in-place with a rank lost on each of two nodes: the first
+    agent makes the store, the second is ordered onto it; the survivors are
+    told to join only when both new processes run; the new ranks register,
+    get their state and resume with everyone."""
+    world = 4
+    core, sent, orders = _training_job(world, "recover-in-place,dump", max_restarts=2)
+    full = [_pb_group(ReplicaGroup.full(range(world)))]
     core.on_agent("a", pb.AgentHello(ranks=[0, 1]))
     core.on_agent("b", pb.AgentHello(ranks=[2, 3]))
     core.on_disconnect(1)
@@ -171,3 +232,80 @@ def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke():
                                            status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
     (record,) = core.records
     assert (record.fault, record.rank, record.strategy, record.step) == ("process_lost", 1, "dump", 3)
+
+
+def _elastic_job_waiting_for_its_new_process(world: int = 3):
+    """Rank ``world - 1`` of an elastic-training job was lost, the others went
+    on, and its agent was ordered to start a new process for it."""
+    core, sent, orders = _training_job(world, "elastic-training,dump", max_restarts=1)
+    core.on_agent("a", pb.AgentHello(ranks=list(range(world))))
+    core.on_disconnect(world - 1)
+    live = range(world - 1)
+    for rank in live:
+        core.on_stopped(rank, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
+    while core.state is not ControllerState.NORMAL:  # every phase of the plan succeeds
+        for rank in live:
+            core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
+                                                  status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+    (start,) = [o for _, o in orders if o.HasField("start")]
+    assert start.start.rank == world - 1 and core.dropped == {world - 1}
+    return core, sent, orders, start
+
+
+def _kills(orders) -> list[tuple[str, int]]:
+    return [(n, o.kill) for n, o in orders if o.HasField("kill")]
+
+
+def test_a_new_process_that_starts_after_the_job_finished_is_ended_not_waited_for():
+    """elastic-training: the survivors finish before the agent reports the
+    new process running (a slow start on a busy machine). The controller
+    must end that process (it would wait to join for ever, and the launcher
+    with it), not try to pause a finished job."""
+    core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
+    for rank in (0, 1):
+        core.on_goodbye(rank, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+    assert core.state is ControllerState.FINISHED
+    commands = sum(len(cmds) for cmds in sent.values())
+    core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
+    assert core.state is ControllerState.FINISHED
+    assert _kills(orders) == [("a", 2)]
+    assert sum(len(cmds) for cmds in sent.values()) == commands  # nobody is paused
+
+
+def test_a_new_process_that_runs_when_a_rank_already_finished_is_ended_and_the_rest_finish():
+    """The new process runs while one survivor has finished and the other is
+    at its last step: too late to take it in; it is ended, and the last
+    survivor is not stopped."""
+    core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
+    core.on_goodbye(0, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+    stops = len([c for c in sent[1] if c.HasField("stop")])
+    core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
+    assert _kills(orders) == [("a", 2)]
+    assert len([c for c in sent[1] if c.HasField("stop")]) == stops
+    core.on_goodbye(1, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+    assert core.state is ControllerState.FINISHED
+
+
+def test_a_survivor_that_finishes_instead_of_stopping_for_the_scale_up_ends_it():
+    """The job paused to take the new process in, but a survivor had passed
+    its last step and finishes: the new process (registered already) is
+    ended, its end is no fault, the survivor that stopped resumes, and the
+    job finishes."""
+    core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
+    core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
+    assert core.state is ControllerState.ABNORMAL and sent[0][-1].HasField("stop") and sent[1][-1].HasField("stop")
+    core.on_hello(pb.Hello(rank=2, world_size=3, pid=202, joining=True, replicas=[_pb_group(ReplicaGroup.full(range(3)))],
+                           status=pb.Status(step=0, run=pb.STARTING, data=pb.UPDATED)))
+    core.on_stopped(1, pb.Status(step=16, run=pb.STOPPED, data=pb.UPDATED))
+    core.on_goodbye(0, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+    for _ in range(5):
+        if core.state is ControllerState.NORMAL:
+            break
+        core.on_result(1, pb.CommandResult(command_id=sent[1][-1].id, ok=True,
+                                           status=pb.Status(step=16, run=pb.STOPPED, data=pb.UPDATED)))
+    assert core.state is ControllerState.NORMAL and sent[1][-1].HasField("resume")
+    assert _kills(orders) == [("a", 2)]
+    core.on_disconnect(2)  # the agent ended it
+    assert core.state is ControllerState.NORMAL and core.episode is None
+    core.on_goodbye(1, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+    assert core.state is ControllerState.FINISHED

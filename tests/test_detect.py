@@ -79,6 +79,18 @@ def test_long_gc_pause_and_long_save_raise_no_alarm(job_runner, reference):
     assert json.loads((job.ckpt / "latest_step.txt").read_text()) == 8
 
 
+def test_an_evaluation_that_holds_the_gil_past_the_heartbeat_limit_raises_no_alarm(job_runner, reference):
+    """Every rank evaluates in a section that holds the GIL for 6 s (an
+    evaluation graph compiling): no heartbeat leaves for longer than the
+    controller's silence limit (5 x 0.6 s step + 2 heartbeats = 4 s), but the
+    section, announced as it opened, stretches it."""
+    job = job_runner("evaluation", nproc=2, steps=STEPS, env={**ENV, "TINY_EVAL_HOLD": "4,6"})
+    assert job.rc == 0, job
+    assert job.report["recoveries"] == [], "an evaluation was taken for a hung rank"
+    assert "no heartbeat" not in job.log, job
+    assert job.report["final_state_sha256"] == reference["final_state_sha256"]
+
+
 def test_a_collective_that_does_not_complete_is_retried_in_place(job_runner, reference):
     # Rank 1's all-reduce is never sent (a black-holed link): both ranks wait
     # in it, alive and heartbeating. The watchdog reports the collective,

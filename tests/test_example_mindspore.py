@@ -26,6 +26,7 @@ from ms_jobs import FAST_CLUSTER
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "resnet50" / "train_mindspore.py"
+GRAPH = ROOT / "examples" / "resnet50" / "train_mindspore_graph.py"
 STEPS = 4
 SMALL = [f"steps={STEPS}", "seed=1", "batch_size=2", "image_size=8", "save_every=0", "log_every=0"]
 #: The report's keys documented in examples/resnet50/README.md (as the torch example's).
@@ -54,24 +55,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def example(tmp: Path, name: str, *, fault: str | None = None, guard: bool = True) -> Run:
+def example(tmp: Path, name: str, *, fault: str | None = None, guard: bool = True, script: Path = SCRIPT,
+            args: list[str] | None = None, env: dict | None = None) -> Run:
     """One launch of the example: ``trainguard run --framework mindspore``,
-    or plain msrun for ``guard=False``."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, **FAST_CLUSTER}
+    or plain msrun for ``guard=False``; ``script`` with ``args`` (default:
+    the ResNet-50 example's small settings) must write ``tmp/NAME.json``."""
+    environ = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, **FAST_CLUSTER,
+               **(env or {})}
     # msrun starts `python SCRIPT`: the test's interpreter, the one MindSpore is in.
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + environ.get("PATH", "")
     if fault:
-        env["TRAINGUARD_FAULT"] = fault
+        environ["TRAINGUARD_FAULT"] = fault
     launcher = ["-m", "trainguard.cli", "run", "--framework", "mindspore"] if guard else \
         ["-m", "mindspore.parallel.cluster.run"]
+    # absolute paths: the stray-process check finds the workers by them
+    args = args if args is not None else \
+        [*SMALL, f"guard={guard}", f"report={tmp / f'{name}.json'}", f"checkpoint_dir={tmp / f'{name}-ckpt'}"]
     cmd = [sys.executable, *launcher, "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}",
-           "--join=True", f"--log_dir={tmp / f'{name}-logs'}", str(SCRIPT), *SMALL, f"guard={guard}",
-           # absolute paths: the stray-process check finds the workers by them
-           f"report={tmp / f'{name}.json'}", f"checkpoint_dir={tmp / f'{name}-ckpt'}"]
+           "--join=True", f"--log_dir={tmp / f'{name}-logs'}", str(script), *args]
     log = tmp / f"{name}.log"
     with open(log, "w") as out:  # msrun tails every worker log: a file, not a pipe
         try:
-            rc = subprocess.run(cmd, env=env, cwd=tmp, stdout=out, stderr=subprocess.STDOUT, timeout=120).returncode
+            rc = subprocess.run(cmd, env=environ, cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
+                                timeout=120).returncode
         except subprocess.TimeoutExpired:
             rc = -1  # the timeout killed the launcher only: msrun starts workers in sessions of their own
             _kill_processes_under(tmp)
@@ -130,3 +136,16 @@ def test_plain_mindspore_reaches_the_same_state(tmp_path, fault_free):
     assert run.rc == 0 and run.report is not None, run
     assert run.report["guard"] is False and run.report["recoveries"] == [], run
     assert run.report["final_state_sha256"] == fault_free.report["final_state_sha256"], run
+
+
+def test_graph_mode_compiles_past_missed_heartbeats_without_being_taken_for_hung(tmp_path):
+    """The graph-mode example's compile holds Python's GIL, and with it the
+    heartbeat thread, for seconds at a stretch (ResNet-50 here: up to 1.3 s;
+    ResNet-152: 5.5 s). With a heartbeat every 0.25 s (3 missed: 0.75 s) the
+    controller took both ranks for hung and ended the job (exit 77); a rank
+    that has no step time yet now gets the first step's limit."""
+    run = example(tmp_path, "graph", script=GRAPH, env={"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.25"},
+                  args=["3", str(tmp_path / "graph.json"), str(tmp_path / "graph-ckpt")])
+    _assert_no_stray_processes(tmp_path)
+    assert run.rc == 0 and "exit code 77" not in run.log, run
+    assert run.report["steps_completed"] == 3 and run.report["recoveries"] == [], run

@@ -65,11 +65,46 @@ def test_take_pins_the_slot_and_reads_back_exactly(tmp_path, monkeypatch):
     assert snaps._pinned == {}, "closing unregisters every slot"
 
 
+def test_a_background_take_leaves_on_a_side_stream_after_the_work_that_wrote_the_state():
+    """take(background=True) returns while the copy is still to land; the
+    copy waits for what the current stream had queued (here a write held
+    back by a sleeping kernel); a tensor that changed shape under its path
+    gets a new layout, in line and in the background."""
+    from test_snapshot_layout import _read_back
+    from trainguard.adapters.torch.snapshot import Snapshots
+    from trainguard.core.snapshot import SnapshotDir
+
+    state = {"w": torch.zeros(4096, 1024, device="cuda"), "b": torch.zeros(33, device="cuda").half(),
+             "step": torch.tensor(1.0)}
+    shm = SnapshotDir.create(f"gpusnap-side-{uuid.uuid4().hex[:8]}")
+    snaps = Snapshots(shm, 0, count=2)
+    read_back = lambda step: _read_back(snaps, step)  # noqa: E731
+    try:
+        for step, value in ((1, 1.0), (2, 2.0), (3, 3.0)):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of a held-back stream: the write below lands after it
+            state["w"].fill_(value)
+            state["b"].fill_(value)
+            assert snaps.take(state, step, background=True) is not None
+            assert snaps.pending is not None, "a background take returns before its copy has landed"
+            back = read_back(step)
+            assert torch.equal(back["w"], torch.full((4096, 1024), value)), "the copy ran before the write"
+            assert torch.equal(back["b"], torch.full((33,), value).half()) and back["step"] == 1.0
+        for step, background in ((4, False), (5, True)):
+            state["w"] = torch.arange(step * 1000.0, device="cuda").reshape(step, 1000)  # same path, new shape
+            assert snaps.take(state, step, background=background) is not None
+            back = read_back(step)
+            assert torch.equal(back["w"], state["w"].cpu()), step
+        assert snaps.pins >= 2 and not snaps.pin_failed and not snaps.errors
+    finally:
+        snaps.close()
+        shm.remove()
+
+
 def test_restart_on_gpu_resumes_from_pinned_memory_bit_identical(tmp_path):
     clean = _job(tmp_path, "clean")
-    assert clean.rc == 0, clean
+    assert clean.rc == 0, clean.log[-6000:]
     crash = _job(tmp_path, "crash", fault="crash:rank=1,step=6", extra_args=["--max-restarts", "1"])
-    assert crash.rc == 0, crash
+    assert crash.rc == 0, crash.log[-8000:]
     assert crash.report["final_state_sha256"] == clean.report["final_state_sha256"], crash
     assert [r["strategy"] for r in crash.report["recoveries"]] == ["dump"], crash
     reports = {int(p.suffix[1:]): json.loads(p.read_text()) for p in tmp_path.glob("crash.json.[0-9]")}

@@ -22,7 +22,9 @@ pytest.importorskip("megatron.core")
 import trainguard.compat.mindio_ttp.framework_ttp as ttp  # noqa: E402
 import trainguard.compat.mindio_ttp.megatron_ttp as mega  # noqa: E402
 from trainguard.adapters.megatron import checkpoint as ckpt  # noqa: E402
+from trainguard.adapters.megatron import snapshot as snapshot_module  # noqa: E402
 from trainguard.adapters.megatron.snapshot import MegatronSnapshots, read_file  # noqa: E402
+from trainguard.adapters.torch.snapshot import filled  # noqa: E402
 from trainguard.adapters.torch.state import state_sha256  # noqa: E402
 from trainguard.compat.mindio_ttp.state import TTP  # noqa: E402
 from trainguard.core import ConfigError  # noqa: E402
@@ -94,6 +96,15 @@ def _sealed(ring: MegatronSnapshots, step: int) -> None:
     raise AssertionError(f"the snapshot of step {step} was never sealed")
 
 
+def _flip(path: Path) -> None:
+    """Flip bits of one byte near the end of a slot (in its payload); flipped again, it is as it was."""
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x55]))
+
+
 @pytest.mark.timeout(60)
 def test_a_rank_state_round_trips_exactly_through_memory_and_a_persisted_snapshot(ring, tmp_path):
     model, opt, sched = _trained(1)
@@ -131,16 +142,43 @@ def test_a_corrupt_snapshot_is_detected_and_storage_is_used(ring, tmp_path, capl
     ring.take_rank(3, m3, o3, s3, {})
     _sealed(ring, 3)
     for slot in ring.slots:  # both snapshots (steps 2 and 3) flipped in memory
-        with open(slot.path, "r+b") as f:
-            f.seek(-3, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x55]))
+        _flip(slot.path)
     fresh = _trained(9)
     assert ring.load(store, *fresh) == (2, {})
     assert ring.resumed_from == {"step": 2, "source": "storage"}
     assert "fails its checksum (corrupted in memory)" in caplog.text
     assert _same(fresh[0].state_dict(), m2.state_dict()) and _same(fresh[1].state_dict(), o2.state_dict())
+
+
+@pytest.mark.timeout(60)
+def test_a_load_from_memory_fills_the_objects_in_place_and_only_once_the_checksum_passed(ring, tmp_path,
+                                                                                         monkeypatch):
+    model, opt, sched = _trained(1)
+    expected = ckpt.rank_state(4, model, opt, sched)
+    ring.take_rank(4, model, opt, sched, {"records": [], "pids": {}})
+    _sealed(ring, 4)
+    path = next(s.path for s in ring.slots if s.info() and s.info().step == 4)
+    store = ckpt.megatron_store(tmp_path / "ckpt")  # nothing on storage
+    fresh = _trained(2)
+    before = {k: v.clone() for k, v in fresh[0].state_dict().items() if isinstance(v, torch.Tensor)}
+    moments = [t for s in fresh[1].state.values() for t in s.values() if t.numel() > 1]
+
+    _flip(path)
+    assert ring.load(store, *fresh) == (0, {}) and ring.resumed_from is None
+    assert _same({k: v for k, v in fresh[0].state_dict().items() if k in before}, before), \
+        "the model was written before the snapshot's checksum was checked"
+
+    _flip(path)  # back
+    held = []
+    monkeypatch.setattr(snapshot_module, "filled", lambda read: held.append(filled(read)) or held[-1])
+    assert ring.load(store, *fresh)[0] == 4 and ring.resumed_from == {"step": 4, "source": "memory"}
+    assert _same(ckpt.rank_state(4, *fresh), expected)
+    # The snapshot's tensors were copied once, into the model's parameters and the optimizer's moments.
+    params = {k: v.data_ptr() for k, v in fresh[0].state_dict().items() if isinstance(v, torch.Tensor)}
+    loaded = held[0][1]["state"]["rank"]
+    assert {k: v.data_ptr() for k, v in loaded["model"].items() if k in params} == params
+    assert sorted(t.data_ptr() for t in moments) == \
+        sorted(t.data_ptr() for s in fresh[1].state.values() for t in s.values() if t.numel() > 1)
 
 
 @pytest.fixture

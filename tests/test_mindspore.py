@@ -171,10 +171,25 @@ def test_shared_snapshots_a_replica_loads_its_holders_parameters_of_a_step_both_
                          timeout=100)
     assert out.returncode == 0, out.stdout + out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["step"] == 2 and got["equal"], got
+    assert got["step"] == 2 and got["equal"] and got["loads"] == 1, got
     assert got["resumed_from"] == {"step": 2, "source": "memory", "state_of": "r0.s1"}, got
     assert got["own_bytes"] < 8192, got  # a header, no parameters
     assert "rank 0's snapshot of that step is not sealed" in out.stderr, out.stderr
+
+
+@needs_mindspore
+@pytest.mark.timeout(120)
+def test_a_corrupt_snapshot_is_detected_and_the_newest_sound_one_is_loaded_without_touching_the_parameters():
+    """As above, with a byte of the holder's snapshot of step 2 flipped:
+    the load says so, resumes from step 1, and the parameters are set once,
+    to step 1's."""
+    out = subprocess.run([sys.executable, str(WORKERS / "ms_shared_load.py"), "corrupt"], capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["step"] == 1 and got["loads"] == 1 and got["equal"], got
+    assert got["resumed_from"]["source"] == "memory", got
+    assert "not using the snapshot of step 2" in out.stderr and "fails its checksum" in out.stderr, out.stderr
 
 
 @needs_mindspore

@@ -201,7 +201,7 @@ def test_elastic_training_goes_on_without_the_lost_replica(job_runner, tmp_path)
 
 
 def test_elastic_training_scales_back_up_when_a_new_process_runs(job_runner, tmp_path):
-    steps = 16
+    steps = 40  # 11 s of training after the crash: time for the new process to start on a busy machine
     job = job_runner("grow", nproc=3, steps=steps, fault="crash:rank=2,step=3", strategies="elastic-training,dump",
                      env={"TINY_ALL_REPORTS": "1", "TINY_STEP_SLEEP": "0.3"}, extra_args=["--max-restarts", "1"])
     assert job.rc == 0, job
@@ -213,6 +213,22 @@ def test_elastic_training_scales_back_up_when_a_new_process_runs(job_runner, tmp
     hashes = {json.loads((tmp_path / f"grow.json.rank{r}").read_text())["final_state_sha256"] for r in (1, 2)}
     assert hashes == {report["final_state_sha256"]}  # all three replicas identical again
     assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 1 and len(report["pids"]["2"]) == 2
+
+
+def test_a_job_that_finishes_before_its_new_process_runs_ends_it_and_exits_cleanly(job_runner, tmp_path):
+    """The survivors finish before the process started to scale back up
+    runs (here: 13 fast steps against its start): it is ended instead of
+    left waiting to join (which hung the launcher), and the job ends well."""
+    steps = 16
+    job = job_runner("late", nproc=3, steps=steps, fault="crash:rank=2,step=3", strategies="elastic-training,dump",
+                     env={"TINY_ALL_REPORTS": "1", "TINY_STEP_SLEEP": "0.01"}, extra_args=["--max-restarts", "1"],
+                     timeout=90)
+    assert job.rc == 0, job
+    report = job.report
+    assert report["steps_completed"] == steps and report["lost_steps"] == 0
+    assert report["replicas"] == [{"step": 0, "replicas": 3}, {"step": 3, "replicas": 2}]
+    assert "scaling back up abandoned: the job finished before the new processes ran" in job.log, job
+    assert "it is no longer wanted" in job.log, job
 
 
 def test_recover_takes_the_ranks_of_a_lost_node_elsewhere(tmp_path):

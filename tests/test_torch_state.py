@@ -102,6 +102,60 @@ def test_state_lands_in_the_receivers_own_tensors_where_they_fit():
     assert results[1]["model"]["h"] is not own_h and own_h.shape == (7,)
 
 
+class CountingGroup(AbortableProcessGroup):
+    """Counts the bytes of tensors (tags from 4: not the header) this rank
+    has posted and not yet waited for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.posted = self.most = 0
+
+    def _counted(self, work, tensors, tag):
+        size = sum(t.numel() * t.element_size() for t in tensors) if tag >= 4 else 0
+        self.posted += size
+        self.most = max(self.most, self.posted)
+        group = self
+
+        class Counted:
+            def wait(self, *args):
+                result = work.wait(*args)
+                group.posted -= size
+                return result
+
+        return Counted()
+
+    def send(self, tensors, dst, tag=0):
+        return self._counted(super().send(tensors, dst, tag), tensors, tag)
+
+    def recv(self, tensors, src, tag=0):
+        return self._counted(super().recv(tensors, src, tag), tensors, tag)
+
+
+def test_transfers_are_posted_ahead_within_the_window(monkeypatch):
+    """Tensors go out without a round trip each, but never more than the
+    window (plus one tensor) at once: a host state sent over NCCL holds a
+    device copy of each tensor in flight."""
+    monkeypatch.setattr("trainguard.adapters.torch.state.IN_FLIGHT_BYTES", 4000)
+    state = {f"t{i}": torch.randn(250) for i in range(40)}  # 1000 bytes each
+    mine = {f"t{i}": torch.zeros(250) for i in range(40)}
+    own = dict(mine)
+    groups = {}
+
+    def body(group, rank):
+        groups[rank] = group
+        if rank == 0:
+            send_state(group, state, 1, device=CPU)
+            return None
+        return recv_state(group, 0, device=CPU, into=mine)
+
+    results, errors = two_ranks(body, CountingGroup)
+    assert not errors, errors
+    assert_same(results[1], state)
+    assert all(results[1][k] is own[k] for k in own)  # received in place
+    for group in groups.values():
+        assert 2000 <= group.most <= 5000, group.most
+
+
 class FlippingGroup(AbortableProcessGroup):
     """Flips one byte of the first tensor this rank receives (tag 4)."""
 
@@ -143,3 +197,46 @@ def test_stop_releases_a_blocked_collective_and_refuses_new_ones():
     results, errors = two_ranks(body)
     assert not errors, errors
     assert results == {0: "released", 1: "idle"}
+
+
+class _LateCallbacks(torch.futures.Future):
+    """A backend's future whose completion callbacks have not run yet (in a
+    real process they wait for the GIL, which a STOP's thread may hold)."""
+
+    def then(self, callback):
+        self.callbacks = [*getattr(self, "callbacks", []), callback]
+        return self
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.future = _LateCallbacks()
+
+    def get_future(self):
+        return self.future
+
+
+class _Backend:
+    def __init__(self) -> None:
+        self.works: list[_Work] = []
+
+    def allreduce(self, tensors, opts):
+        self.works.append(_Work())
+        return self.works[-1]
+
+
+def test_stop_keeps_a_collective_the_backend_completed_before_its_callback_ran():
+    """CI saw a rank stop one step behind its peer: the all-reduce of the
+    step had completed on both, but the STOP failed it on the rank whose
+    completion callback had not run yet. Such a collective keeps its result;
+    one still waiting on a peer is released."""
+    backend = _Backend()
+    group = AbortableProcessGroup(dist.HashStore(), 0, 1, backend_factory=lambda *_: backend)
+    done, waiting = group.allreduce([torch.ones(3)]), group.allreduce([torch.ones(3)])
+    backend.works[0].future.set_result([torch.full((3,), 2.0)])  # completed, callback not run
+    group.stop("a peer failed")
+    assert done.wait() and torch.equal(done.get_future().value()[0], torch.ones(3))  # the result, not a ForceStop
+    with pytest.raises(ForceStop, match="a peer failed"):
+        waiting.wait()
+    assert not group.busy
+    backend.works[0].future.callbacks[0](backend.works[0].future)  # the late callback: no second completion

@@ -1,10 +1,15 @@
 """The MindSpore Guard's load with shared snapshots, in one process without
 msrun: rank 1's snapshots are headers naming rank 0's; a fresh rank 1
 (as a restarted process would) resumes from memory with rank 0's parameters
-of the newest step both hold sealed. Prints what it loaded as JSON."""
+of the newest step both hold sealed. Prints what it loaded as JSON.
+
+With ``corrupt``: rank 0's snapshot of step 2 has a byte flipped; rank 1
+resumes from its holder's step 1, and nothing of step 2 reaches its
+parameters."""
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -28,8 +33,11 @@ def sealed(snaps: ParamSnapshots, index: int) -> None:
 
 
 class Params:
+    def __init__(self) -> None:
+        self.loads: list[dict] = []  # every set of arrays put into the parameters
+
     def load_arrays(self, loaded: dict, source: str) -> None:
-        self.loaded = loaded
+        self.loads.append({k: v.copy() for k, v in loaded.items()})
 
 
 class Replica(Checkpoints):
@@ -51,12 +59,21 @@ try:
     for step in (1, 2, 3):  # rank 0 holds no step 3
         sealed(replica, replica.take({}, step, HISTORY, meta={DENSE_FROM: 0}))
     own_bytes = replica.slots[0].info().payload_bytes
+    if sys.argv[1:] == ["corrupt"]:
+        path = next(slot.path for slot in holder.slots if slot.info().step == 2)
+        with open(path, "r+b") as f:  # a byte of the payload's end (the moments) flipped
+            f.seek(-5, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
     again = Replica(ParamSnapshots(SnapshotDir.attach(shm.path), 1, count=3))
     step = again._load()
-    got = again.state.loaded
+    want = arrays(step)
     print(json.dumps({"step": step, "resumed_from": again.resumed_from, "own_bytes": own_bytes,
-                      "equal": sorted(got) == sorted(arrays(2)) and all(np.array_equal(got[k], v)
-                                                                       for k, v in arrays(2).items())}))
+                      "loads": len(again.state.loads),
+                      "equal": all(sorted(got) == sorted(want) and all(np.array_equal(got[k], v)
+                                                                       for k, v in want.items())
+                                   for got in again.state.loads)}))
     again.snapshots.close()
 finally:
     holder.close()

@@ -6,7 +6,9 @@ usage: tiny_train.py STEPS REPORT CHECKPOINT_DIR [SAVE_EVERY]
 TINY_DEVICE=cuda runs it on one GPU per local rank with NCCL; TINY_STEP_SLEEP=S
 makes every step last at least S seconds more (for the watchdog tests);
 TINY_ELASTIC_LR sets the Guard's elastic_lr; TINY_ALL_REPORTS=1 makes every
-rank write its report (REPORT.rank<r>).
+rank write its report (REPORT.rank<r>); TINY_EVAL_HOLD=STEP,S runs an
+"evaluation" section after that step that holds the GIL for S seconds (as a
+graph compile does: the heartbeat thread cannot run).
 """
 
 import json
@@ -29,6 +31,16 @@ def batch(step: int, rank: int, device: torch.device):
     return x.to(device), (x.sum(dim=1, keepdim=True) > 0).float().to(device)
 
 
+def hold_gil(seconds: float) -> None:
+    """Keep the GIL for ``seconds``: no other thread of the process runs."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 60)  # no forced switch before the loop ends
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    sys.setswitchinterval(interval)
+
+
 def main() -> None:
     steps, report, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     save_every = int(sys.argv[4]) if len(sys.argv) > 4 else 0
@@ -47,6 +59,7 @@ def main() -> None:
                   elastic_lr=os.environ.get("TINY_ELASTIC_LR", "keep"))
     rank = dist.get_rank()
     step_sleep = float(os.environ.get("TINY_STEP_SLEEP", "0"))
+    hold_step, hold_s = map(float, os.environ.get("TINY_EVAL_HOLD", "-1,0").split(","))
     for step in guard.steps(steps):
         with guard.protect():
             time.sleep(step_sleep)
@@ -56,6 +69,9 @@ def main() -> None:
             loss.backward()
             guard.optimizer.step()
             sched.step()
+        if step == hold_step:
+            with guard.section("evaluation"):
+                hold_gil(hold_s)
     out = guard.report()
     guard.close()
     if rank == 0 or os.environ.get("TINY_ALL_REPORTS") == "1":

@@ -43,6 +43,8 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_PORT": "port the controller binds to (default: any free port)",
     "TRAINGUARD_HEARTBEAT_INTERVAL_S": "seconds between rank heartbeats (default: 1, or world_size/4096 above 4096 ranks)",
     "TRAINGUARD_HEARTBEAT_MISSES": "missed heartbeats before a rank counts as lost (default 3)",
+    "TRAINGUARD_FIRST_STEP_SILENCE_S": "seconds a rank with no step time yet may go without a heartbeat (a "
+                                       "graph compile holds the GIL, and the heartbeat thread, for seconds; 600)",
     "TRAINGUARD_PRELOCK_TIMEOUT_S": "seconds healthy ranks get to stop at a consistent step (default 30)",
     "TRAINGUARD_HANDLER_TIMEOUT_S": "seconds a stop/clean/repair/rollback handler may take (default 180)",
     "TRAINGUARD_SAVE_TIMEOUT_S": "seconds a dying-gasp save may take (default 1800)",
@@ -136,6 +138,9 @@ class ControllerConfig:
     port: int = 0
     heartbeat_interval_s: float | None = None  # None: see heartbeat_interval_for
     heartbeat_misses: int = 3
+    # Before a rank has a step time: MindSpore's graph compile of ResNet-152
+    # held the GIL (so the heartbeat thread) for 5.5 s at a stretch.
+    first_step_silence_s: float = 600.0
     prelock_timeout_s: float = 30.0
     handler_timeout_s: float = 180.0
     save_timeout_s: float = 1800.0
@@ -149,8 +154,8 @@ class ControllerConfig:
             object.__setattr__(self, "strategies", parse_strategies(self.strategies))
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        for f in ("heartbeat_interval_s", "prelock_timeout_s", "handler_timeout_s", "save_timeout_s",
-                  "restart_timeout_s"):
+        for f in ("heartbeat_interval_s", "first_step_silence_s", "prelock_timeout_s", "handler_timeout_s",
+                  "save_timeout_s", "restart_timeout_s"):
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ConfigError(f"{f} must be > 0, got {getattr(self, f)!r}")
         if self.heartbeat_misses < 1:

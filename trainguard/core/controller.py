@@ -103,6 +103,7 @@ class ControllerCore(Restarts, Phases):
         self._finished: set[int] = set()
         self.dropped: set[int] = set()  # ranks elastic-training went on without
         self._grow: Starts | None = None  # new processes for them, starting while the others train
+        self._unwanted: set[int] = set()  # start orders given up before their agent answered
         self._pids: dict[int, list[int]] = {}
         self._parsed: dict[tuple, ReplicaGroup] = {}
         self._last_tick = clock()
@@ -227,9 +228,15 @@ class ControllerCore(Restarts, Phases):
         r.alive = False
         self._finished.add(rank)
         log.debug("rank %d finished at step %d", rank, r.step)
+        ep = self.episode
+        if ep is not None and ep.grow and self.state is ControllerState.ABNORMAL:
+            ep.unstopped.discard(rank)  # it passed its last step before the pause: no scaling up now
+            self._check_prelock()
         if len(self._finished | self.dropped) == self.world_size and self.state is ControllerState.NORMAL:
             self._to(ControllerState.FINISHED)
             log.info("all %d ranks finished", self.world_size)
+            if self._grow is not None:
+                self._grow_failed("the job finished before the new processes ran")
 
     def on_disconnect(self, rank: int) -> None:
         """The rank's session ended without Goodbye."""
@@ -319,10 +326,16 @@ class ControllerCore(Restarts, Phases):
         """How long a rank may go without a message: the missed-heartbeat
         limit, stretched so that a pause of the whole process up to five of
         its steps (a long garbage collection holds every thread) is not
-        taken for a loss. A stopped or frozen process is found sooner by its
+        taken for a loss; before the rank reported a step time, the first
+        step's limit (a graph compile holds the GIL, and with it the
+        heartbeat thread, for seconds); while a section is open on it (an
+        evaluation may compile too), that section's limit. A dead process
+        is found sooner by its ended session, a stopped or frozen one by its
         node agent."""
         beats = self.heartbeat_interval_s * self.config.heartbeat_misses
-        return max(beats, 5 * r.step_time_s + 2 * self.heartbeat_interval_s)
+        if r.step_time_s <= 0:
+            return max(beats, self.config.first_step_silence_s, r.silence_s)
+        return max(beats, 5 * r.step_time_s + 2 * self.heartbeat_interval_s, r.silence_s)
 
     # ------------------------------------------------------------- snapshots
     def snapshot(self) -> dict:
@@ -397,16 +410,19 @@ class ControllerCore(Restarts, Phases):
 
     def _decide(self) -> None:
         ep = self.episode
+        plan = self._grow_plan() if ep.grow and Strategy.ELASTIC_TRAINING not in ep.tried else None
+        if ep.grow and plan is None and ep.starts is not None:  # cannot take them in: end them
+            self._give_up(ep.starts)
+            ep.started, ep.starts, self._grow = set(), None, None
         view = {
             r.rank: RankState(rank=r.rank, step=r.step, data=r.data, run=r.run, alive=r.alive,
                               stopped=r.stopped, device_repairable=r.repairable)
             for r in self.ranks.values()
         }
         layout = {r.rank: r.groups for r in self.ranks.values()}
-        plan = self._grow_plan() if ep.grow and Strategy.ELASTIC_TRAINING not in ep.tried else None
         if plan is not None:
             reason = f"scaling back up at step {plan.step}: ranks {sorted(plan.replacements)[:16]} rejoin"
-        elif ep.grow:  # could not take the new processes in: go on as before
+        elif ep.grow:  # go on as before
             plan, reason = decide(view, [], dataclasses.replace(self.config, strategies=(Strategy.RETRY,)),
                                   self._wall(), layout=layout, tried=ep.tried)
             reason = f"scaling back up abandoned; {reason}"
@@ -433,6 +449,8 @@ class ControllerCore(Restarts, Phases):
                 self._exiting.add(rank)
             if ep.grow or r is None or not r.alive:  # not joined: it may sit in its startup
                 self._kill_new(rank, ep.starts.placement[rank])
+        if ep.starts is not None:  # and those still starting, once their agent answers
+            self._end_when_started(ep.starts)
         ep.started, ep.starts = set(), None
         ep.tried.add(ep.plan.strategy)
         ep.reason = f"{ep.reason}; {why}"

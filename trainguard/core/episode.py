@@ -34,10 +34,12 @@ class Rank:
     stopped: bool = False
     reached: int = 0  # highest step this rank ever reported
     step_time_s: float = 0.0  # median of its recent steps, as it reported
+    silence_s: float = 0.0  # the limit of a section open on it (0: none)
 
     def update(self, status: pb.Status) -> None:
         self.step, self.run, self.data = from_pb_status(status)
         self.reached = max(self.reached, self.step)
+        self.silence_s = status.silence_s
         if status.step_time_s > 0:
             self.step_time_s = status.step_time_s
 

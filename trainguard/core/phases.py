@@ -71,7 +71,8 @@ class Phases:
         new = sorted(plan.replacements)
         after = sorted(everyone + new)
         uce = {f.rank for f in self.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
-        if self.episode.grow:  # the new processes build the generation reserved when they started
+        if self.episode.starts is not None and self.episode.grow:  # the new processes build the generation
+            # reserved when they started (none when they were given up)
             generation = self.episode.starts.generation
         else:
             self.generation += 1

@@ -106,6 +106,7 @@ class Processor:
         self._exit_timer: threading.Timer | None = None
         wd = config.watchdog if config is not None else WatchdogConfig(enabled=False)
         self.watchdog = ProgressWatchdog(wd, track_gc=wd.enabled)
+        self.watchdog.on_section = self._section_opened
 
     # ---------------------------------------------------------- connection
     def connect(
@@ -189,6 +190,9 @@ class Processor:
                 return
             if msg is _WAKE:
                 continue
+            if isinstance(msg, tuple):  # a section's heartbeat: its sender waits until it is taken
+                msg, taken = msg
+                taken.set()
             sent = time.monotonic()
             yield msg
 
@@ -304,7 +308,18 @@ class Processor:
     def _status(self) -> pb.Status:
         status = to_pb_status(self.step, self.run, self.data)
         status.step_time_s = self.watchdog.median_step_s
+        status.silence_s = self.watchdog.section_limit_s()
         return status
+
+    def _section_opened(self) -> None:
+        """Tell the controller now, before the section's work may hold the
+        GIL (a compile) and with it the heartbeat thread: wait (briefly) for
+        the sending thread to take the heartbeat."""
+        if self._call is None:
+            return
+        taken = threading.Event()
+        self._outbox.put((pb.RankMessage(heartbeat=self._status()), taken))
+        taken.wait(0.5)
 
     def _post(self, msg: pb.RankMessage) -> None:
         if self._call is not None:

@@ -49,6 +49,12 @@ class Restarts:
             starts, growing = self._grow, True
         else:
             starts, growing = None, False
+        if event.order in self._unwanted:  # given up while it started: it would wait to join for ever
+            self._unwanted.discard(event.order)
+            if event.ok:
+                log.warning("ending rank %d's new process (pid %d): it is no longer wanted", event.rank, event.pid)
+                self._kill_new(event.rank, node)
+            return
         if starts is None or starts.orders.get(event.rank) != event.order or event.rank in starts.started:
             log.debug("ignoring stale agent event for rank %d from %s", event.rank, node)
             return
@@ -108,6 +114,9 @@ class Restarts:
     def _begin_grow(self) -> None:
         """Every new process runs: pause the others at their next step
         boundary (no collective is released), then take the new ones in."""
+        if self._finished:  # the others are past their last step: nothing to join
+            self._grow_failed(f"ranks {sorted(self._finished)[:16]} finished training")
+            return
         self._epoch += 1
         reached = max((r.reached for r in self.ranks.values()), default=0)
         ep = self.episode = Episode(self._epoch, [], self._wall(), reached, grow=True, starts=self._grow,
@@ -119,8 +128,10 @@ class Restarts:
 
     def _grow_plan(self) -> Plan | None:
         """The plan that takes the new processes in, or None when the
-        others are not consistent at one step."""
+        others are not consistent at one step (or some finished)."""
         ep = self.episode
+        if self._finished:
+            return None
         live = [r for r in self.ranks.values() if r.alive and r.rank not in ep.started]
         lock = max((r.step for r in live if r.stopped and r.data is DataStatus.UPDATED), default=None)
         usable = frozenset(r.rank for r in live if r.stopped and r.data is DataStatus.UPDATED and r.step == lock)
@@ -134,9 +145,23 @@ class Restarts:
     def _grow_failed(self, why: str) -> None:
         log.warning("scaling back up abandoned: %s", why)
         grow, self._grow = self._grow, None
-        for rank, node in grow.placement.items():
-            if rank in grow.started:
+        self._give_up(grow)
+
+    def _give_up(self, starts: Starts) -> None:
+        """End the processes a scale-up began (one that registered already
+        is not a fault when it goes); those whose agent has not answered yet
+        are ended when it does."""
+        for rank, node in starts.placement.items():
+            if rank in starts.started:
+                r = self.ranks.get(rank)
+                if r is not None and r.alive:
+                    self._lose(r)
+                    self._exiting.add(rank)
                 self._kill_new(rank, node)
+        self._end_when_started(starts)
+
+    def _end_when_started(self, starts: Starts) -> None:
+        self._unwanted.update(order for rank, order in starts.orders.items() if rank not in starts.started)
 
     def _drop(self, ranks: set[int]) -> None:
         """The job goes on without ``ranks`` (elastic-training): it finishes

@@ -37,15 +37,15 @@ import torch
 import torch.distributed as dist
 
 from trainguard.adapters.torch.checkpoints import read_stored_snapshot
-from trainguard.adapters.torch.snapshot import Snapshots, read_payload
+from trainguard.adapters.torch.snapshot import Snapshots, destinations, filled, read_payload_into
 from trainguard.core import CheckpointError, CheckpointStore
 from trainguard.core.checkpoint import FileInfo
 from trainguard.core.snapshot import SnapshotDir
 from trainguard.core.snapshot.ring import load_verified, resume
 
 from . import checkpoint as ckpt
-from .kinds import EXPERT, shard_of, shard_state, sharded_kinds
-from .state import apply, rank_state
+from .kinds import EXPERT, distributed, mains, shard_of, shard_state, sharded_kinds
+from .state import apply, chunks, rank_state
 
 __all__ = ["MegatronSnapshots", "holding", "read_file", "snapshot_file"]
 
@@ -130,6 +130,29 @@ def _contents(step: int, model: Any, optimizer: Any, scheduler: Any, history: di
     parts = _pack({"rank": rank_state(step, model, optimizer, scheduler, rng=rng),
                    "shards": [shard_state(optimizer, k) for k in sharded_kinds(optimizer)]}, (), odd)
     return {"state": {**parts, "odd": odd}, "history": history}
+
+
+def _places(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """The tensors a restarted rank already holds for a snapshot of
+    :func:`_contents`, by path: its model chunks' and optimizers' (with a
+    distributed optimizer, the main parameters of each shard too), to be
+    filled in place (:func:`~trainguard.adapters.torch.snapshot.read_payload_into`)."""
+    parts = chunks(model)
+    rank: dict = {"model": parts[0].state_dict()} if len(parts) == 1 else \
+        {f"model{i}": m.state_dict() for i, m in enumerate(parts)}
+    if optimizer is not None and _has_state(optimizer):  # a restarted rank's has none: its state is copied out
+        rank["optimizer"] = optimizer.state_dict()
+    shards = [{"optimizers": [{"main": mains(o), "inner": o.optimizer.state_dict()} for o in distributed(optimizer, k)]}
+              for k in sharded_kinds(optimizer)]
+    return destinations({"state": {"rank": rank, "shards": shards}})
+
+
+def _has_state(optimizer: Any) -> bool:
+    """Whether every torch optimizer inside ``optimizer`` holds state (a
+    megatron distributed optimizer without any cannot even give its
+    ``state_dict``: it asserts one step count)."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return all(len(getattr(o, "optimizer", o).state) for o in inner)
 
 
 def _parts(state: dict) -> tuple[dict, dict[int, dict]]:
@@ -255,8 +278,9 @@ class MegatronSnapshots(Snapshots):
         """Load the newest step every rank can load -- from this node's
         memory where a sealed snapshot of this rank holds it and passes its
         checksum, else the newest complete checkpoint on storage -- into the
-        objects (a collective). Returns ``(iteration, history)``, ``(0, {})``
-        when there is nothing to load.
+        objects (a collective); a snapshot is copied into the objects' own
+        tensors once its checksum matched (:func:`_places`). Returns
+        ``(iteration, history)``, ``(0, {})`` when there is nothing to load.
 
         Raises:
             CheckpointError: the ranks share no step, or it does not fit.
@@ -265,7 +289,8 @@ class MegatronSnapshots(Snapshots):
         loaded: dict = {}
 
         def from_memory(step: int, slot, source: str) -> None:
-            _, held = load_verified(slot, lambda payload: read_payload(payload, device))
+            into = _places(model, optimizer)  # filled once the checksum passed: no second copy of the model
+            _, held = load_verified(slot, lambda payload: read_payload_into(payload, device, into), filled)
             apply(*_parts(held["state"]), model, optimizer, scheduler, where=slot.path)
             # A dying-gasp checkpoint of the same step knows of the fault that stopped the job.
             stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \

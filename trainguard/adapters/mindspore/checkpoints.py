@@ -80,8 +80,10 @@ class ParamSnapshots(SnapshotRing):
         return self.write(step, entries, {"names": names, "history": history, **(meta or {})}, fill)
 
 
-def read_arrays(payload) -> tuple[int, dict[str, np.ndarray], dict]:
-    """Step, parameter arrays (copied out) and history of a snapshot payload.
+def read_arrays(payload, *, copy: bool = True) -> tuple[int, dict[str, np.ndarray], dict]:
+    """Step, parameter arrays and history of a snapshot payload; the arrays
+    are copied out, or views into ``payload`` (not ``copy``: for a caller
+    that loads them while it holds the payload).
 
     Raises:
         CheckpointError: malformed, or not a parameter-dict snapshot.
@@ -95,8 +97,8 @@ def read_arrays(payload) -> tuple[int, dict[str, np.ndarray], dict]:
             e = table[name]
             b, end = e["data_offsets"]
             dtype = BY_NAME[e["dtype"]]
-            arrays[name] = np.frombuffer(payload, dtype, (end - b) // dtype.itemsize, start + b) \
-                .reshape(e["shape"]).copy()
+            view = np.frombuffer(payload, dtype, (end - b) // dtype.itemsize, start + b).reshape(e["shape"])
+            arrays[name] = view.copy() if copy else view
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"snapshot payload does not match its header ({e})") from None
     return int(meta["step"]), arrays, meta["history"]
@@ -217,14 +219,18 @@ class Checkpoints(JobHistory):
             self._dense = {}
 
     def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
-        _, arrays, history = load_verified(slot, read_arrays)
-        holder = self._dense.pop(step, None)
-        if holder is not None:  # a header naming the replica whose snapshot of the step holds the parameters
-            arrays = load_verified(holder, read_arrays)[1]
-        try:
-            self.state.load_arrays(arrays, source=str(slot.path))
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
+        holder = self._dense.pop(step, None)  # a replica whose snapshot of the step holds the parameters
+
+        def load(read: tuple) -> dict:  # from the slot, still mapped, once its checksum matched
+            self._load_arrays(read[1], str(slot.path))
+            return read[2]
+
+        views = lambda payload: read_arrays(payload, copy=False)  # noqa: E731
+        if holder is None:
+            history = load_verified(slot, views, load)
+        else:  # this rank's own slot holds only a header naming the holder
+            history = load_verified(slot, views)[2]
+            load_verified(holder, views, load)
         stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
             else None
         self.history = stored or history
@@ -232,15 +238,18 @@ class Checkpoints(JobHistory):
         log.info("rank %d resumed from %s at step %d (%s%s)", self.rank, source, step, slot.path,
                  f" and {holder.path.name}" if holder else "")
 
+    def _load_arrays(self, arrays: dict[str, np.ndarray], source: str) -> None:
+        try:
+            self.state.load_arrays(arrays, source=source)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+
     def _load_stored(self, found: Verified) -> int:
         shards = found.manifest.get("layout", {}).get("shards", [])
         mine = next((s for s in shards if s["kind"] == 0 and (s["full"] or self.rank in s["copies"])), None)
         if mine is not None and mine["files"][0].endswith(".safetensors"):
             path = found.file(mine["files"][0])
-            try:
-                self.state.load_arrays(read_arrays(path.read_bytes())[1], source=str(path))
-            except ValueError as e:
-                raise CheckpointError(str(e)) from None
+            self._load_arrays(read_arrays(path.read_bytes(), copy=False)[1], str(path))
             self.history = found.manifest.get("meta", {}).get("history", {"records": [], "pids": {}})
         else:
             self.history = load_checkpoint(found, self.rank, self.state)

@@ -56,15 +56,12 @@ from trainguard.core import (
     CheckpointStore,
     Classifier,
     ConfigError,
-    ControllerLostError,
     DataStatus,
     FaultInjector,
     ForceStop,
     Processor,
     ProcessorConfig,
     ReplicaGroup,
-    recover,
-    report_left_step,
 )
 from trainguard.core import logs
 from trainguard.core.compile_cache import resolve_root
@@ -73,6 +70,7 @@ from trainguard.core.profiling import recorder_from_env
 
 from . import context
 from .checkpoints import Checkpoints
+from .collectives import _COMPUTE, _IN_GRAPH, _REDUCING, _SETTLED, _UPDATING, STOP_WAIT_S, Collectives
 from .compile_cache import MindSporeCompileCache, key_parts
 from .handlers import MindSporeHandlers
 from .markers import MindSporeMarkers
@@ -83,23 +81,7 @@ __all__ = ["Guard"]
 
 log = logging.getLogger("trainguard.mindspore")
 
-# Where a rank is in its step, for the drain: which collectives its peers may wait in.
-#: before the vote (peers may wait in it); after it, none left to replay;
-#: the vote passed and the replicas reduce gradients; the update is queued.
-_COMPUTE, _SETTLED, _REDUCING, _UPDATING = "compute", "settled", "reducing", "updating"
-#: Graph mode: the compiled step runs; a failure there may have left any of its collectives half done.
-_IN_GRAPH = "in graph"
-#: How long a replica that skipped an update waits for the controller's STOP
-#: before it reports the skip as a communication fault of its own.
-STOP_WAIT_S = 30.0
-
-
-class CommunicationBroken(RuntimeError):
-    """A collective failed or timed out: MindSpore's communicator may hold
-    half a collective, so this process must not run another one."""
-
-
-class Guard(Checkpoints):
+class Guard(Collectives, Checkpoints):
     """Fault tolerance for one MindSpore training loop.
 
     Args:
@@ -251,43 +233,6 @@ class Guard(Checkpoints):
                           device_repairable=True)
         return processor
 
-    # ------------------------------------------------------- collectives
-    def all_gather_ints(self, values: Sequence[int]) -> list[int]:
-        """Every rank's ``values``, concatenated in rank order."""
-        mine = Tensor(np.asarray(values, np.int64))
-        if self.world_size == 1:
-            return [int(v) for v in values]
-        return [int(v) for v in self._collective(lambda: ops.AllGather()(mine).asnumpy(), "allgather")]
-
-    def _collective(self, fn, op: str = "collective"):
-        """Run a collective; a failure means the communicator is no longer
-        usable by this process (MindSpore cannot abort one cleanly)."""
-        if self.comm_broken:
-            raise CommunicationBroken(f"rank {self.rank}: {self.comm_broken}")
-        self._in_collective = True
-        try:
-            if self._markers is not None:
-                with self._markers.collective(op):
-                    return fn()
-            return fn()
-        except RuntimeError as e:
-            self.comm_broken = f"a collective failed ({str(e).splitlines()[0]})"
-            raise CommunicationBroken(f"rank {self.rank}: {self.comm_broken}: {e}") from e
-        finally:
-            self._in_collective = False
-
-    def barrier(self) -> None:
-        """Every rank reaches this point (one small all-reduce)."""
-        self._vote(True)
-
-    def _vote(self, healthy: bool) -> bool:
-        """All-reduce the health flag: True when every replica may update."""
-        if self.world_size == 1:
-            return healthy
-        flag = Tensor(np.array([1.0 if healthy else 0.0], np.float32))  # CPU AllReduce takes floats only
-        total = self._collective(lambda: int(self._allreduce(flag).asnumpy()[0]), "vote")
-        return total == self.world_size
-
     def section(self, name: str):
         """Mark a stretch that may take much longer than a step (evaluation,
         a save of your own) so the hang watchdog does not count it; see the
@@ -422,79 +367,6 @@ class Guard(Checkpoints):
             self.take_snapshot(self._step)
         if self._markers is not None:
             self._markers.step_end()
-
-    def _drain(self) -> None:
-        """Release the peers of a rank that failed in a step: replay the
-        collectives they wait in, with a flag of 0, so they skip the update."""
-        if self.world_size == 1 or self.comm_broken:
-            return
-        phase = self._phase
-        if phase == _UPDATING:  # the peers updated and went on into the next step
-            phase = _COMPUTE
-        if self._graph:
-            if phase == _COMPUTE:  # the peers wait in the compiled step: run it, voting 0
-                if not self._inputs:
-                    raise CommunicationBroken(f"rank {self.rank}: no batch seen yet to replay the compiled step")
-                self.optimizer.set_health(False)
-                self._collective(lambda: self._run_compiled(self._inputs))
-                self._phase = _SETTLED
-                log.warning("rank %d released its peers from step %d", self.rank, self._step + 1)
-            return
-        if phase == _REDUCING:
-            # The peers agreed to update and wait in the gradient all-reduce:
-            # zeros from here would be applied. They leave it by MindSpore's
-            # timeout instead, and their update does not start.
-            self.comm_broken = "left the gradient all-reduce of an agreed update"
-            return
-        if phase == _COMPUTE and not self._reduce and self.reducer is not None:
-            # The loop reduces before the vote: the peers wait in that all-reduce first.
-            zeros = tuple(ops.zeros_like(p) for p in self.optimizer.parameters)
-            self._collective(lambda: self.reducer(zeros))
-        self._vote(False)
-        self._phase = _SETTLED
-        log.warning("rank %d released its peers from step %d", self.rank, self._step + 1)
-
-    def _handle(self, error: BaseException) -> None:
-        """Report why the step was left, release the peers, then carry out
-        the controller's recovery."""
-        if not self.comm_broken and context.FAILED_COLLECTIVE.search(str(error)):
-            self.comm_broken = f"a collective failed ({str(error).splitlines()[0][:200]})"
-        if (self.processor.data is DataStatus.UPDATING and self.comm_broken and not self._graph
-                and not self._update_ran()):
-            self.processor.abandon_update()
-            log.warning("rank %d: the update of step %d failed before it changed any state", self.rank,
-                        self._step + 1)
-        phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
-        if self._phase == _IN_GRAPH and not self.comm_broken:
-            # Which of the graph's collectives ran is unknown: run none again (the controller dumps).
-            first = next((line for line in str(error).splitlines() if line.strip() and not line.startswith("-")), "")
-            self.comm_broken = f"the compiled step failed ({first or type(error).__name__})"
-        own = report_left_step(self.processor, error, self.classifier, phase=phase)
-        if own:
-            log.error("rank %d fault at step %d: %s", self.rank, self._step, error)
-            try:
-                self._drain()
-            except CommunicationBroken as e:
-                log.error("rank %d could not release its peers: %s", self.rank, e)
-        try:
-            outcome = recover(self.processor, self._handlers, injector=self.injector)
-        except ControllerLostError as lost:
-            raise error from lost
-        if not outcome.resume:
-            self._leave(outcome)
-
-    def _update_ran(self) -> bool:
-        """Whether the update's last kernel ran (see :meth:`update`); asked
-        only after a failed collective, which every update kernel queues behind."""
-        try:
-            return int(self._update_mark.asnumpy()[0]) == self._step + 1
-        except Exception:  # the runtime cannot say: assume the worst
-            return True
-
-    def _leave(self, outcome) -> None:
-        log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
-        self.close(finished=False)
-        logs.exit_now(outcome.exit_code)  # MindSpore's communicator may hold a peer's half collective
 
     def rolled_back(self, step: int) -> None:
         self._step = step

@@ -44,7 +44,7 @@ class ModelState:
 
     def restore_buffers(self) -> None:
         for p, value in zip(self.buffers, self._buffer_snapshot):
-            ops.assign(p, Tensor(value.copy()))  # in place: kernels keep using the same storage
+            ops.assign(p, Tensor(value))  # Tensor copies; assign: in place, kernels keep using the same storage
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: p.asnumpy() for name, p in self.params.items()}
@@ -59,7 +59,7 @@ class ModelState:
             if value.shape != tuple(p.shape) or value.dtype != p.asnumpy().dtype:
                 raise ValueError(f"{source}: {name} is {value.dtype}{list(value.shape)}, "
                                  f"the network has {p.asnumpy().dtype}{list(p.shape)}")
-            ops.assign(p, Tensor(value.copy()))  # in place: kernels keep using the same storage
+            ops.assign(p, Tensor(value))  # Tensor copies; assign: in place, kernels keep using the same storage
 
     def sha256(self) -> str:
         """A hash of every parameter's name, dtype, shape and bytes."""

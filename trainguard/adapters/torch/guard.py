@@ -314,8 +314,8 @@ class Guard(Checkpoints):
 
     def section(self, name: str) -> AbstractContextManager:
         """Mark a stretch that may take much longer than a step (evaluation,
-        a save of your own) so the hang watchdog does not count it; its limit
-        is three times its longest run so far (600 s the first time)::
+        a save of your own) so neither hang check (watchdog, heartbeats) counts
+        it; its limit is three times its longest run so far (600 s the first time)::
 
             with guard.section("evaluation"):
                 evaluate(model)

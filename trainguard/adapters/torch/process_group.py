@@ -46,6 +46,7 @@ class _Work(dist._Work):
         self._result = result
         self._future: torch.futures.Future = torch.futures.Future()
         self._lock = threading.Lock()
+        self._inner: Any = None  # the backend's future, or its work when it has none
         if inner is None:
             return
         group._pending.add(self)
@@ -55,8 +56,9 @@ class _Work(dist._Work):
             self.finish(error=ForceStop("the process group was stopped"))
             return
         try:
-            future = inner.get_future()
+            future = self._inner = inner.get_future()
         except RuntimeError:  # gloo's send/recv work has no future: wait on a helper thread
+            self._inner = inner
             threading.Thread(target=self._wait_inner, args=(inner,), daemon=True,
                              name="trainguard-p2p-wait").start()
         else:
@@ -77,6 +79,21 @@ class _Work(dist._Work):
             self.finish(error=e)
         else:
             self.finish()
+
+    def release(self, reason: str) -> None:
+        """Fail the collective with :class:`ForceStop`, unless the backend
+        already completed it: its callback may still wait for the GIL (a
+        STOP's thread can hold it just then), and a peer that saw the same
+        collective complete has gone on with its result -- a rank stopped
+        here would stay a step behind it."""
+        inner = self._inner
+        future = isinstance(inner, torch._C.Future)  # else gloo's send/recv work itself
+        if inner is None or not (inner.done() if future else inner.is_completed()):
+            self.finish(error=ForceStop(reason))
+        elif future:
+            self._inner_done(inner)
+        else:
+            self._wait_inner(inner)
 
     def finish(self, error: BaseException | None = None) -> None:
         with self._lock:
@@ -159,11 +176,12 @@ class AbortableProcessGroup(dist.ProcessGroup):
         return self._factory(prefix, self._rank, self._size, self._timeout)
 
     def stop(self, reason: str = "stopped by the controller") -> None:
-        """Fail every pending collective and refuse new ones until
-        :meth:`rebuild`. Safe to call from any thread."""
+        """Fail every pending collective the backend has not completed
+        (:meth:`_Work.release`) and refuse new ones until :meth:`rebuild`.
+        Safe to call from any thread."""
         self._halted = True
         for work in list(self._pending):
-            work.finish(error=ForceStop(reason))
+            work.release(reason)
         if self._abort is not None and self._inner is not None:
             self._abort(self._inner)
 

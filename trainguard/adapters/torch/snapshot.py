@@ -7,18 +7,21 @@ snapshot is then one ``copy_`` per tensor plus a small JSON header -- no
 pickling, no allocation. When the state is on a GPU, each slot's pages are
 registered with CUDA (``cudaHostRegister``) the first time it is filled, so
 the device-to-host copies run at pinned-memory speed; they are unregistered
-before the slot is remapped or closed. A device-to-host copy costs several
-microseconds however small, so small tensors are not copied one by one:
-each run of them that sits back to back in the slot is first gathered on the
-device into a staging buffer of the same byte layout (one ``_foreach_copy_``
-per dtype), then leaves in one copy (:class:`_Staging`). The persist worker
-(started here) seals each snapshot and writes the ones asked for to storage.
+before the slot is remapped or closed. With a staging buffer
+(:class:`~.staging.Staging`, off by default) runs of small device tensors
+leave gathered. The persist worker (started here) seals each snapshot and
+writes the ones asked for to storage.
 
 ``take(..., background=True)`` copies host (CPU) state on the ring's thread
 (by ``memmove``, see :func:`_copy`) and returns at once: the caller must not change the state before
 :meth:`~trainguard.core.snapshot.ring.SnapshotRing.settle` (the Guard
 settles before the next optimizer update, so the copy runs beside the next
-forward and backward). Device state is copied in line.
+forward and backward). Device state leaves on a side stream of its own
+instead, queued behind the work that wrote it, and the ring's thread waits
+for it there; the next forward and backward run on their stream meanwhile.
+In line, the device copies are started before the host work a snapshot
+also needs (a check of the layout, the metadata), which runs while they
+are in flight.
 
 :func:`read_payload` turns a payload (a slot's, or a persisted
 ``.safetensors`` file's bytes) back into the state, with tensors that own
@@ -32,8 +35,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections import defaultdict
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from trainguard.core import CheckpointError
 from trainguard.core.snapshot import Entry, SnapshotDir, payload_header
 from trainguard.core.snapshot.ring import FORMAT, SnapshotRing
 
+from .staging import Staging
 from .state import flatten, unflatten
 
 __all__ = ["Snapshots", "destinations", "filled", "read_payload", "read_payload_into", "staging_bytes"]
@@ -69,74 +72,6 @@ def staging_bytes() -> int:
     return value << 20
 
 
-@dataclass
-class _Run:
-    """Tensors back to back in the slot, gathered in the staging buffer."""
-    device: torch.device
-    start: int  # byte offset in the slot's data
-    end: int
-    groups: dict = field(default_factory=lambda: defaultdict(lambda: ([], [])))  # dtype -> (indices, staging views)
-    staged: torch.Tensor | None = None  # the staging buffer's bytes of this run
-
-
-class _Staging:
-    """How one layout's device tensors travel to the host: runs of small
-    tensors through a staging buffer of ``size`` bytes (one gather on the
-    device, one device-to-host copy each), larger tensors straight into the
-    slot, host tensors by a host copy."""
-
-    def __init__(self, layout, paths: list[str], tensors: list[torch.Tensor], size: int, stage) -> None:
-        self.key = (id(layout), size, tuple(t.device for t in tensors))
-        self.runs: list[_Run] = []
-        self.direct: list[int] = []
-        self.host: list[int] = []
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-        order = sorted(range(len(paths)), key=lambda i: layout.offsets[paths[i]][0])
-        run = None
-        for i in order:
-            t, (b, e) = tensors[i], layout.offsets[paths[i]]
-            if e == b or not stage(t):  # empty (its view is a tensor of its own), or on the host
-                self.host.append(i)
-                if run is not None and run.end == b and e - run.start <= size:
-                    run.end = e  # rides along (an optimizer's step counters sit between its moments):
-                    # the run lands garbage there, which the host copy after the synchronize replaces
-            elif e - b > size:
-                self.direct.append(i)
-                run = None
-            else:
-                if run is None or run.end != b or e - run.start > size or run.device != t.device:
-                    run = _Run(t.device, b, b)
-                    self.runs.append(run)
-                run.end = e
-                run.groups[t.dtype][0].append(i)
-        for run in self.runs:
-            buf = self.buffers.get(run.device)
-            if buf is None:
-                buf = self.buffers[run.device] = torch.empty(size, dtype=torch.uint8, device=run.device)
-            for dtype, (indices, views) in run.groups.items():
-                for i in indices:
-                    b, e = layout.offsets[paths[i]]
-                    views.append(buf[b - run.start:e - run.start].view(dtype).view(tensors[i].shape))
-            run.staged = buf[:run.end - run.start]
-
-    def copy_device(self, base: torch.Tensor, data_start: int, views: list[torch.Tensor],
-                    tensors: list[torch.Tensor]) -> None:
-        """Start the device tensors' copies into the slot (``base``, its views
-        ``views``); synchronize before :meth:`copy_host` and before reading."""
-        for run in self.runs:  # in stream order: a run's gather waits for the previous run to leave the buffer
-            for indices, staged in run.groups.values():
-                torch._foreach_copy_(staged, [tensors[i] for i in indices])
-            base[data_start + run.start:data_start + run.end].copy_(run.staged, non_blocking=True)
-        if self.direct:
-            torch._foreach_copy_([views[i] for i in self.direct], [tensors[i] for i in self.direct],
-                                 non_blocking=True)
-
-    def copy_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
-        """The host tensors' copies (after the device copies have landed)."""
-        if self.host:
-            torch._foreach_copy_([views[i] for i in self.host], [tensors[i] for i in self.host])
-
-
 def _entries(paths: list[str], tensors: list[torch.Tensor]) -> list[Entry]:
     out = []
     for path, t in zip(paths, tensors):
@@ -160,8 +95,9 @@ class Snapshots(SnapshotRing):
         self._pinned: dict[int, int] = {}  # slot index -> address registered with CUDA
         self.pins, self.pin_failed = 0, ""  # slot registrations; why pinning failed
         self.staging_bytes = staging_bytes()
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self._stage = lambda t: t.is_cuda  # which tensors go through the staging buffer
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # background device copies leave on these
 
     def forget_views(self) -> None:
         self._views.clear()
@@ -188,46 +124,105 @@ class Snapshots(SnapshotRing):
         staged = self._staging
         return {**super().report(resumed_from), "pinned": self.pins, "pin_failed": self.pin_failed,
                 "staging_MB": self.staging_bytes >> 20,
-                "staged_copies": len(staged.runs) if staged else 0, "direct_copies": len(staged.direct) if staged else 0}
+                "staged_copies": len(staged.runs) if staged else 0,
+                "direct_copies": len(staged.direct) if staged else 0}
 
     def take(self, state: Any, step: int, *, background: bool = False, meta: dict | None = None) -> int | None:
         """Copy ``state`` (a nest of tensors and scalars) into a free slot as
         the snapshot of ``step``; the slot index, or ``None`` when skipped.
-        With ``background``, host tensors are copied on a thread while the
-        caller goes on (see the module docstring); ``meta``: more JSON for
-        the payload header."""
+        With ``background`` the copy goes on while the caller does (see the
+        module docstring: settle before changing the state); ``meta``: more
+        JSON for the payload header."""
         paths: list[str] = []
         skeleton, tensors = flatten(state, paths)
+        cuda = any(t.is_cuda for t in tensors)
+        side = self._side_stream(tensors) if cuda and background else None
+        background = background and (side is not None or not cuda)
+        known = paths == self._paths  # then the entries stand unless a tensor changed (checked below)
+        if not known:
+            self._cached, self._sig, self._paths = _entries(paths, tensors), _sig(tensors), paths
+
+        def changed() -> bool:
+            if not known:
+                return False
+            sig = _sig(tensors)
+            if sig == self._sig:
+                return False
+            self._cached, self._sig = _entries(paths, tensors), sig
+            return True
 
         def fill(index: int, payload: memoryview, layout):
-            cuda = any(t.is_cuda for t in tensors)
             if cuda:
                 self._pin(index, payload)
             views = self._views.get(index)
             if views is None:
                 views = self._views[index] = self._make_views(payload, layout, paths)
+            if not cuda and changed():
+                raise _Restructured
             if background and not cuda:
                 return lambda: _copy(views, tensors)
-            staging = None
-            with torch.no_grad():
-                if self.staging_bytes and any(self._stage(t) for t in tensors):
-                    staging = self._staging
-                    if staging is None or staging.key != (id(layout), self.staging_bytes,
-                                                          tuple(t.device for t in tensors)):
-                        staging = self._staging = _Staging(layout, paths, tensors, self.staging_bytes, self._stage)
-                    staging.copy_device(torch.frombuffer(payload, dtype=torch.uint8), layout.data_start, views,
-                                        tensors)
-                else:  # one call: a Python-level copy_ per tensor costs more than a small tensor's bytes
-                    torch._foreach_copy_(views, tensors, non_blocking=cuda)
+            try:
+                with torch.cuda.stream(side) if side is not None else nullcontext():
+                    staging = self._copy_out(payload, layout, paths, views, tensors, cuda)
+                    sent = side.record_event() if side is not None else None
+            except RuntimeError:  # a tensor that no longer fits its view
                 if cuda:
                     torch.cuda.synchronize()
-                if staging is not None:
-                    staging.copy_host(views, tensors)
+                if changed():
+                    raise _Restructured from None
+                raise
 
-        sig = [(t.dtype, t.shape) for t in tensors]
-        if sig != self._sig or paths != self._paths:  # entries only when the structure changed
-            self._cached, self._sig, self._paths = _entries(paths, tensors), sig, paths
-        return self.write(step, self._cached, {"names": paths, "skeleton": skeleton, **(meta or {})}, fill)
+            def landed() -> None:
+                if sent is not None:
+                    sent.synchronize()  # the GIL released meanwhile
+                elif cuda:
+                    torch.cuda.synchronize()
+                if staging is not None:
+                    with torch.no_grad():
+                        staging.copy_host(views, tensors)
+            if not cuda:
+                return landed()
+            if changed():  # copied into the old layout: let it land, then again in a new one
+                landed()
+                raise _Restructured
+            return landed
+
+        for _ in range(2):
+            try:
+                return self.write(step, self._cached, {"names": paths, "skeleton": skeleton, **(meta or {})}, fill,
+                                  background=background)
+            except _Restructured:  # out of this block before the retry: its traceback holds views into the slot
+                pass
+        raise CheckpointError(f"the state of step {step} kept changing its tensors while it was snapshot")
+
+    def _side_stream(self, tensors: list[torch.Tensor]) -> torch.cuda.Stream | None:
+        """The stream a background copy of ``tensors`` leaves the device on,
+        after the work queued so far (the update that wrote them); ``None``
+        when they sit on more than one device (copied in line then)."""
+        devices = {t.device for t in tensors if t.is_cuda}
+        if len(devices) != 1:
+            return None
+        (device,) = devices
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        return side
+
+    def _copy_out(self, payload: memoryview, layout, paths: list[str], views: list[torch.Tensor],
+                  tensors: list[torch.Tensor], cuda: bool) -> Staging | None:
+        """Copy (on a GPU: start copying) ``tensors`` into their ``views``;
+        the staging plan when device tensors went through it."""
+        with torch.no_grad():
+            if self.staging_bytes and any(self._stage(t) for t in tensors):
+                staging, key = self._staging, (id(layout), self.staging_bytes, tuple(t.device for t in tensors))
+                if staging is None or staging.key != key:
+                    staging = self._staging = Staging(layout, paths, tensors, self.staging_bytes, self._stage)
+                staging.copy_device(torch.frombuffer(payload, dtype=torch.uint8), layout.data_start, views, tensors)
+                return staging
+            # one call: a Python-level copy_ per tensor costs more than a small tensor's bytes
+            torch._foreach_copy_(views, tensors, non_blocking=cuda)
+            return None
 
     @staticmethod
     def _make_views(payload: memoryview, layout, paths: list[str]) -> list[torch.Tensor]:
@@ -239,6 +234,15 @@ class Snapshots(SnapshotRing):
             by_name[e.name] = part.view(BY_NAME[e.dtype]).view(e.shape) if e.nbytes else \
                 torch.empty(e.shape, dtype=BY_NAME[e.dtype])
         return [by_name[p] for p in paths]
+
+
+class _Restructured(Exception):
+    """A tensor changed its dtype or shape under the same path: the snapshot
+    needs a new layout."""
+
+
+def _sig(tensors: list[torch.Tensor]) -> list[tuple]:
+    return [(t.dtype, t.shape) for t in tensors]
 
 
 def _copy(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
@@ -277,8 +281,9 @@ def read_payload_into(payload: memoryview | bytes, device: torch.device | str,
     payload tensor (a restarted model's parameters): the state holds those
     tensors, still unchanged, and the returned copies (destination, view
     into the payload) fill them -- the caller runs :func:`filled` once the
-    payload passed its checksum, before the payload is unmapped. A
-    destination of another dtype, shape or device is left alone.
+    payload passed its checksum, before the payload is unmapped (on
+    whatever device the destination is). A destination of another dtype or
+    shape is left alone.
 
     A restart then allocates and touches fresh memory only for what has no
     place yet (an optimizer's moments), and copies the rest once.
@@ -299,7 +304,7 @@ def read_payload_into(payload: memoryview | bytes, device: torch.device | str,
             dtype, shape = BY_NAME[e["dtype"]], e["shape"]
             view = base[start + b:start + end].view(dtype).view(shape) if end > b else None
             dst = into.get(name)
-            if dst is not None and dst.dtype == dtype and list(dst.shape) == shape and _on(dst, device):
+            if dst is not None and dst.dtype == dtype and list(dst.shape) == shape:
                 tensors.append(dst)
                 if view is not None:
                     later.append((dst, view))
@@ -312,14 +317,11 @@ def read_payload_into(payload: memoryview | bytes, device: torch.device | str,
         raise CheckpointError(f"snapshot payload does not match its header ({e})") from None
 
 
-def _on(t: torch.Tensor, device: torch.device) -> bool:
-    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
-
-
 def destinations(state: Any) -> dict[str, torch.Tensor]:
-    """The tensors of ``state`` by path, as a snapshot of the same structure names them."""
+    """The tensors of ``state`` by path, as a snapshot of the same structure
+    names them (any other value is passed over: it has no place to fill)."""
     paths: list[str] = []
-    tensors = flatten(state, paths)[1]
+    tensors = flatten(state, paths, strict=False)[1]
     return dict(zip(paths, tensors))
 
 
@@ -327,7 +329,10 @@ def filled(read: tuple[int, Any, list[tuple[torch.Tensor, torch.Tensor]]]) -> tu
     """``(step, state)`` of what :func:`read_payload_into` returned, once the
     copies it left have run."""
     step, state, copies = read
-    with torch.no_grad():
-        for dst, src in copies:
-            dst.copy_(src)
+    try:
+        with torch.no_grad():
+            for dst, src in copies:
+                dst.copy_(src)
+    except RuntimeError as e:  # a destination that cannot be written (an expanded view)
+        raise CheckpointError(f"a tensor could not be filled from the snapshot: {e}") from None
     return step, state

@@ -28,36 +28,78 @@ __all__ = ["flatten", "recv_state", "send_state", "state_sha256", "unflatten"]
 _SCALARS = (int, float, str, bool, type(None))
 
 
-def flatten(obj: Any, paths: list[str] | None = None) -> tuple[Any, list[torch.Tensor]]:
+def flatten(obj: Any, paths: list[str] | None = None, *, strict: bool = True) -> tuple[Any, list[torch.Tensor]]:
     """Split ``obj`` into a JSON-able skeleton and its tensors (and, when
-    ``paths`` is given, append where each tensor sits).
+    ``paths`` is given, append where each tensor sits). Not ``strict``, a
+    value that is neither a container, a tensor nor a JSON scalar, and a
+    dict with other keys than str and int, stand as ``None`` in the skeleton.
+
+    A snapshot flattens the whole state at every take (on a GPU before the
+    first byte can leave the device), so the walk dispatches on each value's
+    class once (:func:`_kind`) and handles a dict's tensors and scalars
+    without a call each.
 
     Raises:
-        TypeError: for a value that is neither a container, a tensor nor a
-            JSON scalar (naming where it sits).
+        TypeError: ``strict``, for a value that is neither a container, a
+            tensor nor a JSON scalar (naming where it sits).
     """
     tensors: list[torch.Tensor] = []
+    keep = tensors.append
+    where = paths.append if paths is not None else None
 
     def walk(x: Any, path: str) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors.append(x)
-            if paths is not None:
-                paths.append(path)
+        kind = _KINDS.get(type(x)) or _kind(x)
+        if kind == "T":
+            keep(x)
+            if where is not None:
+                where(path)
             return {"T": len(tensors) - 1}
-        if isinstance(x, _SCALARS):
+        if kind == "s":
             return x
-        if isinstance(x, dict):
-            for k in x:
-                if not isinstance(k, (str, int)):
+        if kind == "d":
+            out = []
+            for k, v in x.items():
+                if type(k) is not str and type(k) is not int and not isinstance(k, (str, int)):
+                    if not strict:
+                        return None
                     raise TypeError(f"state key {k!r} at {path or '<root>'} is not a str or int")
-            return {"d": [[k, walk(v, f"{path}.{k}")] for k, v in x.items()]}
-        if isinstance(x, tuple):
+                vkind = _KINDS.get(type(v))
+                if vkind == "T":
+                    keep(v)
+                    if where is not None:
+                        where(f"{path}.{k}")
+                    out.append([k, {"T": len(tensors) - 1}])
+                elif vkind == "s":
+                    out.append([k, v])
+                else:
+                    out.append([k, walk(v, f"{path}.{k}")])
+            return {"d": out}
+        if kind == "t":
             return {"t": [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]}
-        if isinstance(x, list):
+        if kind == "l":
             return {"l": [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]}
+        if not strict:
+            return None
         raise TypeError(f"cannot carry a {type(x).__name__} at {path or '<root>'} in training state")
 
-    return walk(obj, ""), tensors
+    try:
+        return walk(obj, ""), tensors
+    finally:  # walk refers to itself: without this, the cycle keeps the state's tensors until a collection
+        walk = None  # noqa: F841
+
+
+#: What :func:`flatten` makes of a value, by its class: a tensor, a JSON
+#: scalar, a dict, a tuple, a list, or ``""`` (none of these).
+_KINDS: dict[type, str] = {}
+
+
+def _kind(x: Any) -> str:
+    """The kind of ``x``'s class, learned once per class (a tensor subclass
+    is a tensor, a float or str subclass a scalar, an OrderedDict a dict)."""
+    kind = ("T" if isinstance(x, torch.Tensor) else "s" if isinstance(x, _SCALARS) else
+            "d" if isinstance(x, dict) else "t" if isinstance(x, tuple) else "l" if isinstance(x, list) else "")
+    _KINDS[type(x)] = kind
+    return kind
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
@@ -120,17 +162,21 @@ def send_state(group: Any, obj: Any, dst: int, *, device: torch.device) -> None:
     """Send ``obj`` to ``dst`` over ``group`` (point to point): a header
     (structure, where each tensor sits, dtypes, shapes), each tensor as it
     lies in memory (nothing is packed into a new buffer), then the running
-    CRC32 over all of them."""
+    CRC32 over all of them. Sends are posted ahead (up to
+    :data:`IN_FLIGHT_BYTES`), so the checksum and the next tensors overlap
+    the wire instead of one round trip per tensor."""
     paths: list[str] = []
     skeleton, tensors = flatten(obj, paths)
     metas = [{"path": p, "dtype": str(t.dtype), "shape": list(t.shape), "device": t.device.type}
              for p, t in zip(paths, tensors)]
     _send_bytes(group, json.dumps({"skeleton": skeleton, "tensors": metas}).encode(), dst, 0, device)
     crc = 0
-    for i, t in enumerate(tensors):
-        t = t.detach().contiguous()
-        group.send([t.to(device)], dst, _DATA_TAG + i).wait()
-        crc = zlib.crc32(_raw(t), crc)
+    with _Window() as window:
+        for i, t in enumerate(tensors):
+            t = t.detach().contiguous()
+            wire = t.to(device)
+            window.post(group.send([wire], dst, _DATA_TAG + i), wire)
+            crc = zlib.crc32(_raw(t), crc)
     _send_bytes(group, json.dumps({"crc32": crc}).encode(), dst, 2, device)
 
 
@@ -159,18 +205,25 @@ def recv_state(group: Any, src: int, *, device: torch.device, into: Any = None) 
         _, my_tensors = flatten(into, my_paths)
         mine = dict(zip(my_paths, my_tensors))
     tensors, crc = [], 0
-    for i, m in enumerate(metas):
-        dtype, shape = _dtype(m["dtype"]), tuple(m["shape"])
-        target = mine.get(m["path"])
-        if (target is None or target.dtype != dtype or tuple(target.shape) != shape or not target.is_contiguous()
-                or target.device.type != (device.type if m["device"] != "cpu" else "cpu")):
-            target = torch.empty(shape, dtype=dtype, device=device if m["device"] != "cpu" else "cpu")
-        landing = target if target.device == device else torch.empty(shape, dtype=dtype, device=device)
-        group.recv([landing], src, _DATA_TAG + i).wait()
+
+    def landed(landing: torch.Tensor, target: torch.Tensor) -> None:
+        nonlocal crc
         if landing is not target:
             target.copy_(landing)
         crc = zlib.crc32(_raw(target), crc)
-        tensors.append(target)
+
+    with _Window() as window:  # received in order: the checksum runs while later tensors arrive
+        for i, m in enumerate(metas):
+            dtype, shape = _dtype(m["dtype"]), tuple(m["shape"])
+            target = mine.get(m["path"])
+            if (target is None or target.dtype != dtype or tuple(target.shape) != shape
+                    or not target.is_contiguous()
+                    or target.device.type != (device.type if m["device"] != "cpu" else "cpu")):
+                target = torch.empty(shape, dtype=dtype, device=device if m["device"] != "cpu" else "cpu")
+            landing = target if target.device == device else torch.empty(shape, dtype=dtype, device=device)
+            window.post(group.recv([landing], src, _DATA_TAG + i), landing,
+                        lambda landing=landing, target=target: landed(landing, target))
+            tensors.append(target)
     try:
         theirs = json.loads(_recv_bytes(group, src, 2, device))["crc32"]
     except (ValueError, KeyError) as e:
@@ -178,3 +231,41 @@ def recv_state(group: Any, src: int, *, device: torch.device, into: Any = None) 
     if theirs != crc:
         raise RecoveryError(f"state received from rank {src} fails its checksum")
     return unflatten(skeleton, tensors)
+
+
+#: How many bytes of point-to-point transfers :func:`send_state` and
+#: :func:`recv_state` keep posted at once (temporary device copies of host
+#: tensors live until their transfer completes).
+IN_FLIGHT_BYTES = 64 << 20
+
+
+class _Window:
+    """Posted transfers, oldest first: waited for (and their ``then`` run,
+    in order) once more than :data:`IN_FLIGHT_BYTES` are in flight, and all
+    of them on leaving the ``with`` block."""
+
+    def __init__(self) -> None:
+        self._posted: list[tuple[Any, int, Any]] = []
+        self._bytes = 0
+
+    def post(self, work: Any, tensor: torch.Tensor, then: Any = None) -> None:
+        size = tensor.numel() * tensor.element_size()
+        self._posted.append((work, size, then))
+        self._bytes += size
+        while self._bytes > IN_FLIGHT_BYTES and len(self._posted) > 1:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, size, then = self._posted.pop(0)
+        work.wait()
+        self._bytes -= size
+        if then is not None:
+            then()
+
+    def __enter__(self) -> "_Window":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is None:
+            while self._posted:
+                self._finish_oldest()

@@ -67,7 +67,7 @@ def _from_portable(saved: dict) -> dict:
         rng["cuda"] = [t.cpu() for t in saved["cuda"]]
     if "numpy" in saved and "numpy" in sys.modules:
         n = saved["numpy"]
-        rng["numpy"] = (n["name"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"])
+        rng["numpy"] = (n["name"], n["keys"].cpu().numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"])
     return rng
 
 

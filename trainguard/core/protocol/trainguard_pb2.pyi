@@ -78,16 +78,18 @@ class ReplicaGroup(_message.Message):
     def __init__(self, rank_list: _Optional[_Iterable[int]] = ..., replica_cnt: _Optional[int] = ..., replica_shift: _Optional[int] = ..., range_start: _Optional[int] = ..., range_step: _Optional[int] = ..., range_count: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("step", "run", "data", "step_time_s")
+    __slots__ = ("step", "run", "data", "step_time_s", "silence_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    SILENCE_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     run: RunStatus
     data: DataStatus
     step_time_s: float
-    def __init__(self, step: _Optional[int] = ..., run: _Optional[_Union[RunStatus, str]] = ..., data: _Optional[_Union[DataStatus, str]] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    silence_s: float
+    def __init__(self, step: _Optional[int] = ..., run: _Optional[_Union[RunStatus, str]] = ..., data: _Optional[_Union[DataStatus, str]] = ..., step_time_s: _Optional[float] = ..., silence_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("rank", "world_size", "pid", "host", "status", "replicas", "device", "device_repairable", "restart_count", "joining")

@@ -8,13 +8,15 @@ the metadata to carry (JSON) and a ``fill`` function that copies the
 tensors into the payload; it supplies :meth:`forget_views` to drop whatever
 it cached about a slot's memory when the layout changes.
 
-A ``fill`` may instead return the rest of its copy as a function: the ring
-runs it on a thread of its own while training goes on, then commits the
-slot and asks for its seal from that thread (so a trainer that dies in
-the next step still leaves the snapshot behind). The caller must not change
-the state before :meth:`SnapshotRing.settle`, which every other method
-calls first and the adapter calls before the next optimizer update. A
-persist asked for meanwhile is sent once the copy has landed.
+A ``fill`` may return the rest of its copy as a function. Asked for in the
+``background``, the ring runs it on a thread of its own while training
+goes on, then commits the slot and asks for its seal from that thread (so
+a trainer that dies in the next step still leaves the snapshot behind);
+else it runs it once the header is written (a device copy in flight
+meanwhile). The caller must not change the state before
+:meth:`SnapshotRing.settle`, which every other method calls first and the
+adapter calls before the next optimizer update. A persist asked for
+meanwhile is sent once the copy has landed.
 """
 
 from __future__ import annotations
@@ -81,10 +83,14 @@ class SnapshotRing:
         """Drop every view into slot memory (the slots are about to be resized)."""
 
     def write(self, step: int, entries: Sequence[Entry], meta: dict,
-              fill: Callable[[int, memoryview, Layout], Callable[[], None] | None]) -> int | None:
+              fill: Callable[[int, memoryview, Layout], Callable[[], None] | None], *,
+              background: bool = False) -> int | None:
         """Write the snapshot of ``step`` into a free slot: ``fill(index,
-        payload, layout)`` copies the tensors, or returns a function that
-        does, to run in the background (see :meth:`settle`).
+        payload, layout)`` starts copying the tensors and returns what
+        finishes the copy (``None``: nothing left). With ``background`` that
+        runs on a thread of the ring's own while the caller goes on (see
+        :meth:`settle`); else here, after the header: a device copy that
+        ``fill`` left in flight runs while the metadata is encoded.
 
         Returns:
             The slot index, or ``None`` when every slot is being persisted
@@ -92,35 +98,59 @@ class SnapshotRing:
         """
         self.settle()
         self.poll()
-        text = json.dumps({"format": FORMAT, "step": step, **meta})
         key = self._key if entries is self._last_entries else tuple((e.name, e.dtype, e.shape) for e in entries)
         self._last_entries = entries
-        if self.layout is None or key != self._key or len(text) * 2 > self.layout.header_bytes:
-            self.forget_views()
-            self.layout, self._key = Layout(entries, meta_reserve=max(4096, 4 * len(text))), key
-        index = self._free_slot()
-        if index is None:
-            self.skipped += 1
-            return None
-        slot, layout = self.slots[index], self.layout
-        rest = None
-        try:
-            payload = slot.begin(layout.payload_bytes)
-            payload[:layout.data_start] = layout.header(text)
-            rest = fill(index, payload, layout)
-        finally:
-            if rest is None:
-                slot.unlock()
+        if self.layout is None or key != self._key:
+            self._relayout(entries, key, self._text(step, meta))
+        while True:
+            index = self._free_slot()
+            if index is None:
+                self.skipped += 1
+                return None
+            rest, outgrown = self._fill(index, step, meta, fill, background)
+            if outgrown is None:
+                break
+            self._relayout(entries, key, outgrown)  # the metadata outgrew its reserve: again, in a new layout
+        payload_bytes = self.layout.payload_bytes
         if rest is not None:
             if self._copier is None:
                 self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"trainguard-snapshot-r{self.rank}")
-            self.pending = _Pending(index, step, self._copier.submit(self._finish, rest, index, step,
-                                                                     layout.payload_bytes))
+            self.pending = _Pending(index, step, self._copier.submit(self._finish, rest, index, step, payload_bytes))
             self.pinned[index] = None  # no persist may pick it, nor write() reuse it, until settled
             return index
-        self._finish(None, index, step, layout.payload_bytes)
+        self._finish(None, index, step, payload_bytes)
         self._held(index, step)
         return index
+
+    def _fill(self, index: int, step: int, meta: dict, fill, background: bool) -> tuple[Callable | None, str | None]:
+        """Fill slot ``index`` (see :meth:`write`): the rest of the copy left
+        to the background, and the metadata when it outgrew the layout's
+        reserve (the slot is then left unlocked, its copy landed)."""
+        slot, layout = self.slots[index], self.layout
+        self.held.pop(index, None)  # its old step is overwritten from here on
+        rest = None
+        try:
+            payload = slot.begin(layout.payload_bytes)
+            rest = fill(index, payload, layout)
+            text = self._text(step, meta)
+            fits = len(text) * 2 <= layout.header_bytes
+            if fits:
+                payload[:layout.data_start] = layout.header(text)
+            if rest is not None and not (background and fits):
+                rest, finish = None, rest
+                finish()
+        finally:
+            if rest is None:
+                slot.unlock()
+        return rest, None if fits else text
+
+    @staticmethod
+    def _text(step: int, meta: dict) -> str:
+        return json.dumps({"format": FORMAT, "step": step, **meta})
+
+    def _relayout(self, entries: Sequence[Entry], key: tuple, text: str) -> None:
+        self.forget_views()
+        self.layout, self._key = Layout(entries, meta_reserve=max(4096, 4 * len(text))), key
 
     def _finish(self, rest: Callable[[], None] | None, index: int, step: int, payload_bytes: int) -> None:
         """The rest of the copy (when given), commit the slot, ask for its seal."""
