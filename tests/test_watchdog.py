@@ -113,6 +113,23 @@ def test_a_section_has_a_generous_limit_of_its_own_and_is_not_step_time():
     assert alarm is not None and "section 'checkpoint'" in alarm.why
 
 
+def test_an_open_section_is_announced_and_its_limit_reported():
+    """The processor sends the section's limit to the controller, which
+    stretches its missed-heartbeat limit to it (the section's work may hold
+    the GIL, and the heartbeat thread, for seconds)."""
+    wd, clock = trained(step_s=1.0, first_section_s=30)
+    opened = []
+    wd.on_section = lambda: opened.append(wd.section_limit_s())
+    assert wd.section_limit_s() == 0.0
+    with wd.section("evaluation"):
+        clock.t += 40
+        assert wd.section_limit_s() == 30.0  # at least first_section_s
+    assert opened == [30.0] and wd.section_limit_s() == 0.0
+    with wd.section("evaluation"):
+        assert wd.section_limit_s() == 120.0  # 3 x the longest (40 s)
+    assert opened == [30.0, 120.0]
+
+
 def test_garbage_collection_time_is_left_out():
     wd, clock = trained(step_s=1.0)
     wd._on_gc("start", {})
@@ -139,17 +156,39 @@ def test_real_collections_are_seen():
 def test_a_rank_blocked_in_a_collective_allows_its_peers_a_benign_pause():
     wd, clock = trained(step_s=1.0, poll_s=0.25)
     wd.in_collective = lambda: True
-    clock.t += 6.1  # a peer's 5-step garbage collection, then its step, keep this rank waiting
+    clock.t += 7.1  # a peer's 5-step garbage collection, its step, then the rest of ours
     assert wd.check() is None
     clock.t += 0.2
     alarm = wd.check()
     assert alarm.in_collective and "waiting in a collective" in alarm.describe()
-    assert alarm.limit_s == pytest.approx(6.25)
+    assert alarm.limit_s == pytest.approx(7.25)
 
     fast, clock = trained(step_s=0.1, poll_s=0.25)
     fast.in_collective = lambda: True
     clock.t += 2.3
     assert fast.check().limit_s == pytest.approx(2.25)
+
+
+def test_the_allowance_of_a_wait_in_a_collective_lasts_until_the_step_completes():
+    """The peer came back, the collective completed, and this rank finishes
+    its step with most of the limit spent: a check in between is no hang
+    (CI: a peer's 5-step GC, then an alarm 'not in a collective' here)."""
+    wd, clock = trained(step_s=1.0, poll_s=0.25)
+    blocked = [True]
+    wd.in_collective = lambda: blocked[0]
+    clock.t += 4.0
+    assert wd.check() is None  # waiting: the allowance applies
+    blocked[0] = False
+    clock.t += 2.5  # the collective completed; the update runs
+    assert wd.check() is None
+    clock.t += 1.0
+    alarm = wd.check()  # hung after the collective, in Python: named as such, at the same limit
+    assert alarm is not None and not alarm.in_collective and alarm.limit_s == pytest.approx(7.25)
+    assert "after waiting in a collective" in alarm.describe()
+
+    wd.step_done()  # the next step owes nothing to the last one's wait
+    clock.t += 3.5
+    assert wd.check().limit_s == pytest.approx(3.0)
 
 
 def test_a_broken_probe_does_not_break_the_watchdog():

@@ -27,11 +27,15 @@ benign pause such as a long garbage collection (which holds every thread of
 that process, so it cannot say so). The adapter sets
 :attr:`ProgressWatchdog.in_collective` (a callable: is the training thread
 blocked on communication now?), and a rank blocked in a collective raises
-only after ``benign_pause_steps + 1`` (6) median steps plus one poll (the
-peer's step holds its pause and then the step itself), and says
-``in_collective``. So a collective that never completes on any rank is
-reported after ``max(6 x median step, 2 s)`` plus one poll of margin plus
-up to one more poll before the check runs (0.5 s with the default poll).
+only after ``benign_pause_steps + 2`` (7) median steps plus one poll (the
+peer's step holds its pause and then the step up to the collective; this
+rank's step goes on after it), and says ``in_collective``. The allowance
+lasts until the step completes: once the peer is back, the collective
+completes and this rank finishes its step with most of the limit spent, and
+a check between the two must not take it for a loop hung in Python (CI saw
+exactly that). So a collective that never completes on any rank is reported
+after ``max(7 x median step, 2 s)`` plus one poll of margin plus up to one
+more poll before the check runs (0.5 s with the default poll).
 
 No timers, no threads: the caller owns the clock and the polling.
 """
@@ -96,12 +100,15 @@ class ProgressWatchdog:
         self._sections: list[tuple[str, float]] = []
         #: Set by the adapter: is the training thread blocked on communication?
         self.in_collective: Callable[[], bool] = lambda: False
+        #: Set by the processor: called as a section opens (it tells the controller).
+        self.on_section: Callable[[], None] = lambda: None
         self._armed = False
         self._first = True
         self._since = clock()
         self._excluded = 0.0  # GC time since _since
         self._gc_started: float | None = None
         self._alarmed = False
+        self._waited = False  # this step waited on peers in a collective past its own limit
         self._track_gc = track_gc
         if track_gc:
             gc.callbacks.append(self._on_gc)
@@ -139,6 +146,7 @@ class ProgressWatchdog:
         self._since = self._clock() if now is None else now
         self._excluded = 0.0
         self._alarmed = False
+        self._waited = False
 
     @property
     def median_step_s(self) -> float:
@@ -153,6 +161,7 @@ class ProgressWatchdog:
         with self._lock:
             start = self._clock()
             self._sections.append((name, start))
+        self.on_section()
         try:
             yield
         finally:
@@ -162,6 +171,18 @@ class ProgressWatchdog:
                 took = now - start
                 self._longest[name] = max(self._longest.get(name, 0.0), took)
                 self._excluded += took
+
+    def section_limit_s(self) -> float:
+        """The limit of the innermost open section; 0 when none is open."""
+        with self._lock:
+            return self._section_limit()[0] if self._sections else 0.0
+
+    def _section_limit(self) -> tuple[float, str]:
+        name, _ = self._sections[-1]
+        seen = self._longest.get(name)
+        limit = max(self.config.section_factor * (seen or 0.0), self.config.first_section_s)
+        return limit, (f"section {name!r}, {self.config.section_factor:g} x its longest {seen or 0:.1f} s, "
+                       f"at least {self.config.first_section_s:g} s")
 
     def _on_gc(self, phase: str, info: dict) -> None:
         # No lock: a collection can start while this thread holds it.
@@ -181,12 +202,8 @@ class ProgressWatchdog:
                 return None
             now = self._clock()
             if self._sections:
-                name, start = self._sections[-1]
-                seen = self._longest.get(name)
-                limit = max(self.config.section_factor * (seen or 0.0), self.config.first_section_s)
-                why = f"section {name!r}, {self.config.section_factor:g} x its longest {seen or 0:.1f} s, " \
-                      f"at least {self.config.first_section_s:g} s"
-                idle = now - start
+                limit, why = self._section_limit()
+                idle = now - self._sections[-1][1]
             else:
                 idle = now - self._since - self._excluded
                 if self._first or not self._steps:
@@ -202,12 +219,14 @@ class ProgressWatchdog:
                 in_collective = bool(self.in_collective())
             except Exception:  # a probe must never break the watchdog
                 in_collective = False
-            if in_collective:
+            self._waited = self._waited or (in_collective and not self._sections)
+            if in_collective or self._waited:
                 if self._steps and not self._sections:
-                    # The peer's step holds its pause and then the step itself.
-                    steps = self.config.benign_pause_steps + 1
+                    # The peer's pause, its step up to the collective, the rest of ours.
+                    steps = self.config.benign_pause_steps + 2
                     limit = max(limit, steps * statistics.median(self._steps))
-                    why += f"; in a collective: {steps:g} x median step"
+                    why += f"; {'in' if in_collective else 'after waiting in'} a collective: " \
+                           f"{steps:g} x median step"
                 limit += self.config.poll_s
             if idle <= limit:
                 return None
