@@ -9,9 +9,15 @@ import pytest
 from trainguard.core import MINDSPORE, CheckpointError, CheckpointStore, MEGATRON
 
 
+def layout(*names):
+    """Each file the shard of one rank (rank i saved the i-th)."""
+    return {"world_size": len(names), "shards": [
+        {"kind": 0, "copies": [i], "full": False, "saved_by": i, "files": [n]} for i, n in enumerate(names)]}
+
+
 def save(store, step, payload=b"x" * 1000, files=("shard_k0_r0.pt", "shard_k0_r1.pt")):
     infos = [store.write(step, name, lambda f, n=name: f.write(payload + n.encode())) for name in files]
-    store.finalize(step, infos, layout={"world_size": 2}, meta={"note": step})
+    store.finalize(step, infos, layout=layout(*files), meta={"note": step})
     return infos
 
 
@@ -76,8 +82,9 @@ def test_finalize_refuses_files_that_differ_from_what_the_saver_wrote(tmp_path):
     store = CheckpointStore(tmp_path)
     infos = [store.write(4, "shard_k0_r0.pt", lambda f: f.write(b"abc"))]
     (store.tmp_path(4) / "shard_k0_r0.pt").write_bytes(b"abd")
-    with pytest.raises(CheckpointError, match="does not match what its saver wrote"):
-        store.finalize(4, infos)
+    with pytest.raises(CheckpointError, match="shard_k0_r0.pt fails its checksum"):
+        store.finalize(4, infos, layout=layout("shard_k0_r0.pt"))
+    assert store.tmp_path(4).is_dir()  # left for inspection
     assert not store.final_path(4).exists()
     assert store.latest() is None
 
@@ -114,7 +121,7 @@ def test_mindspore_layout_keeps_files_under_rank_directories(tmp_path):
     store = CheckpointStore(tmp_path, MINDSPORE)
     info = store.write_path(7, "rank_0/ttp_rank_0-0_7.ckpt", lambda path: path.write_bytes(b"weights"))
     assert (tmp_path / "tft_saved_checkpoints-step_7_tmp" / "rank_0" / "ttp_rank_0-0_7.ckpt").is_file()
-    store.finalize(7, [info])
+    store.finalize(7, [info], layout=layout(info.name))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest_tft_step.txt", "tft_saved_checkpoints-step_7"]
     assert store.latest().step == 7
     (tmp_path / "tft_saved_checkpoints-step_7" / "rank_0" / "ttp_rank_0-0_7.ckpt").write_bytes(b"weightz")

@@ -85,7 +85,9 @@ def test_the_persist_worker_maps_each_slot_once_across_seals_and_persists(tmp_pa
             state = {"state": {"w": w}}
             index = snaps.take(state, step)
             snaps.persist(index, step, root=str(root), name="s.safetensors",
-                          finalize={"expected": ["s.safetensors"]})
+                          finalize={"expected": ["s.safetensors"], "layout": {
+                              "world_size": 1, "shards": [{"kind": 0, "copies": [0], "full": True, "saved_by": 0,
+                                                           "files": ["s.safetensors"]}]}})
             snaps.wait(60)
             assert not snaps.errors and snaps.persisted[-1]["step"] == step
         pid = snaps.worker.pid

@@ -30,7 +30,9 @@ def main() -> None:
             state = {"state": {"w": torch.full((numel,), float(step)), "step": step}, "history": {}}
             index = snaps.take(state, step)
             snaps.persist(index, step, root=disk, name=NAME,
-                          finalize={"expected": [NAME], "layout": {}, "meta": {}, "timeout_s": 30})
+                          finalize={"expected": [NAME], "meta": {}, "timeout_s": 30, "layout": {
+                              "world_size": 1, "shards": [{"kind": 0, "copies": [0], "full": True,
+                                                           "saved_by": 0, "files": [NAME]}]}})
             snaps.wait(60)
         found = CheckpointStore(disk).latest()
         state = read_stored_snapshot(found.file(NAME), "cpu")

@@ -64,7 +64,9 @@ def main() -> None:
         if index is not None and step % 3 == 0 and not snaps.pinned:
             snaps.persist(index, step, root=root, name="shard_k0_r0.safetensors",
                           finalize={"expected": ["shard_k0_r0.safetensors"], "keep": 3, "timeout_s": 30,
-                                    "layout": {"world_size": 1}, "meta": {}})
+                                    "layout": {"world_size": 1, "shards": [{
+                                        "kind": 0, "copies": [0], "full": True, "saved_by": 0,
+                                        "files": ["shard_k0_r0.safetensors"]}]}, "meta": {}})
         time.sleep(0.01)
 
 

@@ -7,11 +7,15 @@ A checkpoint is a directory named by its step in the framework's habit
 is written as ``<name>_tmp``; every file's size and SHA-256 are recorded as
 it is written; one rank then verifies every file, writes ``manifest.json``,
 renames the directory to its final name and, last, rewrites the tracker file
-(``latest_step.txt`` / ``latest_checkpointed_iteration.txt``).
+(``latest_step.txt`` / ``latest_checkpointed_iteration.txt``). A checkpoint
+whose shards do not cover the world its layout names is never finalised
+(:mod:`.manifest` holds the rule).
 
 :meth:`CheckpointStore.latest` walks the complete checkpoints newest first,
 verifies each against its manifest and returns the first one that passes,
-logging why each newer one was skipped. Formats that could run code on load
+logging why each newer one was skipped. A manifest is checked whole before
+any of it is used, and a file is read only where it lies in the checkpoint
+directory: no symbolic link is followed. Formats that could run code on load
 are never used: the manifest is JSON and tensors are loaded by the adapters
 with ``weights_only=True``.
 """
@@ -26,15 +30,14 @@ import os
 import re
 import shutil
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, Mapping, Sequence
+from typing import BinaryIO, Callable, Collection, Iterator, Mapping, Sequence
 
-import xxhash
-
+from . import manifest as manifests
 from .api import CheckpointError
+from .manifest import FORMAT, MANIFEST
 
 __all__ = [
     "FORMAT",
@@ -50,8 +53,6 @@ __all__ = [
 
 log = logging.getLogger("trainguard.checkpoint")
 
-FORMAT = "trainguard-checkpoint/1"
-MANIFEST = "manifest.json"
 TMP_SUFFIX = "_tmp"
 _CHUNK = 8 << 20
 
@@ -143,39 +144,11 @@ class _HashingWriter:
         self.raw.flush()
 
 
-def _chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            yield chunk
-
-
-def crc32_of(path: Path) -> int:
-    crc = 0
-    for chunk in _chunks(path):
-        crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def xxh3_of(path: Path) -> int:
-    h = xxhash.xxh3_64()
-    for chunk in _chunks(path):
-        h.update(chunk)
-    return h.intdigest()
-
-
-def _matches(path: Path, record: Mapping) -> bool:
-    if record.get("sha256"):
-        return sha256_of(path) == record["sha256"]
-    if isinstance(record.get("xxh3"), int):
-        return xxh3_of(path) == record["xxh3"]
-    # manifests written before snapshots were checked with XXH3-64
-    return isinstance(record.get("crc32"), int) and crc32_of(path) == record["crc32"]
-
-
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
-    for chunk in _chunks(path):
-        h.update(chunk)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
     return h.hexdigest()
 
 
@@ -300,9 +273,9 @@ class CheckpointStore:
     def _file(self, step: int, name: str) -> Path:
         """The path of ``name`` (``file`` or ``subdir/file``) in ``step``'s
         temporary directory, with its directory created."""
-        parts = name.split("/")
-        if not 1 <= len(parts) <= 2 or any(p in ("", ".", "..") for p in parts) or name == MANIFEST:
-            raise CheckpointError(f"invalid checkpoint file name {name!r}")
+        why = manifests.name_problem(name)  # what verify() accepts
+        if why is not None:
+            raise CheckpointError(f"invalid checkpoint file name {name!r}: it {why}")
         path = self.tmp_path(step) / name
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -315,23 +288,20 @@ class CheckpointStore:
         """Verify ``step``'s temporary directory, write its manifest, rename it
         to the final name and update the tracker. Called by one rank.
 
-        With ``rehash`` off only sizes are checked here (for files whose
-        digest was taken from the bytes as they were written); every load
-        still verifies the checksums.
+        ``layout`` names ``world_size`` and the ``shards`` saved (each
+        :meth:`SavedShard.describe`); they must cover every rank of that
+        world for each kind of state (see :mod:`.manifest`). With
+        ``rehash`` off only sizes are checked here (for files whose digest
+        was taken from the bytes as they were written); every load still
+        verifies the checksums.
 
         Raises:
-            CheckpointError: a file is missing or does not match its record
-                (the temporary directory is left for inspection).
+            CheckpointError: the manifest would not pass :meth:`verify` (a
+                partial layout, a malformed record), or a file is missing or
+                does not match its record; the temporary directory is left
+                for inspection and the tracker is untouched.
         """
         tmp, final = self.tmp_path(step), self.final_path(step)
-        for f in files:
-            path = tmp / f.name
-            if not path.is_file():
-                raise CheckpointError(f"cannot finalise step {step}: {path} is missing")
-            size = path.stat().st_size
-            if size != f.bytes or (rehash and not _matches(path, f.record())):
-                raise CheckpointError(f"cannot finalise step {step}: {path} does not match what its saver "
-                                      f"wrote ({size} bytes vs {f.bytes})")
         manifest = {
             "format": FORMAT,
             "step": step,
@@ -341,8 +311,21 @@ class CheckpointStore:
             "meta": dict(meta or {}),
         }
         try:
-            with open(tmp / MANIFEST, "w") as out:
-                json.dump(manifest, out, indent=1, sort_keys=True)
+            data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            why = manifests.problem(manifests.parse(data), step)  # exactly what verify() will read
+        except (TypeError, ValueError) as e:  # meta that JSON cannot hold
+            why = f"its manifest cannot be written as JSON ({e})"
+        except CheckpointError as e:
+            why = str(e)
+        for name, record in manifest["files"].items() if why is None else ():
+            why = manifests.file_problem(tmp, name, record, checksum=rehash)
+            if why is not None:
+                break
+        if why is not None:
+            raise CheckpointError(f"cannot finalise {tmp}: {why}")
+        try:
+            with open(tmp / MANIFEST, "wb") as out:
+                out.write(data)
                 out.flush()
                 os.fsync(out.fileno())
             _fsync_dir(tmp)
@@ -407,46 +390,32 @@ class CheckpointStore:
             return None
 
     def verify(self, path: Path) -> Verified:
-        """Check a checkpoint directory against its manifest.
+        """Check a checkpoint directory against its manifest: the manifest
+        whole first (:func:`.manifest.problem`: records, file names, a
+        layout covering its world), then each file's size and checksum, read
+        where it lies in ``path`` without following a symbolic link.
 
         Raises:
-            CheckpointError: saying what is wrong (missing manifest or file,
-                size or checksum mismatch).
+            CheckpointError: naming the directory and what is wrong.
         """
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path.name}: no {MANIFEST}") from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path.name}: unreadable {MANIFEST} ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{path.name}: not a {FORMAT} manifest")
         step = self.naming.step_of(path.name)
-        if manifest.get("step") != step:
-            raise CheckpointError(f"{path.name}: manifest says step {manifest.get('step')}")
-        files = manifest.get("files")
-        if not isinstance(files, dict) or not files:
-            raise CheckpointError(f"{path.name}: manifest lists no files")
-        for name, record in files.items():
-            f = path / name
-            if not f.is_file():
-                raise CheckpointError(f"{path.name}: {name} is missing")
-            size = f.stat().st_size
-            if size != record.get("bytes"):
-                raise CheckpointError(f"{path.name}: {name} has {size} bytes, expected {record.get('bytes')} "
-                                      f"(truncated or overwritten)")
-            if not _matches(f, record):
-                raise CheckpointError(f"{path.name}: {name} fails its checksum (corrupted)")
+        manifest, why = manifests.check(path, step)
+        if why is not None:
+            raise CheckpointError(f"{path.name}: {why}")
         return Verified(step, path, manifest)
 
-    def latest(self) -> Verified | None:
+    def latest(self, exclude: Collection[int] = ()) -> Verified | None:
         """The newest checkpoint that verifies, or ``None`` when there is none.
 
         Each newer checkpoint that fails verification is logged with the
         reason, and so is a tracker that names a missing or broken one.
+        ``exclude``: steps found unusable otherwise (a file that passed its
+        checksum but did not load).
         """
         tracked = self.tracked_step()
         for step, path in self._complete():
+            if step in exclude:
+                continue
             try:
                 found = self.verify(path)
             except CheckpointError as e:
