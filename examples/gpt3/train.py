@@ -216,7 +216,8 @@ def main(cfg: DictConfig) -> None:
         wd_incr_steps=cfg.steps * global_batch, wd_incr_style="constant")
     start = mega.load_checkpoint(model, optimizer, opt_param_scheduler, device=cfg.device)
     rank = dist.get_rank()
-    injector = FaultInjector.from_env(rank, log_path=checkpoint_dir / ".trainguard" / "faults.jsonl")
+    injector = FaultInjector.from_env(rank, world_size=dist.get_world_size(),
+                                      log_path=checkpoint_dir / ".trainguard" / "faults.jsonl")
 
     iteration = train(cfg, model, optimizer, opt_param_scheduler, start, injector)
     times = getattr(TTP, "step_times", [])

@@ -219,7 +219,7 @@ def train_plain(cfg: DictConfig, net, optimizer, data, rank: int, world_size: in
         from trainguard.core.faults import FaultInjector, read_fault_log
 
         log_path = checkpoint_dir / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
-        strike = FaultInjector.from_env(rank, log_path=log_path).strike
+        strike = FaultInjector.from_env(rank, world_size=world_size, log_path=log_path).strike
         faults = lambda: read_fault_log(log_path) if log_path is not None else []  # noqa: E731
     params, pids = state_parameters(net, optimizer), all_gather_pids(world_size)
     update = (lambda g: optimizer(reducer(g))) if reducer is not None else optimizer

@@ -130,7 +130,7 @@ def main() -> None:
     model = MoE(ps.get_expert_model_parallel_rank())
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     start = mega.load_checkpoint(model, optimizer, None)
-    injector = FaultInjector.from_env(dist.get_rank())
+    injector = FaultInjector.from_env(dist.get_rank(), world_size=dist.get_world_size())
     iteration = train(model, optimizer, start, injector)
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, state_sha256({"model": model.state_dict(), "optimizer": optimizer.state_dict()}))

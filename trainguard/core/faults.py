@@ -24,9 +24,17 @@ Phases: ``forward``, ``backward``, ``reduce`` (MindSpore Guard only: the
 replicas agreed to update and wait in the gradient all-reduce), ``optimizer``
 (inside the update, after the parameters changed), ``recovery`` (while
 handling a recovery command; ``step`` is then the locked step), ``save``
-(inside a checkpoint save) and ``gc`` (at the start of a step; ``pause``
-only). ``step`` counts completed updates, so ``step=5`` strikes the loop
+(inside a checkpoint save), ``gc`` (at the start of a step; ``pause``
+only) and ``resume`` (while the rank loads the state of ``step`` to resume
+from it -- a relaunch's start, or a replacement process joining; ``uce``,
+``comm``, ``crash`` or ``stop``). ``step`` counts completed updates, so ``step=5`` strikes the loop
 iteration that would complete update 6.
+
+Every rank checks the whole spec against the job before its first step: a
+fault for a rank the job does not have (:func:`check_ranks`), or one an
+adapter cannot strike (:meth:`FaultInjector.refuse`), is a ``ConfigError``
+on every rank, so a rehearsal never passes without its fault and no rank
+waits for a peer that refused.
 
 Each fault strikes once per job. When a log path is given (the adapters use
 ``<checkpoint_dir>/.trainguard/faults.jsonl``) the strike is appended there
@@ -45,14 +53,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from .api import ConfigError, Severity
 
-__all__ = ["FaultInjector", "FaultSpec", "KINDS", "PHASES", "read_fault_log"]
+__all__ = ["FaultInjector", "FaultSpec", "KINDS", "PHASES", "check_ranks", "read_fault_log"]
 
 KINDS = ("uce", "crash", "hang", "stop", "stall", "comm", "slow", "pause")
-PHASES = ("forward", "backward", "reduce", "optimizer", "recovery", "save", "gc")
+PHASES = ("forward", "backward", "reduce", "optimizer", "recovery", "save", "gc", "resume")
 _KEYS = {"rank", "step", "phase", "factor", "severity"}
 
 
@@ -87,7 +95,7 @@ class FaultSpec:
 
     @classmethod
     def _parse_one(cls, part: str) -> "FaultSpec":
-        form = "KIND:rank=R,step=N[,phase=forward|backward|reduce|optimizer|recovery][,factor=F]"
+        form = "KIND:rank=R,step=N[,phase=forward|backward|reduce|optimizer|recovery|save|gc|resume][,factor=F]"
         kind, sep, rest = part.partition(":")
         kind = kind.strip().lower()
         if not sep or kind not in KINDS:
@@ -122,6 +130,10 @@ class FaultSpec:
             raise ConfigError(f"bad fault {part!r}: pause needs phase=gc or phase=save and factor > 0")
         if phase == "gc" and kind != "pause":
             raise ConfigError(f"bad fault {part!r}: phase=gc is for pause only")
+        if phase == "resume" and kind not in ("uce", "comm", "crash", "stop"):
+            # Before a rank reports to the controller only its exit or a collective timeout can be seen.
+            raise ConfigError(f"bad fault {part!r}: phase=resume takes uce, comm, crash or stop (a hang while "
+                              f"resuming is found only at the collective's timeout)")
         severity = Severity.HIGH
         if "severity" in fields:
             if kind != "uce":
@@ -133,11 +145,24 @@ class FaultSpec:
         return cls(kind, rank, step, phase, factor, severity)
 
 
+def check_ranks(specs: Iterable[FaultSpec], world_size: int) -> None:
+    """Refuse a fault for a rank outside ``range(world_size)``: it would never
+    strike, and the rehearsal would end as if it had passed.
+
+    Raises:
+        ConfigError: naming the first such fault and the world size.
+    """
+    for spec in specs:
+        if spec.rank >= world_size:
+            raise ConfigError(f"fault {spec.text!r} is for rank {spec.rank}, but the world size is {world_size} "
+                              f"(ranks 0-{world_size - 1}): it would never strike")
+
+
 def read_fault_log(path: str | os.PathLike) -> list[dict]:
     """The strikes recorded in a fault log (missing file: none)."""
     try:
         lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a checkpoint_dir below a file: its own check says so
         return []
     out = []
     for line in lines:
@@ -152,8 +177,10 @@ class FaultInjector:
     """Strikes this rank's faults at the injection points adapters call.
 
     Args:
-        specs: every fault of the job (other ranks' are ignored).
+        specs: every fault of the job (only this rank's strike here).
         rank: this process's rank.
+        world_size: the job's; a fault for a rank outside it is refused
+            (``None``: not checked).
         log_path: where strikes are recorded (``None``: memory only).
         kill, sleep, clock: injected for tests.
     """
@@ -163,14 +190,19 @@ class FaultInjector:
         specs: list[FaultSpec],
         rank: int,
         *,
+        world_size: int | None = None,
         log_path: str | os.PathLike | None = None,
         kill: Callable[[int, int], None] = os.kill,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        #: The whole job's faults: what every rank checks alike.
+        self.specs = tuple(specs)
+        if world_size is not None:
+            check_ranks(self.specs, world_size)
         self._log = Path(log_path) if log_path else None
         struck = {e.get("spec") for e in read_fault_log(self._log)} if self._log else set()
-        self._pending = [s for s in specs if s.rank == rank and s.text not in struck]
+        self._pending = [s for s in self.specs if s.rank == rank and s.text not in struck]
         self._rank = rank
         self._kill, self._sleep, self._clock = kill, sleep, clock
         self._slow = [s for s in self._pending if s.kind == "slow"]
@@ -181,15 +213,31 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls, rank: int, **kwargs) -> "FaultInjector":
+        """The faults of ``TRAINGUARD_FAULT``; pass ``world_size`` to have them checked."""
         return cls(FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", "")), rank, **kwargs)
+
+    def refuse(self, why: str, *, phases: Iterable[str] = (), kinds: Iterable[str] = ()) -> None:
+        """Refuse the job's faults in ``phases`` or of ``kinds``: those an
+        adapter cannot strike. Any rank's fault counts, so every rank refuses
+        the same spec before its first collective and none waits for a
+        peer that refused.
+
+        Raises:
+            ConfigError: ``fault '<spec>': <why>``, for the first such fault.
+        """
+        phases, kinds = set(phases), set(kinds)
+        spec = next((s for s in self.specs if s.phase in phases or s.kind in kinds), None)
+        if spec is not None:
+            raise ConfigError(f"fault {spec.text!r}: {why}")
 
     @property
     def armed(self) -> bool:
         return bool(self._pending or self._slow)
 
     def wants(self, phase: str) -> bool:
-        """Whether any pending fault strikes in ``phase`` (lets adapters skip
-        installing hooks they do not need)."""
+        """Whether any pending fault of this rank strikes in ``phase`` (lets
+        adapters skip installing hooks they do not need; to refuse a phase
+        use :meth:`refuse`, which every rank answers alike)."""
         return any(s.phase == phase for s in self._pending)
 
     def strike(self, phase: str, step: int) -> None:

@@ -32,9 +32,10 @@ import sys
 import time
 from typing import Any
 
-from trainguard.core import (EXIT_AFTER_DUMP, Controller, ControllerConfig, ControllerState, TrainguardError,
-                             check_env, logs)
+from trainguard.core import (EXIT_AFTER_DUMP, Controller, ControllerConfig, ControllerState, FaultSpec,
+                             TrainguardError, check_env, logs)
 from trainguard.core.client import ControllerClient
+from trainguard.core.faults import check_ranks
 from trainguard.core.rpc import new_token
 from trainguard.core.snapshot import SnapshotDir
 
@@ -132,6 +133,8 @@ class MsrunPlugin:
         sys.exit(code)
 
     def run(self) -> int:
+        # A malformed fault, or one for a rank the job does not have, is refused before any worker starts.
+        check_ranks(FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", "")), self.manager.worker_num)
         self._start_controller()
         # The node's snapshot directory: the workers' snapshots outlive them
         # until msrun ends, which removes it.
@@ -196,11 +199,25 @@ class MsrunPlugin:
                 elif pid not in self._reported and code not in _ORDERED:
                     self._reported.add(pid)
                     report_exit(self.controller, self.client, rank, pid, code, last_running=frozen.last_poll)
+                    if self._not_started():
+                        log.error("rank %d failed before every rank had registered with the controller (while "
+                                  "starting or resuming); ending the others", rank)
+                        self.manager.kill_workers([p for _, c, p in self._workers() if c is None])
             if not running:
                 return
             self._end_stragglers()
             frozen.last_poll = time.time()
             time.sleep(POLL_S)
+
+    def _not_started(self) -> bool:
+        """Whether some rank never registered: a failure now cannot be
+        recovered in place, and the others may wait for it in a collective
+        until its timeout (as torchrun, end them: a relaunch resumes)."""
+        try:
+            state = self.controller.state.name if self.controller is not None else self.client.status()["state"]
+        except Exception:  # noqa: BLE001 - a controller that cannot be reached gives no orders either
+            return False
+        return state == ControllerState.INIT.name
 
     def _end_stragglers(self) -> None:
         """Once the controller ended the job, kill the workers that did not

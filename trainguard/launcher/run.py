@@ -6,7 +6,10 @@ with torch's own parser and launches the workers through torch's elastic
 launcher pieces, with :class:`~.agent.TrainguardAgent` as the agent.
 
 Exit codes: 0 when training finished; 75 when the job stopped after a
-dying-gasp checkpoint (relaunch the same command to resume); 1 otherwise.
+dying-gasp checkpoint (relaunch the same command to resume); 2 when a
+setting was refused before any worker started (``TRAINGUARD_FAULT`` that is
+malformed or names a rank the job does not have, an unknown setting); 1
+otherwise (a worker's start-up refusal included: its message is in the log).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import uuid
 from typing import Sequence
 
 from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, FaultSpec, TrainguardError, check_env, logs
+from trainguard.core.faults import check_ranks
 
 __all__ = ["main", "parser"]
 
@@ -70,12 +74,14 @@ def launch(argv: Sequence[str]) -> int:
     from .agent import TrainguardAgent
 
     check_env()
-    FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", ""))  # refuse a malformed fault before spawning anything
+    # A malformed fault, or one for a rank the job does not have, is refused before anything starts.
+    faults = FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", ""))
     args = parser().parse_args(argv)
     _standalone_defaults(args)
     config, cmd, cmd_args = config_from_args(args)
     if config.min_nodes != config.max_nodes:
         raise TrainguardError("elastic node counts (--nnodes MIN:MAX) need elastic-training; give one number")
+    check_ranks(faults, config.nproc_per_node * config.max_nodes)
     controller_config = ControllerConfig.from_env(
         strategies=args.strategies, host=args.controller_host, port=args.controller_port,
         job_id=args.job_id or os.environ.get("TRAINGUARD_JOB_ID") or config.run_id)

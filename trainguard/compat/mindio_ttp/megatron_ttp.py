@@ -74,6 +74,7 @@ from trainguard.adapters.megatron.snapshot import MegatronSnapshots
 from trainguard.adapters.torch.process_group import job_namespace
 from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import FileInfo
+from trainguard.core.preflight import check_checkpoint_dir
 from trainguard.core.snapshot.ring import check_settings, directory_for
 
 from .megatron_recovery import (clean_callback, committed_rng, rebuild_callback, register_recovery_handlers,
@@ -183,6 +184,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, *, dev
     """Load the newest complete checkpoint -- with snapshots on, from this
     node's memory where every rank can -- and return its iteration (0: none)."""
     track_rng()
+    check_checkpoint_dir(_directory("save"))  # every rank, before the load's collectives: not at the dying gasp
     store, snapshots = ckpt.megatron_store(_directory("load")), _snapshots()
     if snapshots is not None:
         iteration, history = snapshots.load(store, model, optimizer, opt_param_scheduler, device=device)
