@@ -24,6 +24,7 @@ class Job:
     log: str
     report: dict | None
     ckpt: Path
+    report_path: Path | None = None  # rank 0's; a rank r that writes one: <report_path>.rank<r>
 
     def __str__(self) -> str:  # shown when an assertion about the job fails
         return f"rc={self.rc}\n{self.log[-6000:]}"
@@ -34,6 +35,22 @@ def run_job(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault: str
             env: dict | None = None, timeout: float = 150, script: Path | None = None,
             extra_args: list[str] | None = None) -> Job:
     """Launch ``tests/workers/tiny_train.py`` (or ``script``) with ``trainguard run``."""
+    cmd, full_env, report, ckpt = job_command(tmp, name, nproc=nproc, steps=steps, fault=fault,
+                                              strategies=strategies, save_every=save_every, ckpt=ckpt, env=env,
+                                              script=script, extra_args=extra_args)
+    proc = run_bounded(cmd, env=full_env, cwd=tmp, timeout=timeout)
+    if proc.returncode:  # pytest shows a test's captured output when it fails: the log tail then reaches CI
+        print(f"--- {name}: exit {proc.returncode}; log tail ---\n{(proc.stdout + proc.stderr)[-8000:]}")
+    data = json.loads(report.read_text()) if report.exists() else None
+    return Job(proc.returncode, proc.stdout + proc.stderr, data, ckpt, report)
+
+
+def job_command(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault: str | None = None,
+                strategies: str | None = None, save_every: int = 0, ckpt: Path | None = None,
+                env: dict | None = None, script: Path | None = None,
+                extra_args: list[str] | None = None) -> tuple[list[str], dict, Path, Path]:
+    """The ``trainguard run`` command line, environment, report and
+    checkpoint paths of a job (see :func:`run_job`)."""
     ckpt = ckpt or tmp / f"{name}-ckpt"
     report = tmp / f"{name}.json"
     report.unlink(missing_ok=True)
@@ -48,11 +65,7 @@ def run_job(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault: str
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1",
            *(extra_args or []), str(script or WORKERS / "tiny_train.py"), str(steps), str(report), str(ckpt),
            str(save_every)]
-    proc = run_bounded(cmd, env=full_env, cwd=tmp, timeout=timeout)
-    if proc.returncode:  # pytest shows a test's captured output when it fails: the log tail then reaches CI
-        print(f"--- {name}: exit {proc.returncode}; log tail ---\n{(proc.stdout + proc.stderr)[-8000:]}")
-    data = json.loads(report.read_text()) if report.exists() else None
-    return Job(proc.returncode, proc.stdout + proc.stderr, data, ckpt)
+    return cmd, full_env, report, ckpt
 
 
 def run_bounded(cmd: list[str], *, env: dict, cwd: Path, timeout: float,

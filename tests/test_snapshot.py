@@ -28,6 +28,11 @@ from trainguard.core.snapshot.segment import PAGE, Slot
 WORKERS = Path(__file__).parent / "workers"
 
 
+def one_rank(name: str = "shard_k0_r0.safetensors") -> dict:
+    """A one-rank job's layout: rank 0 saved the whole state in ``name``."""
+    return {"world_size": 1, "shards": [{"kind": 0, "copies": [0], "full": True, "saved_by": 0, "files": [name]}]}
+
+
 def _state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {"state": {"model": {"w": torch.randn(300, 70, generator=g), "b": torch.randn(70, generator=g).half(),
@@ -90,7 +95,7 @@ def test_snapshot_round_trip_persist_and_safetensors(shm, tmp_path):
 
         root = tmp_path / "ckpt"
         snaps.persist(i3, 3, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {"world_size": 1}, "meta": {}})
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
         snaps.wait(60)
         assert snaps.errors == [] and snaps.persisted[-1]["step"] == 3
         found = CheckpointStore(root).latest()
@@ -163,7 +168,7 @@ def test_a_background_copy_commits_and_seals_on_its_own_and_a_persist_waits_for_
         assert snaps.available() == {}  # nothing loadable while it copies
         root = tmp_path / "ckpt"
         snaps.persist(index, 1, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {"world_size": 1}, "meta": {}})
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
         assert snaps.worker.pending == {}  # held back until the copy lands
         gate.set()
         _wait_sealed(snaps, index)  # committed and sealed without settle()
@@ -177,7 +182,7 @@ def test_a_background_copy_commits_and_seals_on_its_own_and_a_persist_waits_for_
         monkeypatch.setattr(module, "_copy", broken)
         bad = snaps.take(_state(2), 2, background=True)
         snaps.persist(bad, 2, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {"world_size": 1}, "meta": {}})
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
         snaps.wait(60)
         assert snaps.errors == ["step 2: the snapshot copy failed: no memory",
                                 f"step 2: slot {snaps.slots[bad].path.name} no longer holds step 2"]
@@ -226,16 +231,33 @@ def test_a_save_overtaken_by_a_newer_final_checkpoint_is_not_finalised(shm, tmp_
     root = tmp_path / "ckpt"
     store = CheckpointStore(root)
     info = store.write(6, "shard_k0_r0.pt", lambda f: f.write(b"dump"))
-    store.finalize(6, [info], layout={"world_size": 1})
+    store.finalize(6, [info], layout=one_rank("shard_k0_r0.pt"))
     snaps = Snapshots(shm, 0, count=2)
     try:
         index = snaps.take(_state(4), 4)
         snaps.persist(index, 4, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {"world_size": 1}, "meta": {}})
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
         snaps.wait(60)
         assert snaps.persisted == [] and snaps.errors == \
             ["step 4: step 4 not finalised: the newer step 6 is final already"]
         assert CheckpointStore(root).tracked_step() == 6 and CheckpointStore(root).steps() == [6]
+    finally:
+        snaps.close()
+
+
+def test_background_saves_keep_only_the_newest_checkpoints_the_job_asked_for(shm, tmp_path):
+    """``keep`` travels with the finalise request; the persist worker pruned
+    nothing before, and a long job filled its disk."""
+    root = tmp_path / "ckpt"
+    snaps = Snapshots(shm, 0, count=2)
+    try:
+        for step in (2, 4, 6):
+            index = snaps.take(_state(step), step)
+            snaps.persist(index, step, root=str(root), name="shard_k0_r0.safetensors",
+                          finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {},
+                                    "keep": 2})
+            snaps.wait(60)
+        assert snaps.errors == [] and CheckpointStore(root).steps() == [6, 4]
     finally:
         snaps.close()
 
@@ -417,7 +439,7 @@ def test_persist_worker_killed_mid_persist_is_restarted_and_nothing_partial_is_f
         # The next request starts a new worker, which serves it.
         index = snaps.take({"state": {"w": torch.zeros(4), "step": 2}, "history": {}}, 2)
         snaps.persist(index, 2, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": {}, "meta": {}})
+                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
         snaps.wait(60)
         assert snaps.worker.restarts == 1 and snaps.worker.pid != pid
         assert CheckpointStore(root).latest().step == 2

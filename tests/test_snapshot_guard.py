@@ -61,7 +61,8 @@ def test_crash_dump_reuses_the_snapshot_and_the_restart_loads_from_memory(job_ru
     assert r["final_state_sha256"] == fault_free, job
     # The dying gasp at step 6 was the snapshot already in memory, written out as is.
     dump = job.ckpt / "step_00000006"
-    assert sorted(p.name for p in dump.iterdir()) == ["manifest.json", "shard_k0_r0.safetensors"], job
+    assert sorted(p.name for p in dump.iterdir()) == ["manifest.json", "own_r0.bin", "own_r1.bin",
+                                                      "shard_k0_r0.safetensors"], job  # rank 1's own part carried
     assert [rec["strategy"] for rec in r["recoveries"]] == ["dump"], job
     # The restarted processes resumed from memory at the locked step.
     reports = _rank_reports(job)
@@ -95,14 +96,14 @@ def test_random_streams_of_every_rank_come_back_from_memory(job_runner, dropout_
 
 
 def test_random_streams_of_a_rank_that_saves_no_shard_come_back_from_storage(job_runner, dropout_free):
-    """Rank 0 saves the shard (with its own streams); rank 1 writes its
-    streams beside it, and takes them back when it resumes from storage."""
+    """Rank 0 saves the shard; every rank writes its own part (streams,
+    data position) beside it, and takes it back when it resumes from storage."""
     job = _job(job_runner, "dropout-storage", fault="crash:rank=1,step=7", strategies="exit",
                extra_args=["--max-restarts", "1"], env={**DROPOUT, "CORRUPT_ON_RESTART": "1"})
     assert job.rc == 0, job
     assert _rank_reports(job)[1]["snapshots"]["resumed_from"] == {"step": 4, "source": "storage"}, job
     manifest = json.loads((job.ckpt / "step_00000004" / "manifest.json").read_text())
-    assert sorted(manifest["files"]) == ["rng_r1.pt", "shard_k0_r0.safetensors"], manifest
+    assert sorted(manifest["files"]) == ["own_r0.bin", "own_r1.bin", "shard_k0_r0.safetensors"], manifest
     assert "random streams" not in job.log, job  # every rank found its own
     assert job.report["final_state_sha256"] == dropout_free, job
 

@@ -60,7 +60,9 @@ def test_lost_process_is_dumped_and_the_relaunch_resumes(job_runner, reference):
     (shard,) = manifest["layout"]["shards"]  # one healthy replica saved the one shard
     assert shard["saved_by"] in (0, 2, 3) and shard["full"]
     assert manifest["meta"]["finalised_by"] == shard["saved_by"]
-    assert first.log.count("finalised (1 files)") == 1, "the checkpoint must be finalised by exactly one rank"
+    # one shard and every rank's own part: the lost rank's carried by a survivor on its node
+    assert sorted(manifest["files"]) == ["own_r0.bin", "own_r1.bin", "own_r2.bin", "own_r3.bin", "shard_k0_r0.pt"]
+    assert first.log.count("finalised (5 files)") == 1, "the checkpoint must be finalised by exactly one rank"
 
     second = job_runner("crash", fault=fault, ckpt=first.ckpt)  # the same command again
     assert second.rc == 0, second

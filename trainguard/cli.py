@@ -2,6 +2,9 @@
 
 * ``trainguard run [torchrun flags] SCRIPT [ARGS]`` -- launch a protected job;
   ``trainguard run --framework mindspore [msrun flags] SCRIPT [ARGS]`` -- the same with msrun.
+* ``trainguard rehearse [--quick] [--json FILE] [--strategies LIST] [launcher flags] SCRIPT [ARGS]`` --
+  inject every kind of fault into your own script and check each run ends
+  bit-identical to a fault-free one (:mod:`trainguard.rehearse`).
 * ``trainguard status [--controller HOST:PORT]`` -- a running job's state.
 * ``trainguard ckpt list|verify DIR`` -- the checkpoints in a directory and
   whether each passes verification.
@@ -20,10 +23,12 @@ from typing import Sequence
 
 __all__ = ["main"]
 
-USAGE = """usage: trainguard {run,status,ckpt,slow-nodes} ...
+USAGE = """usage: trainguard {run,rehearse,status,ckpt,slow-nodes} ...
 
   run     launch a training script like torchrun, protected by trainguard
           (--framework mindspore: like msrun, with msrun's flags)
+  rehearse  run your script once per fault kind and check each ends bit-identical
+          to a fault-free run (--quick: one case per kind)
   status  show a running job's controller state
   ckpt    list or verify checkpoints in a directory
   slow-nodes  find slow ranks in a job's profiling records (table, JSON, plot)
@@ -54,7 +59,11 @@ def _ckpt(argv: Sequence[str]) -> int:
     p.add_argument("--layout", choices=["torch", "megatron"], default="torch")
     args = p.parse_args(argv)
     store = CheckpointStore(args.directory, TORCH if args.layout == "torch" else MEGATRON)
-    steps = store.steps()
+    try:
+        steps = store.steps()
+    except OSError as e:
+        print(f"cannot list {args.directory}: {e.strerror or e}")
+        return 1
     if not steps:
         print(f"no complete checkpoints in {args.directory}")
         return 1
@@ -131,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from trainguard.launcher.run import main as run_main
 
         return run_main(rest)
+    if command == "rehearse":
+        from trainguard.rehearse import main as rehearse_main
+
+        return rehearse_main(rest)
     if command == "status":
         return _status(rest)
     if command == "ckpt":

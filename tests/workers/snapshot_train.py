@@ -51,7 +51,7 @@ def main() -> None:
     model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
-    guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every, snapshot_every=1,
+    guard = Guard(model, opt, scheduler=sched, checkpoint_dir=ckpt, save_every=save_every, snapshot_every=1, keep=0,
                   snapshot_peer=os.environ.get("SNAPSHOT_PEER") == "1",
                   snapshot_shared=os.environ.get("SNAPSHOT_SHARED") == "1")
     step_sleep = float(os.environ.get("SNAP_STEP_SLEEP", "0"))

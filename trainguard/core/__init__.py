@@ -20,6 +20,7 @@ from .api import (
     ProtocolError,
     RankState,
     RecoveryError,
+    ResumeError,
     RunStatus,
     Severity,
     Strategy,
@@ -41,7 +42,7 @@ __all__ = [
     "EXIT_AFTER_DUMP", "EXIT_HUNG", "EXIT_UNRECOVERABLE", "CheckpointError", "CheckpointStore", "Classifier", "ConfigError",
     "Controller", "ControllerConfig", "ControllerLostError", "ControllerState", "DataStatus", "Fault",
     "FaultInjector", "FaultKind", "FaultSpec", "FileInfo", "ForceStop", "Handlers", "MEGATRON", "MINDSPORE", "Outcome",
-    "Plan", "Processor", "ProcessorConfig", "ProtocolError", "RankState", "RecoveryError", "ReplicaGroup",
+    "Plan", "Processor", "ProcessorConfig", "ProtocolError", "RankState", "RecoveryError", "ReplicaGroup", "ResumeError",
     "RunStatus", "Severity", "Strategy", "TORCH", "Transfer", "TrainguardError", "TransitionError",
     "check_env", "choose_savers", "choose_sources", "decide", "parse_strategies", "recover", "report_left_step",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "ProtocolError",
     "TransitionError",
     "RecoveryError",
+    "ResumeError",
     "ForceStop",
     "ControllerLostError",
     "CheckpointError",
@@ -249,6 +250,12 @@ class ControllerLostError(RecoveryError):
 
 class CheckpointError(TrainguardError, RuntimeError):
     """A checkpoint could not be written, verified or found."""
+
+
+class ResumeError(CheckpointError):
+    """A rank could not load the state the job resumes from: no rank trains
+    on (every rank raises it, naming the rank that failed) and nothing
+    newer is written; the checkpoint it tried stays as it was."""
 
 
 class ForceStop(TrainguardError, RuntimeError):

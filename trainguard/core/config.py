@@ -76,6 +76,8 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_COMPILE_CACHE": "directory of the job's compile cache (torch.compile, MindSpore graphs), reached by "
                                 "every rank and relaunch; 'off': none (default <checkpoint dir>/.trainguard/"
                                 "compile_cache)",
+    "TRAINGUARD_REHEARSAL_DIR": "set by `trainguard rehearse` for each run: the guards save checkpoints there and "
+                                "trace each step's fingerprints (do not set by hand)",
     "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
     "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",
     "TRAINGUARD_WATCHDOG": "'off' turns the in-process hang watchdog off (default on)",

@@ -110,6 +110,7 @@ class ControllerCore(Restarts, Phases):
         self._next_heartbeat_scan = 0.0
         #: Live slow-node detection (a :class:`~trainguard.core.profiling.live.LiveDetector`), when profiling is on.
         self.slow_nodes: Any = None
+        self.persist_failing: dict[int, dict] = {}  # rank -> its streak of saves that do not reach storage
 
     # ----------------------------------------------------------------- events
     def on_hello(self, hello: pb.Hello) -> None:
@@ -219,8 +220,19 @@ class ControllerCore(Restarts, Phases):
             for shard in self.episode.shards:
                 if shard.rank == rank:
                     shard.files.extend(written.get(shard.kind, []))
+            self.episode.own.extend(result.own)
         if not phase.waiting:
             self._next_phase()
+
+    def on_persist(self, rank: int, health: pb.PersistHealth) -> None:
+        """A rank's periodic saves stopped reaching storage, or reach it again:
+        only shown (``trainguard status``); training goes on."""
+        self._known(rank)
+        if health.failing:
+            self.persist_failing[rank] = {"since_step": health.since_step, "reason": health.reason,
+                                          "last_complete": health.last_complete if health.last_complete >= 0 else None}
+        else:
+            self.persist_failing.pop(rank, None)
 
     def on_goodbye(self, rank: int, status: pb.Status) -> None:
         r = self._known(rank)
@@ -359,7 +371,19 @@ class ControllerCore(Restarts, Phases):
                 "reason": self.episode.reason,
             },
             "slow_nodes": None if self.slow_nodes is None else self.slow_nodes.status(),
+            "persist": self._persist_view(),
         }
+
+    def _persist_view(self) -> dict | None:
+        """The ranks whose saves fail, and one line for the job (the earliest streak's)."""
+        if not self.persist_failing:
+            return None
+        rank, first = min(self.persist_failing.items(), key=lambda item: (item[1]["since_step"], item[0]))
+        complete = "none" if first["last_complete"] is None else f"step {first['last_complete']}"
+        return {"failing": f"persist failing since step {first['since_step']} on ranks "
+                           f"{sorted(self.persist_failing)[:16]}: {first['reason']}; last complete checkpoint: "
+                           f"{complete}",
+                "ranks": {str(r): v for r, v in sorted(self.persist_failing.items())}}
 
     # --------------------------------------------------------------- faults
     def _lose(self, r: Rank) -> None:
@@ -427,8 +451,9 @@ class ControllerCore(Restarts, Phases):
                                   self._wall(), layout=layout, tried=ep.tried)
             reason = f"scaling back up abandoned; {reason}"
         else:
+            missing = set(range(self.world_size)) - set(self.ranks) - self.dropped
             plan, reason = decide(view, ep.faults, self.config, self._wall(), layout=layout, tried=ep.tried,
-                                  agents=self.agents.view())
+                                  agents=self.agents.view(), missing=missing)
         ep.plan = plan
         ep.reason = f"{ep.reason}; then {reason}" if ep.reason else reason  # keep what failed before
         log.warning("decision: %s", reason)

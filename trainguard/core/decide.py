@@ -276,6 +276,7 @@ def decide(
     layout: Layout,
     tried: Iterable = (),
     agents: Agents | None = None,
+    missing: Iterable[int] = (),
 ) -> tuple[Plan, str]:
     """Choose the plan for a fault episode.
 
@@ -288,6 +289,10 @@ def decide(
         layout: each rank's replica groups.
         tried: strategies that already failed in this episode.
         agents: what the node agents can restart (none: no restarts).
+        missing: ranks of the world that never registered: the job has not
+            started (a rank failed while it started or resumed), so nothing
+            can be recovered -- the plan is ``exit``, and no rank saves a
+            state that would not cover them.
 
     Returns:
         ``(plan, reason)``; ``reason`` says why each earlier strategy was
@@ -306,6 +311,10 @@ def decide(
         bad=bad,
         agents=agents or Agents(),
     )
+    missing = sorted(missing)
+    if missing:
+        return plan_exit(view), (f"ranks {missing[:16]} never registered: the job had not started (a rank failed "
+                                 f"while it started or resumed), so no strategy applies and nothing is saved; exit")
     passed: list[str] = []
     for strategy in config.strategies:
         if strategy in view.tried:

@@ -69,6 +69,7 @@ class Episode:
     phases: list[Phase] = field(default_factory=list)
     record: RecoveryRecord | None = None
     shards: list = field(default_factory=list)  # pb.ShardFiles of a dump, filled as savers answer
+    own: list = field(default_factory=list)  # pb.FileInfo of every rank's own part in a dump
     join_store: str = ""  # where replacement processes rendezvous with the survivors
     started: set[int] = field(default_factory=set)  # ranks a replacement was started for
     starts: Starts | None = None

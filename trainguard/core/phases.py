@@ -48,19 +48,46 @@ class Phases:
                 self.episode.shards.append(pb.ShardFiles(kind=key.kind, copies=key.copies, rank=rank,
                                                          full=layout[rank][key.kind].is_full))
 
+            carry = self._carriers(plan)
+
             def finalize() -> dict[int, pb.Command]:
                 history = {"records": [self._record().to_dict()], "pids": {str(k): v for k, v in self._pids.items()}}
                 return {plan.finaliser: self._command(finalize=pb.Finalize(
-                    step=plan.step, shards=self.episode.shards, history_json=json.dumps(history)))}
+                    step=plan.step, shards=self.episode.shards, history_json=json.dumps(history),
+                    own=self.episode.own))}
 
-            return [
+            return [  # every participant saves its own part; the savers their shards too
                 Phase("save", cfg.save_timeout_s, lambda: {
-                    r: self._command(save=pb.Save(step=plan.step, kinds=k)) for r, k in kinds.items()}),
+                    r: self._command(save=pb.Save(step=plan.step, kinds=kinds.get(r, []), carry=carry.get(r, [])))
+                    for r in everyone}),
                 Phase("finalize", cfg.handler_timeout_s, finalize),
                 exit_phase,
             ]
         self._record()
         return [exit_phase]
+
+    def _carriers(self, plan: Plan) -> dict[int, list[int]]:
+        """For a dump: which participant writes each lost rank's own part
+        (its random streams and data position, recorded in its node agent's
+        memory): the lowest participant on the lost rank's host. A lost rank
+        with none there is named in the episode's reason: its own part is
+        gone, and the relaunch warns that it continues from its seed."""
+        by_host: dict[str, int] = {}
+        for rank in sorted(plan.participants):
+            by_host.setdefault(self.ranks[rank].host, rank)
+        carry: dict[int, list[int]] = {}
+        gone = []
+        for r in sorted(set(self.ranks) - set(plan.participants) - self.dropped):
+            carrier = by_host.get(self.ranks[r].host)
+            if carrier is None:
+                gone.append(r)
+            else:
+                carry.setdefault(carrier, []).append(r)
+        if gone:
+            log.warning("the random streams and data positions of ranks %s are lost with their hosts", gone[:16])
+            self.episode.reason += (f"; the random streams and data positions of ranks {gone[:16]} are lost with "
+                                    f"their hosts (no rank there survived)")
+        return carry
 
     def _repair_phases(self, plan: Plan) -> list[Phase]:
         """retry: clean, rebuild, repair, rollback, resume. With new

@@ -25,7 +25,7 @@ import random
 import socket
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import grpc
 
@@ -36,6 +36,9 @@ from .replicas import ReplicaGroup
 from .rpc import SERVICE, auth_metadata, client_channel, to_pb_status
 from .transitions import advance
 from .watchdog import Alarm, ProgressWatchdog, WatchdogConfig
+
+if TYPE_CHECKING:
+    from .snapshot.health import Failing
 
 __all__ = ["Processor"]
 
@@ -340,10 +343,19 @@ class Processor:
         self.run = RunStatus.STOPPED
         self._post(pb.RankMessage(stopped=self._status()))
 
+    def report_persist(self, failing: Failing | None) -> None:
+        """Tell the controller this rank's periodic saves stopped reaching
+        storage (``None``: they reach it again), for ``trainguard status``."""
+        health = pb.PersistHealth() if failing is None else pb.PersistHealth(
+            failing=True, since_step=failing.since, reason=failing.reason[:2000],
+            last_complete=-1 if failing.last_complete is None else failing.last_complete)
+        self._post(pb.RankMessage(persist=health))
+
     def send_result(self, cmd: pb.Command, *, ok: bool, code: int = 0, message: str = "",
-                    shards: Sequence[pb.ShardFiles] = ()) -> None:
+                    shards: Sequence[pb.ShardFiles] = (), own: Sequence[pb.FileInfo] = ()) -> None:
         self._post(pb.RankMessage(result=pb.CommandResult(
-            command_id=cmd.id, ok=ok, code=code, message=message[:2000], status=self._status(), shards=shards)))
+            command_id=cmd.id, ok=ok, code=code, message=message[:2000], status=self._status(), shards=shards,
+            own=own)))
 
     def next_command(self, timeout: float | None = None) -> pb.Command | None:
         """The next command for the training thread (``None`` on timeout).

@@ -60,10 +60,20 @@ class Handlers(abc.ABC):
         """Write this rank's copy of its ``kind`` state (0 dense, 1 experts)
         at ``step`` under the checkpoint's temporary name; return the files."""
 
+    def save_own(self, step: int, carry: Sequence[int]) -> Sequence[FileInfo]:
+        """Write this rank's own part of the state at ``step`` (what its
+        replicas do not share: random streams, data position) and that of
+        each lost rank in ``carry``, from the record it left on this node
+        (:mod:`trainguard.core.snapshot.own`); return the files. None by
+        default: a framework whose replicas share everything."""
+        return []
+
     @abc.abstractmethod
-    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
-        """Verify every shard's files, write the manifest, rename the
-        checkpoint to its final name and update the tracker."""
+    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict,
+                 own: Sequence[FileInfo] = ()) -> None:
+        """Verify every shard's files and the ``own`` part files, write the
+        manifest, rename the checkpoint to its final name and update the
+        tracker."""
 
     def resumed(self, step: int, record: dict, pids: dict | None = None, replicas: int = 0) -> None:
         """Training continues at ``step`` (``record`` describes the recovery;
@@ -132,7 +142,8 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
                 injector.strike("recovery", processor.step)
             code, shards = _execute(handlers, action, cmd, processor.world_size)
             processor.send_result(cmd, ok=code != CLEAN_FAILED, code=code,
-                                  message="clean failed" if code == CLEAN_FAILED else "", shards=shards)
+                                  message="clean failed" if code == CLEAN_FAILED else "", shards=shards[0],
+                                  own=shards[1])
         except ForceStop as e:
             processor.send_result(cmd, ok=False, message=str(e))
         except Exception as e:
@@ -141,10 +152,16 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
         processor.run = RunStatus.STOPPED
 
 
+def _files(files: Sequence[FileInfo]) -> list[pb.FileInfo]:
+    return [pb.FileInfo(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]
+
+
 def _execute(handlers: Handlers, action: str, cmd: pb.Command,
-             world_size: int) -> tuple[int, list[pb.ShardFiles]]:
+             world_size: int) -> tuple[int, tuple[list[pb.ShardFiles], list[pb.FileInfo]]]:
+    """Carry out one command; returns the clean code (else 0) and, for a
+    save, the shards and own-part files written."""
     if action == "clean":
-        return handlers.clean(cmd.clean.uce), []
+        return handlers.clean(cmd.clean.uce), ([], [])
     if action == "rebuild":
         excluded = set(cmd.rebuild.excluded)
         handlers.rebuild(cmd.rebuild.generation, [r for r in range(world_size) if r not in excluded],
@@ -154,18 +171,17 @@ def _execute(handlers: Handlers, action: str, cmd: pb.Command,
     elif action == "rollback":
         handlers.rollback(cmd.rollback.step)
     elif action == "save":
-        written = []
-        for kind in cmd.save.kinds:
-            files = handlers.save(cmd.save.step, kind)
-            written.append(pb.ShardFiles(kind=kind, files=[
-                pb.FileInfo(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]))
-        return 0, written
+        written = [pb.ShardFiles(kind=kind, files=_files(handlers.save(cmd.save.step, kind)))
+                   for kind in cmd.save.kinds]
+        return 0, (written, _files(handlers.save_own(cmd.save.step, list(cmd.save.carry))))
     elif action == "finalize":
         shards = [SavedShard(kind=s.kind, copies=tuple(s.copies), full=s.full, rank=s.rank,
                              files=tuple(FileInfo(f.name, f.bytes, f.sha256) for f in s.files))
                   for s in cmd.finalize.shards]
         history = json.loads(cmd.finalize.history_json) if cmd.finalize.history_json else {}
-        handlers.finalize(cmd.finalize.step, shards, history)
+        own = [FileInfo(f.name, f.bytes, f.sha256) for f in cmd.finalize.own]
+        # Handlers of a framework with no own parts may not take them.
+        handlers.finalize(cmd.finalize.step, shards, history, **({"own": own} if own else {}))
     else:
         raise ValueError(f"unknown command {action!r}")
-    return 0, []
+    return 0, ([], [])

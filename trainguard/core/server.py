@@ -284,6 +284,8 @@ class _Service:
             core.on_result(rank, msg.result)
         elif body == "goodbye":
             core.on_goodbye(rank, msg.goodbye.status)
+        elif body == "persist":
+            core.on_persist(rank, msg.persist)
 
     async def report_process_exit(self, request, context) -> pb.Ack:
         await self._authorize(context)

@@ -246,7 +246,17 @@ class TrainguardAgent(LocalElasticAgent):
         self._frozen.last_poll = time.time()
         if not failed:
             self._failed_at = None
-        if running or (failed and self._handling_fault()):
+        state = self._controller_state() if failed else None
+        if failed and state == "INIT" and running:
+            # A rank failed before every rank registered (while starting or
+            # resuming): nothing can be recovered in place, and the others
+            # may wait for it in a collective for good. End the round now, as
+            # torchrun does (its --max-restarts relaunches it).
+            if self._failed_at is None:
+                log.error("rank %s failed before every rank had registered with the controller (while starting "
+                          "or resuming); ending ranks %s", sorted(failed)[:16], running[:16])
+            return super()._monitor_workers(worker_group)
+        if running or (failed and state in _HANDLING):
             # Not torch's poll while anything runs: it ends every worker at the
             # first failure, and a failed rank may be restarted alone. Nor
             # when every rank here failed while the controller handles it: its
@@ -265,13 +275,12 @@ class TrainguardAgent(LocalElasticAgent):
                           now - self._failed_at)
         return super()._monitor_workers(worker_group)
 
-    def _handling_fault(self) -> bool:
-        """Whether the job's controller is between a fault and its outcome."""
+    def _controller_state(self) -> str | None:
+        """The job's controller state (``None``: it is gone and gives no more orders)."""
         try:
-            state = (self.controller.snapshot() if self.controller is not None else self._client.status())["state"]
-        except Exception:  # a controller that is gone gives no more orders
-            return False
-        return state in _HANDLING
+            return (self.controller.snapshot() if self.controller is not None else self._client.status())["state"]
+        except Exception:  # noqa: BLE001 - any failure to reach it means the same
+            return None
 
     def _exit_barrier(self) -> None:
         """torch's wait for every node's agent at the end. A node agent the

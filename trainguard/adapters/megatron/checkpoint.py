@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from trainguard.core import CheckpointError, CheckpointStore
 from trainguard.core.checkpoint import MEGATRON, FileInfo, SavedShard, Verified
+from trainguard.core.resume import resume
 
 from .kinds import DENSE, EXPERT, shard_of, shard_state, sharded_kinds
 from .layout import ParallelRank, parallel_rank
@@ -161,25 +162,36 @@ def save(store: CheckpointStore, step: int, model: Any, optimizer: Any, schedule
 
 def load(store: CheckpointStore, model: Any, optimizer: Any, scheduler: Any, *,
          device: torch.device | str = "cpu") -> tuple[int, dict]:
-    """Load the newest complete checkpoint into the objects; every rank must
-    find the same one. Returns ``(iteration, history)``, ``(0, {})`` when
-    there is none.
+    """Load the newest complete checkpoint every rank can load into the
+    objects (a collective, :func:`trainguard.core.resume.resume`: one whose
+    file of some rank does not load gives way to an older one). Returns
+    ``(iteration, history)``, ``(0, {})`` when there is none.
 
     Raises:
-        CheckpointError: ranks disagree, this rank's file is missing, or it
-            does not fit the objects.
+        CheckpointError: the ranks share no checkpoint.
+        ResumeError: a rank's state did not fit its objects (on every rank).
     """
-    found = store.latest()
-    step = found.step if found is not None else 0
-    if dist.is_initialized():
-        steps: list = [None] * dist.get_world_size()
-        dist.all_gather_object(steps, step)
-        if len(set(steps)) != 1:
-            raise CheckpointError(f"ranks disagree on the newest complete checkpoint: {steps}")
-    if found is None:
+    found: list[Verified | None] = [None]
+
+    def newest(dropped: set[int]) -> Verified | None:
+        found[0] = store.latest(exclude=dropped)
+        return found[0]
+
+    def never(*_: Any) -> None:  # no snapshots here
+        raise RuntimeError("no memory to load from")
+    step = resume({}, newest, gather=_gather, outcomes=_gather, rank=dist.get_rank() if dist.is_initialized() else 0,
+                  load_memory=never, load_stored=lambda f: load_found(f, model, optimizer, scheduler, device=device))
+    if not step:
         return 0, {}
-    load_found(found, model, optimizer, scheduler, device=device)
-    return found.step, found.manifest.get("meta", {}).get("history", {})
+    return step, found[0].manifest.get("meta", {}).get("history", {})
+
+
+def _gather(value: Any) -> list:
+    if not dist.is_initialized():
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _read_pt(path: Any, device: Any) -> dict:

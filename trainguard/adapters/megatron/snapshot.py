@@ -41,7 +41,8 @@ from trainguard.adapters.torch.snapshot import Snapshots, destinations, filled, 
 from trainguard.core import CheckpointError, CheckpointStore
 from trainguard.core.checkpoint import FileInfo
 from trainguard.core.snapshot import SnapshotDir
-from trainguard.core.snapshot.ring import load_verified, resume
+from trainguard.core.resume import resume
+from trainguard.core.snapshot.ring import load_verified
 
 from . import checkpoint as ckpt
 from .kinds import EXPERT, distributed, mains, shard_of, shard_state, sharded_kinds
@@ -285,8 +286,13 @@ class MegatronSnapshots(Snapshots):
         Raises:
             CheckpointError: the ranks share no step, or it does not fit.
         """
-        found = store.latest()
+        found = None
         loaded: dict = {}
+
+        def newest(dropped: set[int]):
+            nonlocal found
+            found = store.latest(exclude=dropped)
+            return found
 
         def from_memory(step: int, slot, source: str) -> None:
             into = _places(model, optimizer)  # filled once the checksum passed: no second copy of the model
@@ -297,15 +303,13 @@ class MegatronSnapshots(Snapshots):
                 else None
             loaded.update(history=stored or held["history"], source=source, where=slot.path)
 
-        def from_storage() -> int:
-            ckpt.load_found(found, model, optimizer, scheduler, device=device)
-            loaded.update(history=found.manifest.get("meta", {}).get("history", {}), source="storage",
-                          where=found.path)
-            return found.step
+        def from_storage(stored) -> None:
+            ckpt.load_found(stored, model, optimizer, scheduler, device=device)
+            loaded.update(history=stored.manifest.get("meta", {}).get("history", {}), source="storage",
+                          where=stored.path)
 
-        step = resume(self.available(verify=False), found.step if found is not None else None,
-                      gather=_all_gather, agree=lambda ok: all(_all_gather(ok)),
-                      load_memory=from_memory, load_stored=from_storage)
+        step = resume(self.available(verify=False), newest, gather=_all_gather, outcomes=_all_gather,
+                      rank=self.rank, load_memory=from_memory, load_stored=from_storage)
         if not step:
             return 0, {}
         self.resumed_from = {"step": step, "source": loaded["source"]}

@@ -30,7 +30,8 @@ from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import Verified
 from trainguard.core.history import JobHistory
 from trainguard.core.snapshot import Entry, SnapshotDir, SnapshotRing, payload_header
-from trainguard.core.snapshot.ring import FORMAT, check_settings, directory_for, load_verified, resume
+from trainguard.core.resume import resume
+from trainguard.core.snapshot.ring import FORMAT, check_settings, directory_for, load_verified
 from trainguard.core.snapshot.shared import Sharing, with_holders
 
 from .handlers import load_checkpoint, shard_name
@@ -178,6 +179,8 @@ class Checkpoints(JobHistory):
         lowest rank of each shard writes it and finalises)."""
         if self.store is None:
             raise ConfigError("no checkpoint_dir was given to the Guard")
+        if self.rehearsal is not None:
+            self.rehearsal.saved(self._step)
         self.injector.strike("save", self._step)
         copies = self.groups[0].copies(self.rank)
         if self.snapshots is not None:
@@ -206,13 +209,22 @@ class Checkpoints(JobHistory):
         memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
         if memory and self.sharing.enabled:
             memory, self._dense = with_holders(memory, self.snapshots.replica_slots)
-        found = self.store.latest() if self.store is not None else None
+        found: list[Verified | None] = [None]  # the newest sound checkpoint (a dying gasp's history is newer)
+
+        def newest(dropped: set[int]) -> Verified | None:
+            found[0] = self.store.latest(exclude=dropped) if self.store is not None else None
+            return found[0]
+        def from_memory(step: int, slot, source: str) -> None:
+            self.injector.strike("resume", step)
+            self._load_memory(step, slot, source, found[0])
+
+        def from_storage(stored: Verified) -> None:
+            self.injector.strike("resume", stored.step)
+            self._load_stored(stored)
         try:
-            return resume(memory, found.step if found is not None else None,
-                          gather=lambda steps: _gather_lists(self, steps),
-                          agree=lambda ok: min(self.all_gather_ints([int(ok)])) == 1,
-                          load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found),
-                          load_stored=lambda: self._load_stored(found))
+            return resume(memory, newest, gather=lambda steps: _gather_lists(self, steps),
+                          outcomes=lambda code: self.all_gather_ints([code]), rank=self.rank,
+                          load_memory=from_memory, load_stored=from_storage)
         finally:
             for slot in self._dense.values():
                 slot.close()

@@ -66,6 +66,8 @@ from trainguard.core import (
 from trainguard.core import logs
 from trainguard.core.compile_cache import resolve_root
 from trainguard.core.history import Protected
+from trainguard.core.preflight import check_checkpoint_dir
+from trainguard.core.rehearsal import Rehearsal
 from trainguard.core.profiling import recorder_from_env
 
 from . import context
@@ -122,7 +124,8 @@ class Guard(Collectives, Checkpoints):
 
     Raises:
         ConfigError: graph mode without ``compiled_step`` (a hand-written
-            loop), or a ``backward`` fault to inject in graph mode.
+            loop), a ``backward`` fault to inject in graph mode (any rank's),
+            a ``stall`` fault, or a ``checkpoint_dir`` that cannot be written.
     """
 
     def __init__(
@@ -158,6 +161,9 @@ class Guard(Collectives, Checkpoints):
             raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
         self.rank, self.world_size = context.rank_and_size()
         logs.setup(f"rank {self.rank}")
+        self.rehearsal = Rehearsal.from_env(self.rank)
+        if self.rehearsal is not None and checkpoint_dir is not None:
+            checkpoint_dir = self.rehearsal.checkpoint_dir(checkpoint_dir)
         self.optimizer = optimizer if isinstance(optimizer, OptTFTWrapper) else OptTFTWrapper(optimizer)
         if self.optimizer.guard is not None:
             raise ConfigError("this optimizer wrapper already belongs to another Guard")
@@ -168,6 +174,18 @@ class Guard(Collectives, Checkpoints):
             network, network.get_parameters(), rank=self.rank, world_size=self.world_size, extra=compile_cache_key)
             if cache_root else {}, warn=self.rank == 0, owner=f"rank {self.rank}")
         self.groups = tuple(replicas) if replicas else (context.data_parallel_group(self.world_size),)
+        # Checked alike on every rank before its first collective: none waits for a rank that refused.
+        log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else \
+            self.rehearsal.fault_log() if self.rehearsal is not None else None  # a fault strikes once per job
+        self.injector = injector or FaultInjector.from_env(self.rank, world_size=self.world_size, log_path=log_path)
+        if self._graph:
+            self.injector.refuse("a backward or reduce fault cannot be injected in graph mode: forward, backward and "
+                                 "the update are one compiled graph (inject phase=forward or phase=optimizer)",
+                                 phases=("backward", "reduce"))
+        self.injector.refuse("the MindSpore Guard cannot black-hole a rank's collectives (inject hang or stop)",
+                             kinds=("stall",))
+        if checkpoint_dir is not None:
+            check_checkpoint_dir(checkpoint_dir)
         self.store = CheckpointStore(checkpoint_dir, MINDSPORE, keep=keep) if checkpoint_dir is not None else None
         self.save_every, self.steps_per_epoch = save_every, steps_per_epoch
         self.classifier = classifier or context.classifier()
@@ -201,17 +219,12 @@ class Guard(Collectives, Checkpoints):
         self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_shared)
         self._step = self._load()
         self.state.commit(self._step)
-        log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
-        self.injector = injector or FaultInjector.from_env(self.rank, log_path=log_path)
         self.processor = processor or self._connect()
         # Graph mode: the compiled step holds the collectives; waiting in it for a peer is not a hang of ours.
         self.processor.watchdog.in_collective = lambda: self._in_collective or self._phase == _IN_GRAPH
         self._hooks = []
         if self._graph:
             self.optimizer.compile_vote(self.world_size)
-            if self.injector.wants("backward") or self.injector.wants("reduce"):
-                raise ConfigError("a backward or reduce fault cannot be injected in graph mode: forward, backward "
-                                  "and the update are one compiled graph (inject phase=forward or phase=optimizer)")
         elif self.injector.wants("forward"):
             self._hooks.append(network.register_forward_pre_hook(
                 lambda cell, inputs: self.injector.strike("forward", self._step)))
@@ -358,6 +371,8 @@ class Guard(Collectives, Checkpoints):
         self._step += 1
         self._phase = _COMPUTE
         self.state.commit(self._step)
+        if self.rehearsal is not None:  # MindSpore's replicas share their streams: the model tells all
+            self.rehearsal.step(self._step, {"model": self.state.sha256()})
         self.compile_cache.after_step()
         self.injector.after_step(self._step, time.perf_counter() - self._step_started)
         if self.save_every and self._step % self.save_every == 0:
@@ -386,6 +401,11 @@ class Guard(Collectives, Checkpoints):
 
     def close(self, *, finished: bool = True) -> None:
         """Say goodbye to the controller and detach from the optimizer."""
+        if self.rehearsal is not None:
+            if finished:
+                self.rehearsal.final({**self.report(), "data_given": False})
+            self.rehearsal.close()
+            self.rehearsal = None
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -395,6 +415,7 @@ class Guard(Collectives, Checkpoints):
         if self._markers is not None:
             self._markers.close()
             self._markers = None
+        self.processor.watchdog.disarm()  # waiting for the last persists is not a hung step
         self.close_snapshots(wait_s=float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800")) if finished else 0.0)
         self.processor.close(finished=finished)
         self.compile_cache.close()

@@ -140,7 +140,8 @@ class MindSporeHandlers(Handlers):
         return g.store.write_path(step, shard_name(g.rank, step, g.steps_per_epoch),
                                   lambda path: ms.save_checkpoint(params, str(path), append_dict=extra))
 
-    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
+    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict,
+                 own: Sequence[FileInfo] = ()) -> None:
         g = self.guard
         if g.save_fn is not None:
             log.info("step %d was saved by the user's save function: nothing to rename", step)

@@ -13,9 +13,13 @@ update) and periodic saves become asynchronous: the persist worker writes
 the snapshot of a save step while training goes on. At start, every rank
 lists the steps it can load (its verified snapshots in this node's memory,
 the newest complete checkpoint on storage); all resume at the newest step
-every rank has, from memory where they can. Each rank's RNG streams travel
-with its snapshot, its shard, or (a rank that saves no shard) its own
-``rng_r<rank>.pt`` of a periodic save. With ``snapshot_shared``, the
+every rank has, from memory where they can (:mod:`trainguard.core.resume`:
+a rank that cannot load stops every rank). Each rank's own part -- random
+streams and data position, which replicas do not share -- travels with its
+snapshot and, in every checkpoint, as ``own_r<rank>.bin``; it is also
+recorded in the node agent's memory at every update, so a dying gasp
+carries a lost rank's and a restarted process takes its own back
+(:mod:`.own`, :mod:`trainguard.core.snapshot.own`). With ``snapshot_shared``, the
 replicas on a node share one snapshot of their state
 (:mod:`trainguard.core.snapshot.shared`).
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from typing import Sequence
 
 import torch
@@ -32,13 +37,16 @@ import torch
 from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified, shard_file
 from trainguard.core.history import JobHistory
-from trainguard.core.snapshot.persist import write_record
-from trainguard.core.snapshot.ring import check_settings, directory_for, load_verified, resume
+from trainguard.core.resume import resume
+from trainguard.core.snapshot.health import PersistHealth
+from trainguard.core.snapshot.ring import check_settings, directory_for, load_verified
+from trainguard.core.snapshot.own import OwnRecords, read_own
 from trainguard.core.snapshot.shared import Sharing, local_ranks, with_holders
 
 from .handlers import read_shard, shard_name
+from .own import own_file, pack, unpack
 from .process_group import job_namespace
-from .snapshot import Snapshots, destinations, filled, read_payload_into
+from .snapshot import Snapshots, destinations, filled, on_device, read_payload_into
 
 __all__ = ["Checkpoints"]
 
@@ -70,6 +78,7 @@ class Checkpoints(JobHistory):
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
         self.snapshot_shared, self.sharing = shared, Sharing(self.rank, every, shared, local_ranks())
         self._dense: dict = {}  # at load: step -> the holder's slot of an own-part snapshot
+        self._save_health = PersistHealth(self.rank)  # synchronous saves' (the ring has its own)
         if not every:
             return
         address = os.environ.get("TRAINGUARD_SNAPSHOT_PEER") if peer else None
@@ -83,7 +92,7 @@ class Checkpoints(JobHistory):
         """The snapshot of ``step``: the committed state, or with a
         ``holder`` other than this rank only this rank's own part."""
         if holder is not None and holder != self.rank:
-            return {"state": {"rng": self.state.committed_rng(), "step": step}, "history": self.merged_history({})}
+            return {"state": {**self.state.committed_own(), "step": step}, "history": self.merged_history({})}
         state = self.state.committed_state_dict()
         state["step"] = step
         return {"state": state, "history": self.merged_history({})}
@@ -129,6 +138,26 @@ class Checkpoints(JobHistory):
         return {"snapshots": {**self.snapshots.report(self.resumed_from),
                               **self.sharing.report(self.snapshot_holder())}}
 
+    # ------------------------------------------------------------ own part
+    def setup_own_records(self) -> None:
+        """Record this rank's own part in the node agent's memory at every
+        update (:mod:`trainguard.core.snapshot.own`); none without an agent."""
+        directory = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+        self.own_records = OwnRecords(directory, self.rank) if directory else None
+
+    def record_own(self, step: int, own: dict) -> None:
+        if self.own_records is not None:
+            self.own_records.write(step, pack(own))
+
+    def recorded_own(self, rank: int, step: int) -> bytes | None:
+        """``rank``'s own part at ``step`` as recorded on this node, or ``None``."""
+        directory = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+        return read_own(directory, rank, step) if directory else None
+
+    def write_own(self, step: int, rank: int, data: bytes) -> FileInfo:
+        """``rank``'s own part (packed) as a file of ``step``'s checkpoint."""
+        return self.store.write(step, own_file(rank), lambda f: f.write(data))
+
     # ------------------------------------------------------------ saves
     def write_shard(self, step: int):
         """Write this rank's committed dense state at ``step`` (temporary
@@ -154,12 +183,6 @@ class Checkpoints(JobHistory):
         state["step"] = step
         return self.store.write(step, shard_name(copies), lambda f: torch.save(state, f))
 
-    def write_rng(self, step: int) -> FileInfo:
-        """This rank's RNG streams at ``step`` as a file of its checkpoint
-        (written by the ranks that save no shard: a shard holds its saver's)."""
-        rng = self.state.committed_rng()
-        return self.store.write(step, rng_file(self.rank), lambda f: torch.save(rng, f))
-
     def finalize_checkpoint(self, step: int, shards: Sequence[SavedShard], history: dict,
                             extra: Sequence[FileInfo] = ()) -> None:
         self.store.finalize(
@@ -174,12 +197,18 @@ class Checkpoints(JobHistory):
         """
         if self.store is None:
             raise CheckpointError("no checkpoint_dir was given to the Guard")
+        # A store that fails does not stop training: the save tells `health` (one warning per streak of
+        # failed saves; the controller hears of it, for `trainguard status`) and the next save is the retry.
+        health = self.snapshots.health if self.snapshots is not None else self._save_health
+        health.tell = self.processor.report_persist
+        if self.rehearsal is not None:
+            self.rehearsal.saved(self._step)
         with self.section("checkpoint"):
             self.injector.strike("save", self._step)
             if self.snapshots is not None:
                 self._save_async()
             else:
-                self._save()
+                self._save(health)
 
     def _save_async(self) -> None:
         """Snapshot (unless memory holds this step already) and let the
@@ -193,19 +222,16 @@ class Checkpoints(JobHistory):
             index = self.take_snapshot(step, wait_s=self.save_timeout_s, background=True, whole=saver)
         if index is None:
             raise CheckpointError(f"rank {self.rank}: no snapshot slot came free to save step {step}")
+        # every rank's own part (random streams, data position): the shard holds its saver's only
+        self.snapshots.write_beside(self.store, step, own_file(self.rank),
+                                    lambda: self.write_own(step, self.rank, pack(self.state.committed_own())),
+                                    whole=not saver)
         if not saver:
-            try:
-                written = self.write_rng(step)
-            except CheckpointError as e:  # as a persist that fails: reported, training goes on
-                self.snapshots.errors.append(f"step {step}: {e}")
-                log.error("rank %d: %s", self.rank, e)
-                written = FileInfo(rng_file(self.rank), -1, "")
-            write_record(self.store, step, written)
             return
         finalize = None
         if self.rank == members[0]:
             finalize = {"expected": [shard_file(0, c, ".safetensors") for c in savers.values()] +
-                                    [rng_file(r) for r in members if r not in savers],
+                                    [own_file(r) for r in members],
                         "timeout_s": self.save_timeout_s, "keep": self.store.keep,
                         "layout": {"world_size": self.world_size, "shards": [
                             {"kind": 0, "copies": list(c), "full": group.replica_cnt == len(group.rank_list),
@@ -215,24 +241,39 @@ class Checkpoints(JobHistory):
         self.snapshots.persist(index, step, root=str(self.store.root),
                                name=shard_file(0, savers[self.rank], ".safetensors"), finalize=finalize)
 
-    def _save(self) -> None:
+    def _save(self, health: PersistHealth) -> None:
+        """Every rank writes its part and all learn, in one all-gather, whether
+        each did; rank 0 finalises. A failed save is told to ``health`` and
+        rank 0 removes its temporary directory; training goes on."""
         step, group = self._step, self.groups[0]
         members = self.process_group.members  # fewer than the world while elastic training dropped ranks
         copies = group.copies(self.rank)
-        mine = None
-        if self.rank == min(c for c in copies if c in members):
-            info = self.write_shard(step)
-            mine = {"copies": copies, "full": group.replica_cnt == len(group.rank_list),
-                    "file": [info.name, info.bytes, info.sha256]}
-        else:
-            info = self.write_rng(step)
-            mine = {"rng": [info.name, info.bytes, info.sha256]}
+        try:
+            own = self.write_own(step, self.rank, pack(self.state.committed_own()))
+            mine = {"own": [own.name, own.bytes, own.sha256]}
+            if self.rank == min(c for c in copies if c in members):
+                info = self.write_shard(step)
+                mine.update(copies=copies, full=group.replica_cnt == len(group.rank_list), saver=self.rank,
+                            file=[info.name, info.bytes, info.sha256])
+        except CheckpointError as e:  # into the all-gather: a rank that left it would stall the others
+            mine = {"failed": str(e)}
         every = self.process_group.all_gather_json(mine, self.device.torch_device)
-        if self.rank == members[0]:
-            saved = [SavedShard(kind=0, copies=tuple(s["copies"]), full=s["full"], rank=min(s["copies"]),
+        failed = [s["failed"] for s in every if "failed" in s]
+        if self.rank == members[0] and not failed:
+            saved = [SavedShard(kind=0, copies=tuple(s["copies"]), full=s["full"], rank=s["saver"],
                                 files=(FileInfo(*s["file"]),)) for s in every if "file" in s]
-            self.finalize_checkpoint(step, saved, self.merged_history({}),
-                                     extra=[FileInfo(*s["rng"]) for s in every if "rng" in s])
+            try:
+                self.finalize_checkpoint(step, saved, self.merged_history({}),
+                                         extra=[FileInfo(*s["own"]) for s in every])
+            except CheckpointError as e:
+                failed = [str(e)]
+        if not failed:
+            health.saved(step, final=self.rank == members[0])
+            return
+        if self.rank == members[0]:  # every rank is past its writes: nothing of this step is needed
+            shutil.rmtree(self.store.tmp_path(step), ignore_errors=True)
+        health.failed(step, mine.get("failed", failed[0]),
+                      self.store.tracked_step() if health.failing is None else None)
 
     def _load(self) -> int:
         """Load the newest step every rank can load -- from this node's
@@ -241,14 +282,22 @@ class Checkpoints(JobHistory):
         memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
         if memory and self.snapshot_shared:
             memory, self._dense = with_holders(memory, self.snapshots.replica_slots)
-        found = self.store.latest() if self.store is not None else None
-        device = self.device.torch_device
+        found: list[Verified | None] = [None]  # the newest sound checkpoint (a dying gasp's history is newer)
+
+        def newest(dropped: set[int]) -> Verified | None:
+            found[0] = self.store.latest(exclude=dropped) if self.store is not None else None
+            return found[0]
+        gather = lambda value: self.process_group.all_gather_json(value, self.device.torch_device)  # noqa: E731
+        def from_memory(step: int, slot, source: str) -> None:
+            self.injector.strike("resume", step)
+            self._load_memory(step, slot, source, found[0])
+
+        def from_storage(stored: Verified) -> None:
+            self.injector.strike("resume", stored.step)
+            self._load_stored(stored)
         try:
-            return resume(memory, found.step if found is not None else None,
-                          gather=lambda steps: self.process_group.all_gather_json(steps, device),
-                          agree=lambda ok: all(self.process_group.all_gather_json(ok, device)),
-                          load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found),
-                          load_stored=lambda: self._load_stored(found))
+            return resume(memory, newest, gather=gather, outcomes=gather, rank=self.rank, load_memory=from_memory,
+                          load_stored=from_storage)
         finally:
             for slot in self._dense.values():
                 slot.close()
@@ -260,9 +309,12 @@ class Checkpoints(JobHistory):
         read = lambda payload: read_payload_into(payload, self.device.torch_device, into)  # noqa: E731
         held = load_verified(slot, read, filled)[1]
         state, holder = held["state"], self._dense.pop(step, None)
+        own = None
         if holder is not None:  # this rank's own part: the rest is in its holder's snapshot of the step
-            state = {**load_verified(holder, read, filled)[1]["state"], "rng": state.get("rng", {})}
+            state, own = load_verified(holder, read, filled)[1]["state"], state
         self.state.load_state_dict(state)
+        if own is not None:
+            self.state.load_own(own)
         # A dying-gasp checkpoint of the same step knows of the fault
         # that stopped the job; the snapshot was taken before it.
         stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
@@ -280,20 +332,25 @@ class Checkpoints(JobHistory):
                                   f"(saved with world size {found.manifest.get('layout', {}).get('world_size')})")
         path = found.file(mine["files"][0])
         state = read_stored_snapshot(path, self.device.torch_device) if path.suffix == ".safetensors" else \
-            read_shard(path, self.device.torch_device)
-        own = rng_file(self.rank)
-        if str(self.rank) not in state.get("rng", {}) and own in found.manifest.get("files", {}):
+            read_shard(path)
+        files, own = found.manifest.get("files", {}), None
+        if own_file(self.rank) in files:  # this rank's streams and data position (the shard holds its saver's)
+            own = unpack(found.file(own_file(self.rank)).read_bytes(), str(found.file(own_file(self.rank))))
+        elif str(self.rank) not in state.get("rng", {}) and rng_file(self.rank) in files:  # before own files
             try:
-                state.setdefault("rng", {}).update(torch.load(found.file(own), weights_only=True))
+                state.setdefault("rng", {}).update(torch.load(found.file(rng_file(self.rank)), weights_only=True))
             except Exception as e:  # noqa: BLE001 - torch.load raises many kinds; the file passed its checksum
-                raise CheckpointError(f"{found.file(own)} is not a readable RNG file: {e}") from None
+                raise CheckpointError(f"{found.file(rng_file(self.rank))} is not a readable RNG file: {e}") from None
         self.state.load_state_dict(state)
+        if own is not None:
+            self.state.load_own(own)
         self.history = found.manifest.get("meta", {}).get("history", self.history)
         self.resumed_from = {"step": found.step, "source": "storage"}
         log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
         if not self.state.rng_loaded:
-            log.warning("rank %d: %s holds no random streams of this rank (a dying gasp saves its savers' only): "
-                        "they go on as this process seeded them", self.rank, found.path.name)
+            log.warning("rank %d: %s holds no random streams or data position of this rank (it was lost with its "
+                        "host): they go on as this process seeded them, so the job is no longer bit-identical to "
+                        "a fault-free run", self.rank, found.path.name)
         return found.step
 
 
@@ -310,18 +367,20 @@ def snapshot_overlap() -> bool:
 
 
 def rng_file(rank: int) -> str:
-    """The file of a checkpoint holding the RNG streams of ``rank`` (a rank that saves no shard)."""
+    """The file of a checkpoint holding the RNG streams of ``rank`` (a rank that saved no shard), before
+    checkpoints held every rank's own part (:func:`.own.own_file`); still read."""
     return f"rng_r{rank}.pt"
 
 
 def read_stored_snapshot(path, device: torch.device) -> dict:
     """The state in a persisted snapshot, read with the safetensors library."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
     try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = json.loads(f.metadata()["trainguard"])
-            tensors = [f.get_tensor(name) for name in meta["names"]]
+            tensors = [f.get_tensor(name).to(device) if on_device(name) else f.get_tensor(name)
+                       for name in meta["names"]]
         from .state import unflatten
         return unflatten(meta["skeleton"], tensors)["state"]
-    except (SafetensorError, OSError, KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{path} is not a readable trainguard snapshot: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a file that passed its checksum and does not parse is corrupt
+        raise CheckpointError(f"{path} is not a readable trainguard snapshot: {type(e).__name__}: {e}") from None

@@ -57,7 +57,9 @@ from trainguard.core import (
 from trainguard.core import logs
 from trainguard.core.compile_cache import resolve_root
 from trainguard.core.history import Protected
+from trainguard.core.preflight import check_checkpoint_dir
 from trainguard.core.profiling import recorder_from_env
+from trainguard.core.rehearsal import Rehearsal
 
 from .checkpoints import Checkpoints
 from .compile_cache import TorchCompileCache, key_parts
@@ -67,7 +69,7 @@ from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .process_group import AbortableProcessGroup, GroupRef, allreduce_hook, job_namespace
-from .state import state_sha256
+from .state import fingerprint, state_sha256
 from .trainstate import TrainState
 
 __all__ = ["Guard"]
@@ -171,6 +173,9 @@ class Guard(Checkpoints):
                                 rank=self.rank)
         self.optimizer = GuardedOptimizer(optimizer, self._start_update, self._end_update)
         self.groups = tuple(replicas) if replicas else (ReplicaGroup.full(range(self.world_size)),)
+        self.rehearsal = Rehearsal.from_env(self.rank)
+        if self.rehearsal is not None and checkpoint_dir is not None:
+            checkpoint_dir = self.rehearsal.checkpoint_dir(checkpoint_dir)
         self.store = CheckpointStore(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
         self.save_every = save_every
         self.classifier = classifier or Classifier()
@@ -192,6 +197,14 @@ class Guard(Checkpoints):
             cache_root, key_parts(model, self.device.torch_device, compile_cache_key) if cache_root else {},
             warn=self.rank == 0 or join is not None, owner=f"rank {self.rank}")
 
+        # Checked alike on every rank before its first collective: none waits for a rank that refused.
+        log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else \
+            self.rehearsal.fault_log() if self.rehearsal is not None else None  # a fault strikes once per job
+        self.injector = injector or FaultInjector.from_env(self.rank, world_size=self.world_size, log_path=log_path)
+        self.injector.refuse("phase=reduce is the MindSpore Guard's (DDP reduces inside the backward pass: inject "
+                             "phase=backward)", phases=("reduce",))
+        if checkpoint_dir is not None:
+            check_checkpoint_dir(checkpoint_dir)
         self.process_group = AbortableProcessGroup(
             dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
             backend_factory=self.device.backend, timeout=comm_timeout, namespace=job_namespace(),
@@ -204,6 +217,7 @@ class Guard(Checkpoints):
                 raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
             self.attach_ddp()
         self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer, snapshot_shared)
+        self.setup_own_records()
         started_at = time.time()
         if join:
             # The others are paused in a recovery: no start-up collectives;
@@ -219,8 +233,6 @@ class Guard(Checkpoints):
         self._markers = TorchMarkers(self.recorder, [self.state.module], lambda: self._step,
                                      lambda: self.process_group) if self.recorder else None
 
-        log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else None
-        self.injector = injector or FaultInjector.from_env(self.rank, log_path=log_path)
         self.injector.on_stall = lambda: self.process_group.black_hole()  # the group in use then
         self._install_fault_hooks()
         self.processor = processor or self._connect(joining=join is not None)
@@ -236,6 +248,7 @@ class Guard(Checkpoints):
         """A replacement process: take part in the recovery that started it
         (repair from a replica, roll back to ``step``) before training."""
         log.warning("rank %d (pid %d) joins the running job at step %d", self.rank, os.getpid(), step)
+        self.injector.strike("resume", step)
         self.processor.watchdog.disarm()
         outcome = recover(self.processor, self._handlers, injector=self.injector)
         if not outcome.resume:
@@ -284,9 +297,6 @@ class Guard(Checkpoints):
             self.ddp.reducer._reset_state()
 
     def _install_fault_hooks(self) -> None:
-        if self.injector.wants("reduce"):
-            raise ConfigError("phase=reduce is the MindSpore Guard's (DDP reduces inside the backward pass: "
-                              "inject phase=backward)")
         module = self.state.module
         if self.injector.wants("forward"):
             self._hooks.append(module.register_forward_pre_hook(
@@ -369,6 +379,8 @@ class Guard(Checkpoints):
 
     def _start_update(self) -> None:
         self.settle_snapshot()  # a snapshot copy of the last step may still be reading parameters
+        if self.own_records is not None:  # the step drew its random numbers and batch
+            self.record_own(self._step + 1, self.state.own_part())
         if self.ddp is not None and self.ddp.will_sync_module_buffers():
             # Make buffers (BatchNorm statistics) identical on every replica
             # before the update, so any replica can serve or save the step.
@@ -386,6 +398,10 @@ class Guard(Checkpoints):
         self._step += 1
         self._updated = False
         self.state.commit(self._step)
+        if self.own_records is not None and self.state.streams_moved():  # drawn after the update began
+            self.record_own(self._step, self.state.committed_own())
+        if self.rehearsal is not None:
+            self.rehearsal.step(self._step, self._fingerprints(self.state.committed_own()))
         if self.ddp is not None:
             self.keep_bucket_layout()
         self.compile_cache.after_step()
@@ -478,15 +494,34 @@ class Guard(Checkpoints):
             "compile_cache": self.compile_cache.report(),
         }
 
+    def _fingerprints(self, own: dict) -> dict:
+        """For ``trainguard rehearse``: the model, this rank's streams (torch's
+        apart from Python's and NumPy's, which a script may leave unseeded),
+        its data position."""
+        rng = own["rng"][str(self.rank)]
+        return {"model": fingerprint(self.state.module.state_dict()),
+                "rng": fingerprint({"torch": rng["torch"], "cuda": rng.get("cuda")}),
+                "python": fingerprint(rng["python"]), "numpy": fingerprint(rng.get("numpy")),
+                "data": fingerprint(own["data"]) if "data" in own else None}
+
     def close(self, *, finished: bool = True) -> None:
         """Say goodbye to the controller and remove trainguard's hooks."""
+        if self.rehearsal is not None:
+            if finished:
+                self.rehearsal.final({**self.report(), "data_given": "data" in self.state.host,
+                                      **self._fingerprints(self.state.own_part())})
+            self.rehearsal.close()
+            self.rehearsal = None
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         if self._markers is not None:
             self._markers.close()
             self._markers = None
+        self.processor.watchdog.disarm()  # waiting for the last persists is not a hung step
         self.close_snapshots(wait_s=self.save_timeout_s if finished else 0.0)
+        if self.own_records is not None:
+            self.own_records.close()
         self.processor.close(finished=finished)
         self.compile_cache.close()
 

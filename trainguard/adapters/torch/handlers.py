@@ -14,6 +14,7 @@ from trainguard.core.checkpoint import FileInfo, SavedShard, shard_file
 from trainguard.core.recovery import Handlers
 
 from .join import meet
+from .own import pack, unpack
 from .state import recv_state, send_state
 
 if TYPE_CHECKING:
@@ -80,12 +81,21 @@ class TorchHandlers(Handlers):
     def rollback(self, step: int) -> None:
         g = self.guard
         if self._repaired:
-            # Host objects came from the replica; the RNG streams are this rank's own.
+            # Host objects came from the replica; the random streams and
+            # the data position are this rank's own: from its commit, or,
+            # a new process, from the record its predecessor left here.
             if g.state.snapshot_step == step:
-                g.state.restore_rng()
+                g.state.load_own(g.state.committed_own())
             else:
-                log.warning("rank %d keeps its current RNG state (its snapshot is from step %s, not %d)",
-                            g.rank, g.state.snapshot_step, step)
+                recorded = g.recorded_own(g.rank, step)
+                if recorded is not None:
+                    g.state.load_own(unpack(recorded, f"rank {g.rank}'s record of step {step}"))
+                    log.info("rank %d took its random streams and data position at step %d from its node's "
+                             "record", g.rank, step)
+                else:
+                    log.warning("rank %d: no record of its random streams and data position at step %d on this "
+                                "node (it ran elsewhere): it continues from its seed, so the job is no longer "
+                                "bit-identical to a fault-free run", g.rank, step)
         else:
             if g.state.snapshot_step != step:
                 raise RecoveryError(f"rank {g.rank} committed step {g.state.snapshot_step} and was not repaired; "
@@ -103,8 +113,30 @@ class TorchHandlers(Handlers):
             raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}")
         return [g.write_shard(step)]
 
-    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
-        self.guard.finalize_checkpoint(step, shards, self.guard.merged_history(history))
+    def save_own(self, step: int, carry: Sequence[int]) -> Sequence[FileInfo]:
+        g = self.guard
+        if g.store is None:
+            raise CheckpointError("no checkpoint_dir was given to the Guard, so there is nowhere to save")
+        if g.state.snapshot_step != step:
+            raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}")
+        files = [g.write_own(step, g.rank, pack(g.state.committed_own()))]
+        for rank in carry:
+            recorded = g.recorded_own(rank, step)
+            what = f"rank {rank}'s record of step {step} on this node"
+            try:
+                if recorded is None:
+                    raise CheckpointError(f"there is no {what}")
+                if str(rank) not in unpack(recorded, what).get("rng", {}):
+                    raise CheckpointError(f"{what} holds no random streams of that rank")
+            except CheckpointError as e:  # the save goes on: the relaunch names what is missing
+                log.warning("rank %d cannot carry rank %d's random streams and data position: %s", g.rank, rank, e)
+                continue
+            files.append(g.write_own(step, rank, recorded))
+        return files
+
+    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict,
+                 own: Sequence[FileInfo] = ()) -> None:
+        self.guard.finalize_checkpoint(step, shards, self.guard.merged_history(history), extra=own)
 
     def resumed(self, step: int, record: dict, pids: dict | None = None, replicas: int = 0) -> None:
         self.guard.record_resume(record, pids)
@@ -116,9 +148,12 @@ def shard_name(copies: Sequence[int]) -> str:
     return shard_file(0, copies, ".pt")
 
 
-def read_shard(path, device: torch.device) -> dict:
-    """Load one verified shard file without unpickling arbitrary objects."""
+def read_shard(path) -> dict:
+    """Load one verified shard file without unpickling arbitrary objects,
+    onto the host: ``load_state_dict`` moves the model and optimizer state
+    where they live, and random streams or a data position put on a device
+    could not be set again."""
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path} could not be loaded safely: {e}") from None

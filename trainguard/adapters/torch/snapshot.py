@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 from contextlib import nullcontext
 from typing import Any
 
@@ -47,7 +48,7 @@ from trainguard.core.snapshot.ring import FORMAT, SnapshotRing
 from .staging import Staging
 from .state import flatten, unflatten
 
-__all__ = ["Snapshots", "destinations", "filled", "read_payload", "read_payload_into", "staging_bytes"]
+__all__ = ["Snapshots", "destinations", "filled", "on_device", "read_payload", "read_payload_into", "staging_bytes"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -295,7 +296,7 @@ def read_payload_into(payload: memoryview | bytes, device: torch.device | str,
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"not a {FORMAT} payload")
     base = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-    device = torch.device(device)
+    device, cpu = torch.device(device), torch.device("cpu")
     tensors, later = [], []
     try:
         for name in meta["names"]:
@@ -308,13 +309,29 @@ def read_payload_into(payload: memoryview | bytes, device: torch.device | str,
                 tensors.append(dst)
                 if view is not None:
                     later.append((dst, view))
-            elif view is None:
-                tensors.append(torch.empty(shape, dtype=dtype, device=device))
-            else:  # straight to the device: no host copy on the way
-                tensors.append(view.clone() if device.type == "cpu" else view.to(device))
+            else:  # model and optimizer state straight to the device (no host copy on the way), the rest
+                # -- random streams, scheduler, data position, counters -- to the host, where it is used
+                to = device if on_device(name) else cpu
+                if view is None:
+                    tensors.append(torch.empty(shape, dtype=dtype, device=to))
+                else:
+                    tensors.append(view.clone() if to.type == "cpu" else view.to(to))
         return int(meta["step"]), unflatten(meta["skeleton"], tensors), later
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"snapshot payload does not match its header ({e})") from None
+
+
+#: The paths of a snapshot whose tensors a load may place on the device: the
+#: model's and the optimizer's (torch: ``state.model``, ``state.optimizer``;
+#: Megatron: ``state.rank.model<i>``, ``state.rank.optimizer``,
+#: ``state.shards``). A random stream or a data position put there cannot be
+#: set again (a CUDA restart from memory crashed in numpy on exactly that).
+_ON_DEVICE = re.compile(r"\.state\.(?:rank\.)?(?:model\d*|optimizer)(?:[.\[]|$)|\.state\.shards(?:[.\[]|$)")
+
+
+def on_device(path: str) -> bool:
+    """Whether a load may place the snapshot tensor at ``path`` on the device."""
+    return _ON_DEVICE.match(path) is not None
 
 
 def destinations(state: Any) -> dict[str, torch.Tensor]:

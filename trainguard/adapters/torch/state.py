@@ -20,10 +20,11 @@ import zlib
 from typing import Any
 
 import torch
+import xxhash
 
 from trainguard.core import RecoveryError
 
-__all__ = ["flatten", "recv_state", "send_state", "state_sha256", "unflatten"]
+__all__ = ["fingerprint", "flatten", "recv_state", "send_state", "state_sha256", "unflatten"]
 
 _SCALARS = (int, float, str, bool, type(None))
 
@@ -127,6 +128,17 @@ def state_sha256(obj: Any) -> str:
     """A canonical SHA-256 of a state: structure, dtypes, shapes and bytes."""
     skeleton, tensors = flatten(obj)
     h = hashlib.sha256(json.dumps(skeleton, sort_keys=True).encode())
+    for t in tensors:
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(_raw(t))
+    return h.hexdigest()
+
+
+def fingerprint(obj: Any) -> str:
+    """A fast canonical fingerprint of a state (XXH3-64, hex): structure,
+    dtypes, shapes and bytes -- for comparing runs, not for integrity."""
+    skeleton, tensors = flatten(obj, strict=False)
+    h = xxhash.xxh3_64(json.dumps(skeleton, sort_keys=True).encode())
     for t in tensors:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(_raw(t))

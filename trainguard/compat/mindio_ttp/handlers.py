@@ -83,7 +83,8 @@ class TtpHandlers(Handlers):
         # trainguard's own save handlers return the files they wrote, for the manifest
         return [f for f in out if isinstance(f, FileInfo)] if isinstance(out, (list, tuple)) else []
 
-    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict) -> None:
+    def finalize(self, step: int, shards: Sequence[SavedShard], history: dict,
+                 own: Sequence[FileInfo] = ()) -> None:
         found = self.s.handler("rename")
         if found is None:
             raise CheckpointError("no rename handler registered (ttp_register_rename_handler): the dying-gasp "

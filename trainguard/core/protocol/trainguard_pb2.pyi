@@ -142,20 +142,22 @@ class FileInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class CommandResult(_message.Message):
-    __slots__ = ("command_id", "ok", "code", "message", "status", "shards")
+    __slots__ = ("command_id", "ok", "code", "message", "status", "shards", "own")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     ok: bool
     code: int
     message: str
     status: Status
     shards: _containers.RepeatedCompositeFieldContainer[ShardFiles]
-    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardFiles, _Mapping]]] = ...) -> None: ...
+    own: _containers.RepeatedCompositeFieldContainer[FileInfo]
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardFiles, _Mapping]]] = ..., own: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("status",)
@@ -163,21 +165,35 @@ class Goodbye(_message.Message):
     status: Status
     def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
 
+class PersistHealth(_message.Message):
+    __slots__ = ("failing", "since_step", "reason", "last_complete")
+    FAILING_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    failing: bool
+    since_step: int
+    reason: str
+    last_complete: int
+    def __init__(self, failing: _Optional[bool] = ..., since_step: _Optional[int] = ..., reason: _Optional[str] = ..., last_complete: _Optional[int] = ...) -> None: ...
+
 class RankMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "stopped", "fault", "result", "goodbye")
+    __slots__ = ("hello", "heartbeat", "stopped", "fault", "result", "goodbye", "persist")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Status
     stopped: Status
     fault: FaultReport
     result: CommandResult
     goodbye: Goodbye
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Status, _Mapping]] = ..., stopped: _Optional[_Union[Status, _Mapping]] = ..., fault: _Optional[_Union[FaultReport, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+    persist: PersistHealth
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Status, _Mapping]] = ..., stopped: _Optional[_Union[Status, _Mapping]] = ..., fault: _Optional[_Union[FaultReport, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., persist: _Optional[_Union[PersistHealth, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("job_id", "heartbeat_interval_s")
@@ -236,12 +252,14 @@ class Rollback(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class Save(_message.Message):
-    __slots__ = ("step", "kinds")
+    __slots__ = ("step", "kinds", "carry")
     STEP_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
+    CARRY_FIELD_NUMBER: _ClassVar[int]
     step: int
     kinds: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[int]] = ...) -> None: ...
+    carry: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., kinds: _Optional[_Iterable[int]] = ..., carry: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShardFiles(_message.Message):
     __slots__ = ("kind", "copies", "full", "rank", "files")
@@ -258,14 +276,16 @@ class ShardFiles(_message.Message):
     def __init__(self, kind: _Optional[int] = ..., copies: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
 
 class Finalize(_message.Message):
-    __slots__ = ("step", "shards", "history_json")
+    __slots__ = ("step", "shards", "history_json", "own")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_JSON_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
     step: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardFiles]
     history_json: str
-    def __init__(self, step: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardFiles, _Mapping]]] = ..., history_json: _Optional[str] = ...) -> None: ...
+    own: _containers.RepeatedCompositeFieldContainer[FileInfo]
+    def __init__(self, step: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardFiles, _Mapping]]] = ..., history_json: _Optional[str] = ..., own: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("step", "record_json", "pids_json", "replicas")

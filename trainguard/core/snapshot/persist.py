@@ -14,6 +14,14 @@ replies on its stdout (:class:`PersistWorker` is that side). Requests:
   finalising rank's worker then waits until every expected file's record
   is there and finalises (manifest, rename, tracker last).
 
+A persist that fails (the store is full, read-only, gone, or fails I/O) is
+answered ``ok: False`` with the reason and the step the tracker names (the
+newest complete checkpoint, untouched); the trainer goes on and
+:class:`~.ring.PersistHealth` tells once per streak of such failures. A file that
+could not be written leaves an empty ``.failed`` record (it needs no data
+block, so it gets through to a full store), and the finalising worker gives
+up on the step at once and removes its temporary directory.
+
 Nothing the worker does is on the training loop's path, and it runs at a
 lower CPU priority than the trainer (:data:`NICE`). If it is killed,
 the trainer starts another and the checkpoint it was writing is simply
@@ -24,11 +32,13 @@ persists already asked of it and exits.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -38,19 +48,25 @@ from pathlib import Path
 from typing import Any
 
 from ..api import CheckpointError
-from ..checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo
+from ..checkpoint import MEGATRON, MINDSPORE, TMP_SUFFIX, TORCH, CheckpointStore, FileInfo, _io_error
 from .segment import Mappings, Slot, State
 
-__all__ = ["PersistWorker"]
+__all__ = ["PersistWorker", "write_record"]
 
 log = logging.getLogger("trainguard.snapshot")
 
 NAMINGS = {"torch": TORCH, "megatron": MEGATRON, "mindspore": MINDSPORE}
 RECORDS = ".records"
+FAILED = ".failed"  # the suffix of a record saying its file could not be written
 #: How much lower than its trainer's the worker's CPU priority is (``nice``).
 NICE = 10
 #: How long a finalising worker whose trainer died still waits for the other shards.
 ORPHAN_GRACE_S = 5.0
+#: How long a finalising worker that gave up on a step waits, beside its other work, for the other ranks'
+#: records before it removes the step's directory (a rank still writing would make it again); once its
+#: trainer closed it, at most :data:`CLOSING_GRACE_S` more (the trainer waits for it to exit).
+GIVE_UP_GRACE_S = 5.0
+CLOSING_GRACE_S = 0.5
 
 
 # --------------------------------------------------------------------- worker
@@ -61,46 +77,157 @@ def _record_path(tmp: Path, name: str) -> Path:
 def write_record(store: CheckpointStore, step: int, info: FileInfo) -> None:
     """Record a file written into ``step``'s temporary directory, for the
     finalising persist to collect (whole or not at all: it may read at once);
-    ``bytes=-1``: it could not be written, and the step is not finalised."""
+    ``bytes=-1``: it could not be written, and the step is not finalised.
+    That record is an empty file (``<name>.failed``): it needs no data
+    block, so a full store still takes it and the finaliser stops waiting.
+
+    Raises:
+        CheckpointError: the store did not take the record.
+    """
     record = _record_path(store.tmp_path(step), info.name)
-    record.parent.mkdir(parents=True, exist_ok=True)  # a failed record may come first
     part = record.with_suffix(".part")
-    part.write_text(json.dumps([info.name, info.bytes, info.sha256, info.xxh3]))
-    os.replace(part, record)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)  # a failed record may come first
+        if info.bytes < 0:
+            record.with_suffix(FAILED).touch()
+            return
+        part.write_text(json.dumps([info.name, info.bytes, info.sha256, info.xxh3]))
+        os.replace(part, record)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # (none was made where the directory could not be)
+            part.unlink(missing_ok=True)
+        raise _io_error(f"recording {info.name} of step {step}", e) from None
+
+
+class _Superseded(CheckpointError):
+    """A newer step is final already: this one is not needed (not a failure of the store)."""
 
 
 def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Future | None = None,
-             maps: Mappings | None = None) -> dict:
+             maps: Mappings | None = None, *, store: CheckpointStore | None = None,
+             leftovers: _Leftovers | None = None) -> dict:
     """Write the slot's payload as a checkpoint file; ``sealing``: the seal of
     that slot already under way on the seal thread (its checksum is taken
     instead of hashing again), ``pushed``: that seal's whole task, peer push
     included, waited for before the file counts as written (so a step on
     storage is in the peer's memory too, as when seals ran in line);
-    ``maps``: the worker's slot mappings."""
-    store = CheckpointStore(req["root"], NAMINGS[req["naming"]], keep=req.get("keep", 0))
-    step, name = req["step"], req["name"]
+    ``maps``: the worker's slot mappings; ``store``: the store (default:
+    the one the request names); ``leftovers``: where a finaliser that gave
+    up leaves the step to remove (default: removed at once). A failure is
+    the reply (see :func:`_failed`), not an exception: the trainer tells of
+    it."""
+    step, name, fin = req["step"], req["name"], req.get("finalize")
+    if store is None:
+        # The finaliser prunes to the job's `keep`, which the adapters send with the finalise request.
+        store = CheckpointStore(req["root"], NAMINGS[req["naming"]], keep=(fin or {}).get("keep", req.get("keep", 0)))
     try:
         written = _write(req, store, sealing, pushed, maps)
-    except (CheckpointError, OSError):
-        newest = store.tracked_step()
-        if newest is None or newest <= step:  # (a superseded step's directory is gone: leave it so)
-            try:  # the finalising rank's worker stops waiting for this file
-                write_record(store, step, FileInfo(name, -1, ""))
-            except OSError:
-                pass
-        raise
-    write_record(store, step, written)
+        write_record(store, step, written)
+        reply = {"ok": True, "file": [written.name, written.bytes, written.sha256, written.xxh3], "final": None}
+        if fin:
+            reply["final"] = str(_finalise(store, step, fin, parent))
+        return reply
+    except (CheckpointError, OSError) as e:  # (an OSError here is the slot's: the store's are CheckpointErrors)
+        return _failed(store, step, name, fin, e, leftovers)
+
+
+def _finalise(store: CheckpointStore, step: int, fin: dict, parent: int) -> Path:
     tmp = store.tmp_path(step)
-    reply = {"file": [written.name, written.bytes, written.sha256, written.xxh3], "final": None}
-    fin = req.get("finalize")
-    if fin:
-        files = _await_records(tmp, fin["expected"], fin.get("timeout_s", 1800.0), parent, store, step)
-        for p in (tmp / RECORDS).iterdir():
-            p.unlink()
-        (tmp / RECORDS).rmdir()
-        reply["final"] = str(store.finalize(step, files, layout=fin.get("layout"), meta=fin.get("meta"),
-                                            rehash=False))
-    return reply
+    files = _await_records(tmp, fin["expected"], fin.get("timeout_s", 1800.0), parent, store, step)
+    try:
+        shutil.rmtree(tmp / RECORDS)
+    except OSError as e:
+        raise _io_error(f"removing {tmp / RECORDS}", e) from None
+    return store.finalize(step, files, layout=fin.get("layout"), meta=fin.get("meta"), rehash=False)
+
+
+def _failed(store: CheckpointStore, step: int, name: str, fin: dict | None, error: Exception,
+            leftovers: _Leftovers | None = None) -> dict:
+    """The reply to a persist of ``step`` that failed, once what it leaves is
+    dealt with: a finaliser (``fin``) has the step's temporary directory
+    removed, and any older one (see :class:`_Leftovers`), so a full store
+    gets its space back at once rather than at the next finalise; another
+    rank records its file as failed, so the finaliser stops waiting for it.
+    A step that is final already (a dying gasp of the same or a newer step)
+    is left alone: its directory is not this save's. Unlike
+    :meth:`CheckpointStore.finalize`, nothing is kept for inspection: the
+    next finalise would remove it anyway."""
+    newest = store.tracked_step()
+    if fin and (newest is None or newest < step):
+        later = _Leftover(store, step, [_record_path(store.tmp_path(step), n) for n in fin["expected"] if n != name],
+                          time.monotonic() + GIVE_UP_GRACE_S)
+        if leftovers is None:
+            later.remove()
+        else:
+            leftovers.add(later)
+    elif not fin and (newest is None or newest <= step):
+        try:
+            write_record(store, step, FileInfo(name, -1, ""))
+        except CheckpointError:  # the finaliser waits its timeout (or fails on the store itself)
+            pass
+    return {"ok": False, "error": str(error), "superseded": isinstance(error, _Superseded), "last_complete": newest}
+
+
+@dataclasses.dataclass
+class _Leftover:
+    """A step a finaliser gave up on, to remove from the store."""
+
+    store: CheckpointStore
+    step: int
+    others: list[Path]  # the other ranks' records
+    deadline: float
+
+    def due(self, now: float) -> bool:
+        return now >= self.deadline or self.final() or \
+            all(p.is_file() or p.with_suffix(FAILED).exists() for p in self.others)
+
+    def final(self) -> bool:
+        """Whether a newer or the same step is final meanwhile (its finalise
+        removed the older directories, or a dying gasp made this step)."""
+        newest = self.store.tracked_step()
+        return newest is not None and newest >= self.step
+
+    def remove(self) -> None:
+        """Remove the temporary directories of the step and of older steps
+        (none of them can be finalised any more), unless :meth:`final`."""
+        if self.final():
+            return
+        try:
+            paths = [p for p in self.store.root.iterdir() if p.name.endswith(TMP_SUFFIX)]
+        except OSError:  # the store is gone, or not readable: nothing to give back
+            return
+        for path in paths:
+            old = self.store.naming.step_of(path.name[:-len(TMP_SUFFIX)])
+            if old is not None and old <= self.step:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+class _Leftovers:
+    """The steps a finalising worker gave up on, removed once every other
+    rank's record is in (or :data:`GIVE_UP_GRACE_S` passed): a rank still
+    writing its file of the step would make the directory again after it
+    was removed. The worker checks between requests, so waiting here keeps
+    no snapshot slot from training, and before it exits."""
+
+    def __init__(self) -> None:
+        self.pending: list[_Leftover] = []
+
+    def add(self, leftover: _Leftover) -> None:
+        self.pending.append(leftover)
+        self.check()
+
+    def check(self, *, last: bool = False) -> None:
+        """Remove the steps that are due; ``last`` (the trainer closed the
+        worker): every one, waiting at most :data:`CLOSING_GRACE_S`."""
+        end = time.monotonic() + CLOSING_GRACE_S
+        while self.pending:
+            now = time.monotonic()
+            for leftover in [p for p in self.pending if (last and now >= end) or p.due(now)]:
+                self.pending.remove(leftover)
+                leftover.remove()
+            if not last or not self.pending:
+                return
+            time.sleep(0.05)
 
 
 def _write(req: dict, store: CheckpointStore, sealing: Future | None, pushed: Future | None,
@@ -140,12 +267,12 @@ def _write(req: dict, store: CheckpointStore, sealing: Future | None, pushed: Fu
 
 
 def _not_superseded(store: CheckpointStore, step: int) -> None:
-    """Raises CheckpointError when a newer step is final already (a dying
+    """Raises _Superseded when a newer step is final already (a dying
     gasp that overtook this save): finalising this one would move the
     tracker back, and the newer one's finalise removed its other files."""
     newest = store.tracked_step()
     if newest is not None and newest > step:
-        raise CheckpointError(f"step {step} not finalised: the newer step {newest} is final already")
+        raise _Superseded(f"step {step} not finalised: the newer step {newest} is final already")
 
 
 def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int,
@@ -154,12 +281,14 @@ def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int
     while True:
         _not_superseded(store, step)
         paths = [_record_path(tmp, n) for n in expected]
+        failed = [n for n, p in zip(expected, paths) if p.with_suffix(FAILED).exists()]  # see write_record
+        if failed:
+            raise CheckpointError(f"{tmp.name}: {failed[:4]} could not be written; not finalised")
         if all(p.is_file() for p in paths):
-            files = [FileInfo(*json.loads(p.read_text())) for p in paths]
-            failed = [f.name for f in files if f.bytes < 0]  # its rank could not write it (see write_record)
-            if failed:
-                raise CheckpointError(f"{tmp.name}: {failed[:4]} could not be written; not finalised")
-            return files
+            try:
+                return [FileInfo(*json.loads(p.read_text())) for p in paths]
+            except OSError as e:
+                raise _io_error(f"reading the records in {tmp}", e) from None
         now = time.monotonic()
         if orphaned is None and os.getppid() != parent:
             orphaned = now
@@ -210,6 +339,7 @@ def _serve(stdin: Any, stdout: Any) -> None:
     # The trainer's slots stay mapped between requests: each is sealed and
     # maybe persisted at every snapshot (a 1 GB slot: 0.2 s to map and unmap).
     maps = Mappings()
+    leftovers = _Leftovers()
 
     def read() -> None:
         for line in stdin:
@@ -223,7 +353,6 @@ def _serve(stdin: Any, stdout: Any) -> None:
     def answer(req: dict, run: Any) -> None:
         try:
             reply = run()
-            reply["ok"] = True
         except (CheckpointError, OSError, ValueError, KeyError) as e:
             log.error("%s of step %s failed: %s", req["op"], req.get("step"), e)
             reply = {"ok": False, "error": str(e)}
@@ -241,7 +370,8 @@ def _serve(stdin: Any, stdout: Any) -> None:
         while True:
             with cond:
                 while not todo and not done.is_set():
-                    cond.wait()
+                    cond.wait(0.1 if leftovers.pending else None)
+                    leftovers.check()
                 if not todo:
                     break
                 req = todo.popleft()
@@ -256,7 +386,9 @@ def _serve(stdin: Any, stdout: Any) -> None:
             else:
                 sealed, task = sealing.pop(req["slot"], (None, None))
                 answer(req, lambda: _persist(req, parent, sealed if sealed and not sealed.done() else None, task,
-                                             maps))
+                                             maps, leftovers=leftovers))
+                leftovers.check()
+    leftovers.check(last=True)
     maps.close()
 
 

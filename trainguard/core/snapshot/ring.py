@@ -32,12 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..api import CheckpointError, ConfigError
+from ..checkpoint import CheckpointStore, FileInfo
 from .peer import fetch
-from .persist import PersistWorker
+from .health import PersistHealth
+from .persist import PersistWorker, write_record
 from .segment import Entry, Layout, Slot, State
 from .shm import SnapshotDir
 
-__all__ = ["FORMAT", "SnapshotRing", "check_settings", "directory_for", "load_verified", "resume"]
+__all__ = ["FORMAT", "SnapshotRing", "check_settings", "directory_for", "load_verified"]
 
 log = logging.getLogger("trainguard.snapshot")
 
@@ -73,6 +75,7 @@ class SnapshotRing:
         self.taken = self.skipped = 0
         self.persisted: list[dict] = []
         self.errors: list[str] = []
+        self.health = PersistHealth(rank)
         self.reused: list[int] = []  # steps whose dying-gasp save wrote the snapshot
         self.pending: _Pending | None = None  # the snapshot whose copy is still running
         self.waited = 0.0  # seconds settle() waited for copies still running
@@ -227,6 +230,28 @@ class SnapshotRing:
                                  naming=self.naming, name=name, finalize=finalize)
         self.pinned[index] = rid
 
+    def write_beside(self, store: CheckpointStore, step: int, name: str, write: Callable[[], FileInfo], *,
+                     whole: bool) -> None:
+        """Write ``name``, a file of ``step``'s checkpoint, on this thread
+        (``write``: a rank's own part, beside the shards the worker persists)
+        and record it for the finaliser. A store that fails counts as a
+        failed save (:attr:`health`; training goes on) and the file is
+        recorded as failed, so the finaliser gives up on the step. ``whole``:
+        this file is all this rank saves of the step (its success ends a
+        streak of failed saves)."""
+        try:
+            write_record(store, step, write())
+        except CheckpointError as e:
+            self.errors.append(f"step {step}: {e}")
+            self.health.failed(step, str(e), store.tracked_step() if self.health.failing is None else None)
+            try:
+                write_record(store, step, FileInfo(name, -1, ""))
+            except CheckpointError:  # the finaliser waits its timeout (unless the store fails it too)
+                pass
+            return
+        if whole:
+            self.health.saved(step)
+
     def poll(self, timeout: float | None = None) -> list[dict]:
         replies = self.worker.poll(timeout)
         for r in replies:
@@ -234,9 +259,13 @@ class SnapshotRing:
                 self.pinned = {i: rid for i, rid in self.pinned.items() if rid is None or rid != r["id"]}
                 if r["ok"]:
                     self.persisted.append({"step": r["step"], "final": r.get("final")})
+                    self.health.saved(r["step"], final=r.get("final") is not None)
                 else:
                     self.errors.append(f"step {r['step']}: {r['error']}")
-                    log.error("rank %d: persisting step %s failed: %s", self.rank, r["step"], r["error"])
+                    if r.get("superseded"):  # not a failure: the newer checkpoint is there
+                        log.error("rank %d: persisting step %s failed: %s", self.rank, r["step"], r["error"])
+                    else:
+                        self.health.failed(r["step"], r["error"], r.get("last_complete"))
             elif not r["ok"]:
                 log.warning("rank %d: sealing the snapshot of step %s failed: %s", self.rank, r["step"], r["error"])
         return replies
@@ -252,7 +281,7 @@ class SnapshotRing:
         return {"taken": self.taken, "skipped": self.skipped, "persisted": list(self.persisted),
                 "errors": list(self.errors), "worker_restarts": self.worker.restarts,
                 "reused_for_dump": list(self.reused), "resumed_from": resumed_from,
-                "waited_for_copies_s": round(self.waited, 4)}
+                "waited_for_copies_s": round(self.waited, 4), **self.health.report()}
 
     def shutdown(self, wait_s: float) -> None:
         """At the end of training: wait up to ``wait_s`` for the persists
@@ -260,6 +289,7 @@ class SnapshotRing:
         when this process owns it."""
         if wait_s:
             self.wait(wait_s)
+        self.health.closing()
         self.close(wait=bool(wait_s))
         self.directory.remove()
 
@@ -367,42 +397,3 @@ def directory_for(name: str) -> SnapshotDir:
     directory = SnapshotDir.create(name, os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
     atexit.register(directory.remove)
     return directory
-
-
-def resume(memory: dict[int, tuple[Slot, str]], stored: int | None, *, gather: Callable[[list[int]], list],
-           agree: Callable[[bool], bool], load_memory: Callable[[int, Slot, str], None],
-           load_stored: Callable[[], int]) -> int:
-    """Pick and load the step to resume at: the newest every rank can load,
-    from ``memory`` (sealed snapshots, step -> (slot, source)) where it holds
-    it, else from storage (``stored``: the newest complete checkpoint's
-    step). A snapshot that fails its check when ``load_memory`` reads it
-    drops out and the ranks agree again. Returns 0 when nothing anywhere.
-
-    Args:
-        gather: every rank's list of steps (a collective).
-        agree: whether every rank's flag is true (a collective).
-
-    Raises:
-        CheckpointError: the ranks share no step.
-    """
-    try:
-        while True:
-            every = gather(sorted(set(memory) | ({stored} if stored is not None else set())))
-            if not any(every):
-                return 0
-            common = set(every[0]).intersection(*every[1:])
-            if not common:
-                raise CheckpointError(f"ranks share no step to resume from (steps each rank can load: {every})")
-            step, ok = max(common), True
-            if step in memory:
-                try:
-                    load_memory(step, *memory[step])
-                except CheckpointError as e:
-                    log.warning("not using the snapshot of step %d: %s", step, e)
-                    del memory[step]
-                    ok = False
-            if agree(ok):
-                return step if step in memory else load_stored()
-    finally:
-        for slot, _ in memory.values():  # the candidates not read
-            slot.close()

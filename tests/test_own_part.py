@@ -1,0 +1,157 @@
+"""A rank's own part -- random streams and data position, which replicas do
+not share -- outlives its process: recorded in the node agent's memory at
+every update, packed without pickling, never put on a device by a load.
+(The jobs that show it end to end are in ``test_fault_matrix.py``.)"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from trainguard.adapters.torch.own import pack, unpack
+from trainguard.adapters.torch.snapshot import Snapshots, on_device, read_payload_into
+from trainguard.adapters.torch.trainstate import TrainState
+from trainguard.core import CheckpointError
+from trainguard.core.snapshot import SnapshotDir
+from trainguard.core.snapshot.own import OwnRecords, read_own
+
+
+class Position:
+    """A data position with a generator, as samplers keep them."""
+
+    def __init__(self) -> None:
+        self.epoch, self.g = 0, torch.Generator().manual_seed(3)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "generator": self.g.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self.g.set_state(state["generator"])
+
+
+def train_state(rank: int = 1) -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return TrainState(model, opt, data=Position(), rank=rank)
+
+
+def test_records_alternate_keep_the_previous_step_and_survive_a_torn_write(tmp_path):
+    rec = OwnRecords(tmp_path, 3)
+    rec.write(5, b"five")
+    rec.write(6, b"six")
+    assert read_own(tmp_path, 3, 5) == b"five" and read_own(tmp_path, 3, 6) == b"six"
+    rec.write(7, b"seven")  # replaces step 5's record, not step 6's
+    assert read_own(tmp_path, 3, 5) is None and read_own(tmp_path, 3, 6) == b"six"
+    raw = bytearray((tmp_path / "own-r3").read_bytes())
+    at = raw.index(b"seven")
+    raw[at] ^= 1  # a write torn by a kill: its checksum fails
+    (tmp_path / "own-r3").write_bytes(bytes(raw))
+    assert read_own(tmp_path, 3, 7) is None and read_own(tmp_path, 3, 6) == b"six"
+    rec.close()
+
+
+def test_a_record_that_outgrows_its_file_moves_to_a_bigger_one_whole(tmp_path):
+    rec = OwnRecords(tmp_path, 0)
+    rec.write(1, b"small")
+    big = os.urandom(100_000)
+    rec.write(2, big)
+    assert read_own(tmp_path, 0, 2) == big and read_own(tmp_path, 0, 1) == b"small"
+    assert not list(tmp_path.glob("*.new"))
+    rec.close()
+
+
+def test_a_planted_link_or_foreign_file_is_not_read_or_followed(tmp_path):
+    target = tmp_path / "victim"
+    target.write_bytes(b"root-owned")
+    (tmp_path / "own-r0").symlink_to(target)
+    assert read_own(tmp_path, 0, 1) is None
+    OwnRecords(tmp_path, 0).write(1, b"x")  # a file of its own replaces the link
+    assert target.read_bytes() == b"root-owned" and not (tmp_path / "own-r0").is_symlink()
+    assert read_own(tmp_path, 0, 1) == b"x"
+    (tmp_path / "own-r1").write_bytes(b"garbage" * 100)
+    assert read_own(tmp_path, 1, 1) is None
+    os.mkfifo(tmp_path / "own-r2")
+    assert read_own(tmp_path, 2, 1) is None, "a FIFO must neither block nor be read"
+
+
+def test_an_own_part_packs_and_unpacks_exactly_and_malformed_bytes_are_refused():
+    state = train_state()
+    random.seed(11)
+    np.random.seed(12)
+    own = state.own_part()
+    back = unpack(pack(own))
+    assert pack(back) == pack(own)
+    data = pack(own)
+    for bad in (data[:-1], data + b"x", b"\xff" * 16, data[:8] + b"[" + data[9:]):
+        with pytest.raises(CheckpointError, match="malformed"):
+            unpack(bad)
+
+
+def test_loading_an_own_part_sets_the_streams_and_the_data_position_of_this_rank_only():
+    state = train_state(rank=1)
+    torch.manual_seed(5)
+    random.seed(6)
+    np.random.seed(7)
+    state.host["data"].epoch = 4
+    state.host["data"].g.manual_seed(99)
+    own = unpack(pack(state.own_part()))
+    expect = (torch.rand(3), random.random(), np.random.rand(), state.host["data"].g.get_state())
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    state.host["data"].epoch, _ = 0, state.host["data"].g.manual_seed(0)
+    state.load_own(own)
+    assert state.host["data"].epoch == 4 and torch.equal(state.host["data"].g.get_state(), expect[3])
+    assert torch.equal(torch.rand(3), expect[0]) and random.random() == expect[1] and np.random.rand() == expect[2]
+    with pytest.raises(KeyError):
+        train_state(rank=0).load_own(own)  # rank 1's part is not rank 0's
+
+
+def test_streams_drawn_after_the_update_began_are_noticed():
+    state = train_state()
+    state.own_part()
+    state.commit(1)
+    assert not state.streams_moved()
+    state.own_part()
+    torch.rand(1)  # drawn between the update's start and the commit
+    state.commit(2)
+    assert state.streams_moved()
+
+
+def test_a_load_puts_only_model_and_optimizer_tensors_on_the_device(tmp_path):
+    """The CUDA restart from memory crashed in numpy: the random streams had
+    been placed on the device. "meta" stands in for a device on a CPU host:
+    anything host-only placed there cannot be read back and fails here."""
+    state = train_state()
+    np.random.seed(1)
+    state.commit(3)
+    held = {"state": {**state.committed_state_dict(), "step": 3}, "history": {}}
+    directory = SnapshotDir.create(f"own-{os.getpid()}", tmp_path)
+    snaps = Snapshots(directory, 1, count=1)
+    try:
+        index = snaps.take(held, 3)
+        slot = snaps.slots[index]
+        slot.lock(False, block=True)
+        step, back, _ = read_payload_into(slot.payload(), "meta", {})
+        slot.unlock()
+        assert step == 3
+        assert all(t.device.type == "meta" for t in back["state"]["model"].values())
+        assert back["state"]["optimizer"]["state"][0]["exp_avg"].device.type == "meta"
+        host = back["state"]["host"]["data"]["generator"]
+        assert host.device.type == "cpu" and torch.equal(host, state.host["data"].g.get_state())
+        fresh = train_state()
+        fresh.load_own({"rng": back["state"]["rng"], "data": back["state"]["host"]["data"]})
+        assert torch.equal(torch.get_rng_state(), state.snapshot["rng"]["torch"])
+    finally:
+        snaps.close()
+        directory.remove()
+    assert on_device(".state.model.0.weight") and on_device(".state.rank.model1.w")
+    assert on_device(".state.optimizer.state.0.exp_avg") and on_device(".state.shards[0].w")
+    assert not on_device(".state.rng.1.torch") and not on_device(".state.host.data.model")
+    assert not on_device(".state.rank.rng_state[0].cuda_rng_state") and not on_device(".state.modelx")

@@ -1,0 +1,154 @@
+"""Running the user's script for a rehearsal: one directory per run, the
+launches a user would make (a relaunch after a dying gasp or a stop), and
+signals from outside at a random moment.
+
+Every launch is ``trainguard run`` (or ``--framework mindspore``) with the
+user's own launcher flags, script and arguments, and
+``TRAINGUARD_REHEARSAL_DIR`` naming the run's directory, where the guards
+put the checkpoints, the per-step trace and the final report
+(:mod:`trainguard.core.rehearsal`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from trainguard.core.rehearsal import ENV, read_trace
+
+__all__ = ["Launch", "Run", "run"]
+
+#: Launches of one run: the first and the relaunches a user would make
+#: after a dying gasp (exit 75) or a stop.
+MAX_LAUNCHES = 4
+
+
+@dataclass
+class Launch:
+    rc: int
+    seconds: float
+    log: Path
+    signalled: dict | None = None  # {"rank", "pid", "signal", "time"} of a signal from outside
+
+
+@dataclass
+class Run:
+    directory: Path
+    launches: list[Launch] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.launches) and self.launches[-1].rc == 0
+
+
+def run(directory: Path, command: Sequence[str], *, fault: str | None = None, strategies: str | None = None,
+        outside: int | None = None, within_s: float = 0.0, seed: int = 0, timeout_s: float = 3600) -> Run:
+    """Launch ``command`` (``trainguard run ...``) in ``directory`` and
+    relaunch it, as a user would, while it stops after a dying gasp (75) or
+    for any other reason, up to :data:`MAX_LAUNCHES` launches.
+
+    Args:
+        fault: ``TRAINGUARD_FAULT`` for every launch (a fault strikes once
+            per job: the run's checkpoint directory logs its strikes).
+        outside: a signal for the last rank's worker of the first launch, at
+            a random moment within ``within_s`` after its first step (seeded).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRAINGUARD_FAULT", ENV)}
+    env.update({ENV: str(directory), "PYTHONUNBUFFERED": "1"})
+    if fault:
+        env["TRAINGUARD_FAULT"] = fault
+    if strategies:
+        env["TRAINGUARD_STRATEGIES"] = strategies
+    out = Run(directory)
+    for i in range(MAX_LAUNCHES):
+        log = directory / f"launch-{i + 1}.log"
+        start = time.monotonic()
+        with open(log, "w") as f:
+            proc = subprocess.Popen(list(command), env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            signalled = None
+            try:
+                if outside is not None and i == 0:
+                    signalled = _signal_at_random(proc, directory, outside, within_s, seed)
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+                f.write(f"\ntrainguard rehearse: ended after {timeout_s:g} s\n")
+        out.launches.append(Launch(rc, time.monotonic() - start, log, signalled))
+        if rc == 0:
+            break
+    return out
+
+
+def _signal_at_random(proc: subprocess.Popen, directory: Path, sig: int, within_s: float,
+                      seed: int) -> dict | None:
+    """Once the last rank traced its first step, wait a random moment
+    (at most ``within_s``) and send ``sig`` to that rank's worker."""
+    deadline = time.monotonic() + 600
+    rank = None
+    while proc.poll() is None and time.monotonic() < deadline:
+        traced = sorted(int(p.stem[1:]) for p in (directory / "trace").glob("r*.jsonl") if p.stat().st_size)
+        if traced:
+            rank = traced[-1]
+            break
+        time.sleep(0.02)
+    if rank is None:
+        return None
+    time.sleep(random.Random(seed).uniform(0.0, max(0.0, within_s)))
+    pid = _worker(directory, rank)
+    if pid is None or proc.poll() is not None:
+        return None
+    os.kill(pid, sig)
+    return {"rank": rank, "pid": pid, "signal": signal.Signals(sig).name, "time": time.time()}
+
+
+def _worker(directory: Path, rank: int) -> int | None:
+    """The worker process of ``rank`` in the run of ``directory``."""
+    mark, ranks = f"{ENV}={directory}".encode(), (f"RANK={rank}".encode(), f"RANK_ID={rank}".encode())
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if mark in env and any(r in env for r in ranks) and b"trainguard.cli" not in cmdline:
+            return int(pid)
+    return None
+
+
+def trained_seconds(directory: Path, rank: int = 0) -> float:
+    """How long the run's training took, from its trace."""
+    times = [e["t"] for e in read_trace(directory, rank).values() if "t" in e]
+    return max(times) - min(times) if len(times) > 1 else 0.0
+
+
+def saved_steps(directory: Path, rank: int = 0) -> list[int]:
+    """The steps a run saved a periodic checkpoint of."""
+    return sorted(s for s, e in read_trace(directory, rank).items() if e.get("saved"))
+
+
+def launcher(argv: Sequence[str], framework: str) -> list[str]:
+    """The ``trainguard run`` command for the user's launcher arguments."""
+    return [sys.executable, "-m", "trainguard.cli", "run", *(["--framework", framework] if framework != "torch"
+                                                            else []), *argv]
+
+
+def strikes(directory: Path) -> list[dict]:
+    """The faults the run's injector logged (strike times included)."""
+    path = directory / "checkpoints" / ".trainguard" / "faults.jsonl"
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
