@@ -124,6 +124,16 @@ def test_when_every_copy_is_unusable_the_job_refuses_to_start_over():
                       outcomes=lambda c: ranks.gather(rank, c), load_memory=None, load_stored=load, rank=rank)
     out = run_ranks(2, body)
     assert all(isinstance(e, CheckpointError) and "not starting from step 0" in str(e) for e in out), out
+    assert "step 5 from storage (step_5): does not fit" in str(out[0]), "the reason reaches the error"
+
+
+def test_a_job_whose_only_snapshot_is_corrupt_and_storage_empty_starts_at_step_0():
+    def body(rank, ranks):
+        def load_memory(step, slot, source):
+            raise CheckpointError("fails its checksum")
+        return resume({4: (Slot(), "memory")}, stored([]), gather=lambda v: ranks.gather(rank, v),
+                      outcomes=lambda c: ranks.gather(rank, c), load_memory=load_memory, load_stored=None, rank=rank)
+    assert run_ranks(2, body) == [0, 0], "nothing on storage is passed over: starting over loses no checkpoint"
 
 
 def test_nothing_anywhere_starts_at_step_0():

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from trainguard.adapters.mindspore.checkpoints import Checkpoints, ParamSnapshots
+from trainguard.core.faults import FaultInjector
 from trainguard.core.snapshot import SnapshotDir, State
 from trainguard.core.snapshot.shared import DENSE_FROM, Sharing
 
@@ -46,6 +47,7 @@ class Replica(Checkpoints):
     def __init__(self, snapshots: ParamSnapshots) -> None:
         self.rank, self.world_size, self.snapshots, self.store = 1, 1, snapshots, None
         self.sharing, self._dense, self.state = Sharing(1, 1, True, {0, 1}), {}, Params()
+        self.injector = FaultInjector([], 1)  # no faults: a load strikes phase=resume faults
 
     def all_gather_ints(self, values: list[int]) -> list[int]:
         return list(values)

@@ -68,15 +68,17 @@ def resume(memory: dict[int, tuple[Any, str]], newest_stored: Callable[[set[int]
     """
     dropped: set[int] = set()
     found = newest_stored(dropped)
-    unusable = False  # some rank dropped a copy (every rank knows from the outcomes)
+    unusable = False  # some rank dropped a checkpoint on storage (every rank knows from the outcomes)
+    reasons: list[str] = []  # why this rank dropped each
     try:
         while True:
             every = gather(sorted(set(memory) | ({found.step} if found is not None else set())))
             if not any(every):
-                if unusable:  # starting over would silently overwrite the job's checkpoints
-                    raise CheckpointError("no snapshot or checkpoint that every rank can load is left (the "
-                                          "reasons are logged above); not starting from step 0: move the "
-                                          "checkpoint directory away to start the job over")
+                if unusable:  # starting over would silently train past (and prune) the job's checkpoints
+                    mine = f"rank {rank}: " + "; ".join(reasons[-3:]) if reasons else "see the other ranks' logs"
+                    raise CheckpointError(f"no snapshot or checkpoint that every rank can load is left ({mine}); "
+                                          f"not starting from step 0: move the checkpoint directory away to start "
+                                          f"the job over")
                 return 0
             common = set(every[0]).intersection(*every[1:])
             if not common:
@@ -91,6 +93,7 @@ def resume(memory: dict[int, tuple[Any, str]], newest_stored: Callable[[set[int]
                     load_stored(found)
             except CheckpointError as e:
                 log.warning("rank %d: not resuming from %s at step %d: %s", rank, where, step, e)
+                reasons.append(f"step {step} from {where}: {e}")
                 if step in memory:
                     code = UNUSABLE
                     del memory[step]  # its slot was closed by the read
@@ -100,7 +103,7 @@ def resume(memory: dict[int, tuple[Any, str]], newest_stored: Callable[[set[int]
                 code, why = FAILED, f"{type(e).__name__}: {e}"
                 log.error("rank %d could not load its state at step %d from %s", rank, step, where, exc_info=e)
             codes = outcomes(code)
-            unusable = unusable or UNUSABLE in codes or UNUSABLE_STORED in codes
+            unusable = unusable or UNUSABLE_STORED in codes
             if UNUSABLE_STORED in codes and found is not None and found.step == step:  # no rank uses it
                 dropped.add(step)
                 found = newest_stored(dropped)

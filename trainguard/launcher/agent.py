@@ -62,6 +62,10 @@ _WORKER_STORE_KEY = "trainguard/worker_store_port"
 _TOKEN_KEY = "trainguard/token"
 #: The controller's states between a fault and its outcome.
 _HANDLING = ("ABNORMAL", "RECOVERING", "DUMPING")
+#: How long the others of a round in which a rank failed before every rank
+#: registered may take to leave by themselves (a setting every rank refuses
+#: alike) before they are ended.
+STARTING_GRACE_S = 3.0
 #: How long the agent waits for the others at exit once a node agent was lost.
 EXIT_BARRIER_AFTER_LOSS_S = 10
 
@@ -250,11 +254,16 @@ class TrainguardAgent(LocalElasticAgent):
         if failed and state == "INIT" and running:
             # A rank failed before every rank registered (while starting or
             # resuming): nothing can be recovered in place, and the others
-            # may wait for it in a collective for good. End the round now, as
-            # torchrun does (its --max-restarts relaunches it).
+            # may wait for it in a collective for good. End the round, as
+            # torchrun does (its --max-restarts relaunches it), once the
+            # others had a moment to finish refusing the same setting.
+            now = time.monotonic()
             if self._failed_at is None:
+                self._failed_at = now
                 log.error("rank %s failed before every rank had registered with the controller (while starting "
                           "or resuming); ending ranks %s", sorted(failed)[:16], running[:16])
+            if now - self._failed_at < STARTING_GRACE_S:
+                return RunResult(state=WorkerState.HEALTHY)
             return super()._monitor_workers(worker_group)
         if running or (failed and state in _HANDLING):
             # Not torch's poll while anything runs: it ends every worker at the

@@ -49,6 +49,9 @@ POLL_S = 0.1
 #: After the controller ended the job, how long workers get to leave before
 #: they are killed (a processor forces its own exit 10 s after the command).
 STRAGGLER_GRACE_S = 15.0
+#: How long the others of a job in which a rank failed before every rank
+#: registered may take to leave by themselves before they are ended.
+STARTING_GRACE_S = 3.0
 #: MindSpore's CPU collective timeout trainguard sets when the job does not:
 #: how long the survivors of a killed worker stay inside a collective. It
 #: must stay below the controller's prelock timeout (30 s by default), or
@@ -183,6 +186,7 @@ class MsrunPlugin:
         KILL_WORKER role) and report a worker found frozen."""
         frozen = FrozenWatch()
         self._exited_at: float | None = None
+        self._failed_starting: float | None = None  # when a rank failed before every rank registered
         while True:
             running = 0
             for local_rank, code, pid in self._workers():
@@ -199,12 +203,14 @@ class MsrunPlugin:
                 elif pid not in self._reported and code not in _ORDERED:
                     self._reported.add(pid)
                     report_exit(self.controller, self.client, rank, pid, code, last_running=frozen.last_poll)
-                    if self._not_started():
+                    if self._failed_starting is None and self._not_started():
                         log.error("rank %d failed before every rank had registered with the controller (while "
                                   "starting or resuming); ending the others", rank)
-                        self.manager.kill_workers([p for _, c, p in self._workers() if c is None])
+                        self._failed_starting = time.monotonic()
             if not running:
                 return
+            if self._failed_starting is not None and time.monotonic() - self._failed_starting > STARTING_GRACE_S:
+                self.manager.kill_workers([p for _, c, p in self._workers() if c is None])
             self._end_stragglers()
             frozen.last_poll = time.time()
             time.sleep(POLL_S)
