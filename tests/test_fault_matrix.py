@@ -118,7 +118,8 @@ def test_a_hung_rank_is_ended_and_the_relaunch_of_the_dump_is_bit_identical(job_
     assert (record["fault"], record["rank"]) == ("hang", 0)
 
 
-@pytest.mark.slow  # stands for it in CI: test_a_worker_killed_or_stopped_from_outside_at_a_random_moment_dumps_bit_identical
+# stands for it in CI: test_a_worker_killed_or_stopped_from_outside_at_a_random_moment_dumps_bit_identical
+@pytest.mark.slow
 def test_a_worker_that_stops_itself_is_found_and_the_relaunch_is_bit_identical(job_runner, reference):
     _, record = dump_and_relaunch(job_runner, reference, "stop:rank=1,step=5")
     assert record["fault"] == "hang"
@@ -248,7 +249,8 @@ def test_a_rank_that_cannot_load_its_state_stops_every_rank_and_nothing_newer_is
     assert (first.ckpt / "step_00000015" / "manifest.json").read_bytes() == before
 
 
-@pytest.mark.slow  # stands for it in CI: test_a_rank_that_cannot_load_its_state_stops_every_rank_and_nothing_newer_is_written
+# stands for it in CI: test_a_rank_that_cannot_load_its_state_stops_every_rank_and_nothing_newer_is_written
+@pytest.mark.slow
 def test_a_rank_killed_while_it_loads_ends_the_job_at_once_and_nothing_newer_is_written(job_runner):
     first = lm(job_runner, "first", save_every=5, env={})
     assert first.rc == 0, first

@@ -109,6 +109,30 @@ def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identic
 
 @needs_mindspore
 @pytest.mark.timeout(400)
+def test_a_worker_killed_while_it_resumes_ends_the_job_and_the_next_relaunch_is_bit_identical(tmp_path, baseline):
+    """The fault matrix's MindSpore case of a fault while a rank resumes: the
+    relaunch of a dump loses rank 1 while it loads; rank 0 is not left in
+    its all-gather until the collective timeout, nothing newer is written,
+    and the relaunch after that finishes in the fault-free state."""
+    ckpt, fault = tmp_path / "ckpt", "crash:rank=1,step=3,phase=forward;crash:rank=1,step=3,phase=resume"
+    first = run_ms(tmp_path, "first", fault=fault, ckpt=ckpt)
+    assert first.rc == 75, first
+    dump = ckpt / "tft_saved_checkpoints-step_3" / "manifest.json"
+    before = dump.read_bytes()
+    second = run_ms(tmp_path, "second", fault=fault, ckpt=ckpt)
+    assert second.rc not in (0, 75), second
+    assert "rank 1 failed before every rank had registered" in second.log, second
+    assert "RingAllGather" not in second.log, "rank 0 was ended, not left to its collective's timeout"
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == \
+        ["latest_tft_step.txt", "tft_saved_checkpoints-step_3"] and dump.read_bytes() == before
+    third = run_ms(tmp_path, "third", fault=fault, ckpt=ckpt)
+    assert third.rc == 0 and third.report is not None, third
+    assert third.report["final_state_sha256"] == baseline.report["final_state_sha256"], third
+    assert third.report["lost_steps"] == 0, third
+
+
+@needs_mindspore
+@pytest.mark.timeout(400)
 def test_with_snapshots_the_dump_writes_the_snapshot_and_the_relaunch_is_bit_identical(tmp_path, baseline):
     ckpt, fault = tmp_path / "ckpt", "crash:rank=1,step=3,phase=backward"
     env = {"TRAIN_SNAPSHOT_EVERY": "1"}

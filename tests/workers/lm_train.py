@@ -8,8 +8,9 @@ usage: lm_train.py STEPS REPORT CHECKPOINT_DIR [SAVE_EVERY]
 LM_SNAPSHOT_EVERY=N snapshots into memory every N steps; LM_BAD_LOAD=RANK
 makes that rank's data position raise in ``load_state_dict`` (a resume that
 fails; LM_BAD_LOAD_HOW=crash kills the process there, =hang hangs); LM_NO_DATA=1
-does not give the data position to the Guard (a script that loses it on a restart); LM_DROPOUT sets the dropout (default 0.1); LM_STEP_SLEEP=S stretches
-each step (for faults from outside).
+does not give the data position to the Guard (a script that loses it on a
+restart); LM_DROPOUT sets the dropout (default 0.1); LM_STEP_SLEEP=S
+stretches each step (for faults from outside).
 """
 
 import hashlib

@@ -45,7 +45,7 @@ class Found(Protocol):  # a verified checkpoint (core.checkpoint.Verified)
 def resume(memory: dict[int, tuple[Any, str]], newest_stored: Callable[[set[int]], Found | None], *,
            gather: Callable[[list[int]], list], outcomes: Callable[[int], list[int]],
            load_memory: Callable[[int, Any, str], None], load_stored: Callable[[Any], None],
-           rank: int) -> int:
+           rank: int, before: Callable[[int], None] = lambda step: None) -> int:
     """Pick the step to resume at and load it on every rank; 0 when there is
     nothing anywhere.
 
@@ -61,6 +61,8 @@ def resume(memory: dict[int, tuple[Any, str]], newest_stored: Callable[[set[int]
         load_stored: load a checkpoint from :func:`newest_stored`; raises
             ``CheckpointError`` when one of its files does not load.
         rank: this rank, for messages.
+        before: called with the step before each load (the fault injector's
+            ``phase=resume`` strikes there).
 
     Raises:
         CheckpointError: the ranks share no step.
@@ -87,6 +89,7 @@ def resume(memory: dict[int, tuple[Any, str]], newest_stored: Callable[[set[int]
             where = "memory" if step in memory else f"storage ({found.path})"
             code, why = LOADED, ""
             try:
+                before(step)
                 if step in memory:
                     load_memory(step, *memory[step])
                 else:

@@ -179,14 +179,16 @@ def load(store: CheckpointStore, model: Any, optimizer: Any, scheduler: Any, *,
 
     def never(*_: Any) -> None:  # no snapshots here
         raise RuntimeError("no memory to load from")
-    step = resume({}, newest, gather=_gather, outcomes=_gather, rank=dist.get_rank() if dist.is_initialized() else 0,
-                  load_memory=never, load_stored=lambda f: load_found(f, model, optimizer, scheduler, device=device))
+    step = resume({}, newest, gather=all_gather_objects, outcomes=all_gather_objects,
+                  rank=dist.get_rank() if dist.is_initialized() else 0, load_memory=never,
+                  load_stored=lambda f: load_found(f, model, optimizer, scheduler, device=device))
     if not step:
         return 0, {}
     return step, found[0].manifest.get("meta", {}).get("history", {})
 
 
-def _gather(value: Any) -> list:
+def all_gather_objects(value: Any) -> list:
+    """Every rank's ``value`` (picklable; the ranks' own values only), by rank."""
     if not dist.is_initialized():
         return [value]
     out: list = [None] * dist.get_world_size()

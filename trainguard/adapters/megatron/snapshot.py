@@ -40,8 +40,8 @@ from trainguard.adapters.torch.checkpoints import read_stored_snapshot
 from trainguard.adapters.torch.snapshot import Snapshots, destinations, filled, read_payload_into
 from trainguard.core import CheckpointError, CheckpointStore
 from trainguard.core.checkpoint import FileInfo
-from trainguard.core.snapshot import SnapshotDir
 from trainguard.core.resume import resume
+from trainguard.core.snapshot import SnapshotDir
 from trainguard.core.snapshot.ring import load_verified
 
 from . import checkpoint as ckpt
@@ -179,14 +179,6 @@ def read_file(path: Any, device: Any = "cpu") -> tuple[dict, dict[int, dict]]:
     return _parts(read_stored_snapshot(path, torch.device(device)))
 
 
-def _all_gather(value: Any) -> list:
-    if not dist.is_initialized():
-        return [value]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 # ------------------------------------------------------------------ ring
 class MegatronSnapshots(Snapshots):
     """One Megatron rank's snapshots, persisted in Megatron's layout.
@@ -262,7 +254,7 @@ class MegatronSnapshots(Snapshots):
         sharded = sharded_kinds(optimizer)
         shards = [{"kind": k, "copies": c, "full": k not in sharded, "saved_by": rank, "files": [_own_file(optimizer)]}
                   for k, c in ckpt.saved_copies(here, optimizer) if c[0] == rank]
-        everyone = [s for saver in _all_gather(shards) for s in saver]
+        everyone = [s for saver in ckpt.all_gather_objects(shards) for s in saver]
         if not shards:
             return
         finalize = None
@@ -308,8 +300,9 @@ class MegatronSnapshots(Snapshots):
             loaded.update(history=stored.manifest.get("meta", {}).get("history", {}), source="storage",
                           where=stored.path)
 
-        step = resume(self.available(verify=False), newest, gather=_all_gather, outcomes=_all_gather,
-                      rank=self.rank, load_memory=from_memory, load_stored=from_storage)
+        step = resume(self.available(verify=False), newest, gather=ckpt.all_gather_objects,
+                      outcomes=ckpt.all_gather_objects, rank=self.rank, load_memory=from_memory,
+                      load_stored=from_storage)
         if not step:
             return 0, {}
         self.resumed_from = {"step": step, "source": loaded["source"]}

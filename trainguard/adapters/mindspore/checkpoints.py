@@ -214,17 +214,11 @@ class Checkpoints(JobHistory):
         def newest(dropped: set[int]) -> Verified | None:
             found[0] = self.store.latest(exclude=dropped) if self.store is not None else None
             return found[0]
-        def from_memory(step: int, slot, source: str) -> None:
-            self.injector.strike("resume", step)
-            self._load_memory(step, slot, source, found[0])
-
-        def from_storage(stored: Verified) -> None:
-            self.injector.strike("resume", stored.step)
-            self._load_stored(stored)
         try:
             return resume(memory, newest, gather=lambda steps: _gather_lists(self, steps),
                           outcomes=lambda code: self.all_gather_ints([code]), rank=self.rank,
-                          load_memory=from_memory, load_stored=from_storage)
+                          load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found[0]),
+                          load_stored=self._load_stored, before=lambda step: self.injector.strike("resume", step))
         finally:
             for slot in self._dense.values():
                 slot.close()

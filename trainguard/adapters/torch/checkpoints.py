@@ -288,16 +288,10 @@ class Checkpoints(JobHistory):
             found[0] = self.store.latest(exclude=dropped) if self.store is not None else None
             return found[0]
         gather = lambda value: self.process_group.all_gather_json(value, self.device.torch_device)  # noqa: E731
-        def from_memory(step: int, slot, source: str) -> None:
-            self.injector.strike("resume", step)
-            self._load_memory(step, slot, source, found[0])
-
-        def from_storage(stored: Verified) -> None:
-            self.injector.strike("resume", stored.step)
-            self._load_stored(stored)
         try:
-            return resume(memory, newest, gather=gather, outcomes=gather, rank=self.rank, load_memory=from_memory,
-                          load_stored=from_storage)
+            return resume(memory, newest, gather=gather, outcomes=gather, rank=self.rank,
+                          load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found[0]),
+                          load_stored=self._load_stored, before=lambda step: self.injector.strike("resume", step))
         finally:
             for slot in self._dense.values():
                 slot.close()

@@ -68,8 +68,9 @@ from .handlers import TorchHandlers
 from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
+from .own import fingerprints
 from .process_group import AbortableProcessGroup, GroupRef, allreduce_hook, job_namespace
-from .state import fingerprint, state_sha256
+from .state import state_sha256
 from .trainstate import TrainState
 
 __all__ = ["Guard"]
@@ -401,7 +402,7 @@ class Guard(Checkpoints):
         if self.own_records is not None and self.state.streams_moved():  # drawn after the update began
             self.record_own(self._step, self.state.committed_own())
         if self.rehearsal is not None:
-            self.rehearsal.step(self._step, self._fingerprints(self.state.committed_own()))
+            self.rehearsal.step(self._step, fingerprints(self.state.module, self.state.committed_own(), self.rank))
         if self.ddp is not None:
             self.keep_bucket_layout()
         self.compile_cache.after_step()
@@ -494,22 +495,12 @@ class Guard(Checkpoints):
             "compile_cache": self.compile_cache.report(),
         }
 
-    def _fingerprints(self, own: dict) -> dict:
-        """For ``trainguard rehearse``: the model, this rank's streams (torch's
-        apart from Python's and NumPy's, which a script may leave unseeded),
-        its data position."""
-        rng = own["rng"][str(self.rank)]
-        return {"model": fingerprint(self.state.module.state_dict()),
-                "rng": fingerprint({"torch": rng["torch"], "cuda": rng.get("cuda")}),
-                "python": fingerprint(rng["python"]), "numpy": fingerprint(rng.get("numpy")),
-                "data": fingerprint(own["data"]) if "data" in own else None}
-
     def close(self, *, finished: bool = True) -> None:
         """Say goodbye to the controller and remove trainguard's hooks."""
         if self.rehearsal is not None:
             if finished:
                 self.rehearsal.final({**self.report(), "data_given": "data" in self.state.host,
-                                      **self._fingerprints(self.state.own_part())})
+                                      **fingerprints(self.state.module, self.state.own_part(), self.rank)})
             self.rehearsal.close()
             self.rehearsal = None
         for hook in self._hooks:

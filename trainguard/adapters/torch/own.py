@@ -18,9 +18,9 @@ import torch
 
 from trainguard.core import CheckpointError
 
-from .state import flatten, unflatten
+from .state import fingerprint, flatten, unflatten
 
-__all__ = ["own_file", "pack", "unpack"]
+__all__ = ["fingerprints", "own_file", "pack", "unpack"]
 
 _LENGTH = struct.Struct("<Q")
 #: dtypes an own part holds (RNG states: uint8 and int64; a data position may hold others).
@@ -78,3 +78,14 @@ def unpack(data: bytes, where: str = "own part") -> Any:
         return unflatten(head["skeleton"], tensors)
     except Exception as e:  # noqa: BLE001 - every way malformed bytes fail is the same answer
         raise CheckpointError(f"{where} is malformed ({type(e).__name__}: {e})") from None
+
+
+def fingerprints(module: torch.nn.Module, own: dict, rank: int) -> dict:
+    """For ``trainguard rehearse``: the model, this rank's streams (torch's
+    apart from Python's and NumPy's, which a script may leave unseeded) and
+    its data position, each as a fingerprint."""
+    rng = own["rng"][str(rank)]
+    return {"model": fingerprint(module.state_dict()),
+            "rng": fingerprint({"torch": rng["torch"], "cuda": rng.get("cuda")}),
+            "python": fingerprint(rng["python"]), "numpy": fingerprint(rng.get("numpy")),
+            "data": fingerprint(own["data"]) if "data" in own else None}
