@@ -157,7 +157,8 @@ def table(rows: list[dict]) -> str:
                       "-" if r["detect_s"] is None else f"{r['detect_s']:.2f}",
                       "-" if r["recover_s"] is None else f"{r['recover_s']:.2f}", same, r["reason"]))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) + "  " + line[-1] for line in lines)
+    return "\n".join(("  ".join(c.ljust(w) for c, w in zip(line, widths)) + "  " + line[-1]).rstrip()
+                     for line in lines)
 
 
 if __name__ == "__main__":
