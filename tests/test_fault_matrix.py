@@ -235,6 +235,30 @@ def test_a_second_fault_during_a_recovery_falls_back_to_a_dump_that_relaunches_b
 
 
 # ---------------------------------------------------------------- resume
+def test_a_shard_that_passes_its_checksum_but_not_the_safe_load_gives_way_to_the_older_checkpoint(
+        job_runner, reference):
+    """A shard whose manifest checksum matches but which torch's
+    weights_only load refuses (a pickled object in it) is a corrupt
+    checkpoint: every rank falls back to the newest sound one, and the job
+    ends as the fault-free run does."""
+    first = lm(job_runner, "first", save_every=5, env={})
+    assert first.rc == 0, first
+    step_dir = first.ckpt / "step_00000015"
+    shard = step_dir / "shard_k0_r0.pt"
+    import hashlib
+    import pickle
+    shard.write_bytes(pickle.dumps({"model": Job}))  # a class: refused by weights_only
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"]["shard_k0_r0.pt"] = {"bytes": shard.stat().st_size,
+                                           "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    # The same world and steps as the reference: it resumes from step 10 and trains the rest again.
+    second = lm(job_runner, "second", save_every=5, ckpt=first.ckpt, env={})
+    assert second.rc == 0, second
+    assert "not resuming from storage" in second.log and "could not be loaded safely" in second.log, second
+    assert finals(second) == reference, f"not bit-identical to the fault-free run:\n{second.log[-4000:]}"
+
+
 def test_a_rank_that_cannot_load_its_state_stops_every_rank_and_nothing_newer_is_written(job_runner):
     first = lm(job_runner, "first", save_every=5, env={})
     assert first.rc == 0, first

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -401,6 +402,16 @@ def test_ownership_stale_directories_and_refusal(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 7 and "runs twice on this node" in out.stdout
     assert sweep(root) == [] and live.path.is_dir()
+    # An owner killed and not yet reaped by its parent (a zombie) is gone all the same.
+    zombie = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    start = int(Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    (root / "trainguard-killed").mkdir()
+    (root / "trainguard-killed" / "owner.json").write_text(
+        json.dumps({"pid": zombie.pid, "start": start, "host": socket.gethostname()}))
+    assert sweep(root) == [root / "trainguard-killed"]
+    zombie.wait()
     with pytest.raises(ConfigError, match="does not exist"):
         SnapshotDir.attach(root / "trainguard-nothing")
     live.remove()

@@ -36,12 +36,14 @@ OWNER = "owner.json"
 
 def _start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (``/proc``), or
-    ``None`` when there is no such process."""
+    ``None`` when there is no such process -- or only its zombie: a killed
+    owner whose parent has not reaped it yet is gone all the same."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def _alive(owner: dict) -> bool:
