@@ -87,6 +87,18 @@ def run_bounded(cmd: list[str], *, env: dict, cwd: Path, timeout: float,
 
 
 @pytest.fixture
+def shm(tmp_path):
+    """A snapshot directory owned by the test, under a private root (not /dev/shm)."""
+    from trainguard.core.snapshot import SnapshotDir
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    d = SnapshotDir.create("job", root)
+    yield d
+    d.remove()
+
+
+@pytest.fixture
 def job_runner(tmp_path):
     def run(name: str, **kwargs) -> Job:
         return run_job(tmp_path, name, **kwargs)

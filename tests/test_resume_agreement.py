@@ -5,7 +5,7 @@ its peer training alone into a "complete" one-file checkpoint).
 
 Units here: :func:`trainguard.core.resume.resume` with ranks as threads, the
 decision for a job some rank never joined, the controller driven by hand.
-The real processes are in ``test_resume_faults.py``."""
+The real processes are in ``test_fault_matrix.py``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from test_snapshot import _equal, _state, _wait_sealed, shm  # noqa: F401 - shm is a fixture
+from test_snapshot import _equal, _state, _wait_sealed
 from trainguard.adapters.torch.snapshot import Snapshots, read_payload
 
 

@@ -28,11 +28,11 @@ import torch
 from conftest import WORKERS
 from trainguard.adapters.torch.snapshot import Snapshots
 from trainguard.core import CheckpointError, ControllerConfig
-from trainguard.core.checkpoint import CheckpointStore, FileInfo, _io_error
+from trainguard.core.checkpoint import CheckpointStore, FileInfo, io_error
 from trainguard.core.controller import ControllerCore
 from trainguard.core.protocol import trainguard_pb2 as pb
-from trainguard.core.snapshot import SnapshotDir
-from trainguard.core.snapshot.persist import _persist, write_record
+from trainguard.core.snapshot.persist import _persist
+from trainguard.core.snapshot.records import write_record
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,15 +41,6 @@ NAME = "shard_k0_r0.safetensors"
 
 
 # ------------------------------------------------------------------ persist
-@pytest.fixture
-def shm(tmp_path):
-    root = tmp_path / "shm"
-    root.mkdir()
-    d = SnapshotDir.create("job", root)
-    yield d
-    d.remove()
-
-
 @pytest.fixture
 def snaps(shm):
     ring = Snapshots(shm, 0, count=2)
@@ -71,7 +62,7 @@ class FailingStore(CheckpointStore):
         self.err, self.at = err, at
 
     def _fail(self, what: str):
-        return _io_error(what, OSError(self.err, os.strerror(self.err)))
+        return io_error(what, OSError(self.err, os.strerror(self.err)))
 
     def copy_file(self, step, name, data, xxh3):
         if self.at == "copy_file":
@@ -167,9 +158,9 @@ def test_a_worker_that_gave_up_removes_the_step_once_the_other_ranks_are_done(sn
     """Its own file failed while another rank was still writing its own:
     the directory goes once that rank's record (here: failed) is in, so the
     slower rank does not make it again after it was removed."""
-    from trainguard.core.snapshot.persist import _Leftovers
+    from trainguard.core.snapshot.records import Leftovers
 
-    root, leftovers = tmp_path / "ckpt", _Leftovers()
+    root, leftovers = tmp_path / "ckpt", Leftovers()
     store = FailingStore(root, errno.ENOSPC)
     fin = _fin(2, "own_r1.bin", timeout_s=600)
     reply = _persist(_request(snaps, root, 6, finalize=fin), os.getpid(), store=store, leftovers=leftovers)

@@ -49,6 +49,7 @@ __all__ = [
     "Naming",
     "SavedShard",
     "Verified",
+    "io_error",
 ]
 
 log = logging.getLogger("trainguard.checkpoint")
@@ -160,7 +161,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _io_error(what: str, e: OSError) -> CheckpointError:
+def io_error(what: str, e: OSError) -> CheckpointError:
+    """The store's failure to do ``what``, in words a user acts on (a full disk says so)."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return CheckpointError(f"{what}: the disk is full ({e.strerror}); the previous checkpoint is untouched")
     return CheckpointError(f"{what}: {e.strerror or e}")
@@ -203,7 +205,7 @@ class CheckpointStore:
                 raw.flush()
                 os.fsync(raw.fileno())
         except OSError as e:
-            raise _io_error(f"writing {path}", e) from None
+            raise io_error(f"writing {path}", e) from None
         return FileInfo(name, writer.bytes, writer.hash.hexdigest())
 
     def write_buffer(self, step: int, name: str, data: memoryview | bytes) -> FileInfo:
@@ -228,7 +230,7 @@ class CheckpointStore:
                 os.fsync(out.fileno())
         except OSError as e:
             path.unlink(missing_ok=True)
-            raise _io_error(f"writing {path}", e) from None
+            raise io_error(f"writing {path}", e) from None
         return FileInfo(name, len(view), digest.hexdigest())
 
     def copy_file(self, step: int, name: str, data: memoryview, xxh3: int | None) -> FileInfo:
@@ -253,7 +255,7 @@ class CheckpointStore:
                 os.fsync(out.fileno())
         except OSError as e:
             path.unlink(missing_ok=True)
-            raise _io_error(f"writing {path}", e) from None
+            raise io_error(f"writing {path}", e) from None
         finally:
             view.release()
         return FileInfo(name, len(data), "", xxh3)
@@ -268,7 +270,7 @@ class CheckpointStore:
                 os.fsync(f.fileno())
             return FileInfo(name, path.stat().st_size, sha256_of(path))
         except OSError as e:
-            raise _io_error(f"writing {path}", e) from None
+            raise io_error(f"writing {path}", e) from None
 
     def _file(self, step: int, name: str) -> Path:
         """The path of ``name`` (``file`` or ``subdir/file``) in ``step``'s
@@ -280,7 +282,7 @@ class CheckpointStore:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise _io_error(f"creating {path.parent}", e) from None
+            raise io_error(f"creating {path.parent}", e) from None
         return path
 
     def finalize(self, step: int, files: Sequence[FileInfo], *, layout: Mapping | None = None,
@@ -340,7 +342,7 @@ class CheckpointStore:
             _fsync_dir(self.root)
             self._write_tracker(step)
         except OSError as e:
-            raise _io_error(f"finalising {final}", e) from None
+            raise io_error(f"finalising {final}", e) from None
         log.info("checkpoint %s finalised (%d files)", final, len(files))
         self._prune(step)
         return final

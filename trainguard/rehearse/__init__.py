@@ -115,13 +115,8 @@ def _one(case: Case, root: Path, command: list[str], strategies: str | None, wit
            "recover_s": None, "exits": []}
     if case.skip:
         return row
-    fault = case.fault
-    if case.resume_fault:  # the rank struck first fails again while it loads its state
-        rank = fault.split("rank=")[1].split(",")[0]
-        step = fault.split("step=")[1].split(",")[0]
-        fault += f";crash:rank={rank},step={step},phase=resume"
-    r = run(root / case.slug, command, fault=fault, strategies=strategies, outside=case.outside, within_s=within,
-            seed=seed)
+    r = run(root / case.slug, command, fault=case.fault, strategies=strategies, outside=case.outside,
+            within_s=within, seed=seed)
     final = read_final(r.directory)
     row["exits"] = [launch.rc for launch in r.launches]
     verdict = judge(reference, final, {k: read_trace(r.directory, k) for k in reference}, ref_traces, row["exits"])

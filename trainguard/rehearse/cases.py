@@ -26,9 +26,6 @@ class Case:
         kind: the fault kind the case stands for under ``--quick``.
         fault: ``TRAINGUARD_FAULT`` for its first launch (``None``: none injected).
         outside: a signal sent to a worker at a random moment of training.
-        resume_fault: after the first fault, a crash of that rank while it
-            loads its state in the next launch (the relaunch of a dump) or
-            as its replacement joins (a restart in place).
         skip: why the case does not apply to this script (it then does not run).
     """
 
@@ -36,7 +33,6 @@ class Case:
     kind: str
     fault: str | None = None
     outside: int | None = None
-    resume_fault: bool = False
     skip: str = ""
 
     @property
@@ -64,8 +60,10 @@ def plan_cases(world_size: int, steps: int, saved: list[int], *, quick: bool) ->
     cases.append(Case("hang in forward", "hang", f"hang:rank=0,step={at},phase=forward"))
     cases.append(Case("SIGSTOP from outside", "stop", outside=signal.SIGSTOP))
     cases.append(Case("kill -9 from outside", "kill", outside=signal.SIGKILL))
-    cases.append(Case("crash while resuming", "resume", f"crash:rank={rank},step={at},phase=forward",
-                      resume_fault=True))
+    # The rank struck first fails again while it loads its state: in the relaunch of the dump, or as its
+    # replacement joins (a restart in place).
+    cases.append(Case("crash while resuming", "resume", f"crash:rank={rank},step={at},phase=forward;"
+                                                         f"crash:rank={rank},step={at},phase=resume"))
     save = next((s for s in sorted(saved) if 0 < s < steps), None)
     cases.append(Case("crash during a save", "save", f"crash:rank={rank},step={save},phase=save") if save else
                  Case("crash during a save", "save", skip="the script saves no periodic checkpoint before its "

@@ -142,8 +142,8 @@ class Checkpoints(JobHistory):
     def setup_own_records(self) -> None:
         """Record this rank's own part in the node agent's memory at every
         update (:mod:`trainguard.core.snapshot.own`); none without an agent."""
-        directory = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
-        self.own_records = OwnRecords(directory, self.rank) if directory else None
+        self._node_dir = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+        self.own_records = OwnRecords(self._node_dir, self.rank) if self._node_dir else None
 
     def record_own(self, step: int, own: dict) -> None:
         if self.own_records is not None:
@@ -151,8 +151,7 @@ class Checkpoints(JobHistory):
 
     def recorded_own(self, rank: int, step: int) -> bytes | None:
         """``rank``'s own part at ``step`` as recorded on this node, or ``None``."""
-        directory = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
-        return read_own(directory, rank, step) if directory else None
+        return read_own(self._node_dir, rank, step) if self._node_dir else None
 
     def write_own(self, step: int, rank: int, data: bytes) -> FileInfo:
         """``rank``'s own part (packed) as a file of ``step``'s checkpoint."""

@@ -17,10 +17,11 @@ replies on its stdout (:class:`PersistWorker` is that side). Requests:
 A persist that fails (the store is full, read-only, gone, or fails I/O) is
 answered ``ok: False`` with the reason and the step the tracker names (the
 newest complete checkpoint, untouched); the trainer goes on and
-:class:`~.ring.PersistHealth` tells once per streak of such failures. A file that
+:class:`~.health.PersistHealth` tells once per streak of such failures. A file that
 could not be written leaves an empty ``.failed`` record (it needs no data
 block, so it gets through to a full store), and the finalising worker gives
-up on the step at once and removes its temporary directory.
+up on the step at once and removes its temporary directory
+(:mod:`.records`).
 
 Nothing the worker does is on the training loop's path, and it runs at a
 lower CPU priority than the trainer (:data:`NICE`). If it is killed,
@@ -32,7 +33,6 @@ persists already asked of it and exits.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import logging
@@ -48,64 +48,29 @@ from pathlib import Path
 from typing import Any
 
 from ..api import CheckpointError
-from ..checkpoint import MEGATRON, MINDSPORE, TMP_SUFFIX, TORCH, CheckpointStore, FileInfo, _io_error
+from ..checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo, io_error
+from .records import FAILED, GIVE_UP_GRACE_S, RECORDS, Leftover, Leftovers, record_path, write_record
 from .segment import Mappings, Slot, State
 
-__all__ = ["PersistWorker", "write_record"]
+__all__ = ["PersistWorker"]
 
 log = logging.getLogger("trainguard.snapshot")
 
 NAMINGS = {"torch": TORCH, "megatron": MEGATRON, "mindspore": MINDSPORE}
-RECORDS = ".records"
-FAILED = ".failed"  # the suffix of a record saying its file could not be written
 #: How much lower than its trainer's the worker's CPU priority is (``nice``).
 NICE = 10
 #: How long a finalising worker whose trainer died still waits for the other shards.
 ORPHAN_GRACE_S = 5.0
-#: How long a finalising worker that gave up on a step waits, beside its other work, for the other ranks'
-#: records before it removes the step's directory (a rank still writing would make it again); once its
-#: trainer closed it, at most :data:`CLOSING_GRACE_S` more (the trainer waits for it to exit).
-GIVE_UP_GRACE_S = 5.0
-CLOSING_GRACE_S = 0.5
 
 
 # --------------------------------------------------------------------- worker
-def _record_path(tmp: Path, name: str) -> Path:
-    return tmp / RECORDS / (name.replace("/", "__") + ".json")
-
-
-def write_record(store: CheckpointStore, step: int, info: FileInfo) -> None:
-    """Record a file written into ``step``'s temporary directory, for the
-    finalising persist to collect (whole or not at all: it may read at once);
-    ``bytes=-1``: it could not be written, and the step is not finalised.
-    That record is an empty file (``<name>.failed``): it needs no data
-    block, so a full store still takes it and the finaliser stops waiting.
-
-    Raises:
-        CheckpointError: the store did not take the record.
-    """
-    record = _record_path(store.tmp_path(step), info.name)
-    part = record.with_suffix(".part")
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)  # a failed record may come first
-        if info.bytes < 0:
-            record.with_suffix(FAILED).touch()
-            return
-        part.write_text(json.dumps([info.name, info.bytes, info.sha256, info.xxh3]))
-        os.replace(part, record)
-    except OSError as e:
-        with contextlib.suppress(OSError):  # (none was made where the directory could not be)
-            part.unlink(missing_ok=True)
-        raise _io_error(f"recording {info.name} of step {step}", e) from None
-
-
 class _Superseded(CheckpointError):
     """A newer step is final already: this one is not needed (not a failure of the store)."""
 
 
 def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Future | None = None,
              maps: Mappings | None = None, *, store: CheckpointStore | None = None,
-             leftovers: _Leftovers | None = None) -> dict:
+             leftovers: Leftovers | None = None) -> dict:
     """Write the slot's payload as a checkpoint file; ``sealing``: the seal of
     that slot already under way on the seal thread (its checksum is taken
     instead of hashing again), ``pushed``: that seal's whole task, peer push
@@ -137,15 +102,15 @@ def _finalise(store: CheckpointStore, step: int, fin: dict, parent: int) -> Path
     try:
         shutil.rmtree(tmp / RECORDS)
     except OSError as e:
-        raise _io_error(f"removing {tmp / RECORDS}", e) from None
+        raise io_error(f"removing {tmp / RECORDS}", e) from None
     return store.finalize(step, files, layout=fin.get("layout"), meta=fin.get("meta"), rehash=False)
 
 
 def _failed(store: CheckpointStore, step: int, name: str, fin: dict | None, error: Exception,
-            leftovers: _Leftovers | None = None) -> dict:
+            leftovers: Leftovers | None = None) -> dict:
     """The reply to a persist of ``step`` that failed, once what it leaves is
     dealt with: a finaliser (``fin``) has the step's temporary directory
-    removed, and any older one (see :class:`_Leftovers`), so a full store
+    removed, and any older one (see :class:`Leftovers`), so a full store
     gets its space back at once rather than at the next finalise; another
     rank records its file as failed, so the finaliser stops waiting for it.
     A step that is final already (a dying gasp of the same or a newer step)
@@ -154,7 +119,7 @@ def _failed(store: CheckpointStore, step: int, name: str, fin: dict | None, erro
     next finalise would remove it anyway."""
     newest = store.tracked_step()
     if fin and (newest is None or newest < step):
-        later = _Leftover(store, step, [_record_path(store.tmp_path(step), n) for n in fin["expected"] if n != name],
+        later = Leftover(store, step, [record_path(store.tmp_path(step), n) for n in fin["expected"] if n != name],
                           time.monotonic() + GIVE_UP_GRACE_S)
         if leftovers is None:
             later.remove()
@@ -166,68 +131,6 @@ def _failed(store: CheckpointStore, step: int, name: str, fin: dict | None, erro
         except CheckpointError:  # the finaliser waits its timeout (or fails on the store itself)
             pass
     return {"ok": False, "error": str(error), "superseded": isinstance(error, _Superseded), "last_complete": newest}
-
-
-@dataclasses.dataclass
-class _Leftover:
-    """A step a finaliser gave up on, to remove from the store."""
-
-    store: CheckpointStore
-    step: int
-    others: list[Path]  # the other ranks' records
-    deadline: float
-
-    def due(self, now: float) -> bool:
-        return now >= self.deadline or self.final() or \
-            all(p.is_file() or p.with_suffix(FAILED).exists() for p in self.others)
-
-    def final(self) -> bool:
-        """Whether a newer or the same step is final meanwhile (its finalise
-        removed the older directories, or a dying gasp made this step)."""
-        newest = self.store.tracked_step()
-        return newest is not None and newest >= self.step
-
-    def remove(self) -> None:
-        """Remove the temporary directories of the step and of older steps
-        (none of them can be finalised any more), unless :meth:`final`."""
-        if self.final():
-            return
-        try:
-            paths = [p for p in self.store.root.iterdir() if p.name.endswith(TMP_SUFFIX)]
-        except OSError:  # the store is gone, or not readable: nothing to give back
-            return
-        for path in paths:
-            old = self.store.naming.step_of(path.name[:-len(TMP_SUFFIX)])
-            if old is not None and old <= self.step:
-                shutil.rmtree(path, ignore_errors=True)
-
-
-class _Leftovers:
-    """The steps a finalising worker gave up on, removed once every other
-    rank's record is in (or :data:`GIVE_UP_GRACE_S` passed): a rank still
-    writing its file of the step would make the directory again after it
-    was removed. The worker checks between requests, so waiting here keeps
-    no snapshot slot from training, and before it exits."""
-
-    def __init__(self) -> None:
-        self.pending: list[_Leftover] = []
-
-    def add(self, leftover: _Leftover) -> None:
-        self.pending.append(leftover)
-        self.check()
-
-    def check(self, *, last: bool = False) -> None:
-        """Remove the steps that are due; ``last`` (the trainer closed the
-        worker): every one, waiting at most :data:`CLOSING_GRACE_S`."""
-        end = time.monotonic() + CLOSING_GRACE_S
-        while self.pending:
-            now = time.monotonic()
-            for leftover in [p for p in self.pending if (last and now >= end) or p.due(now)]:
-                self.pending.remove(leftover)
-                leftover.remove()
-            if not last or not self.pending:
-                return
-            time.sleep(0.05)
 
 
 def _write(req: dict, store: CheckpointStore, sealing: Future | None, pushed: Future | None,
@@ -280,7 +183,7 @@ def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int
     deadline, orphaned = time.monotonic() + timeout_s, None
     while True:
         _not_superseded(store, step)
-        paths = [_record_path(tmp, n) for n in expected]
+        paths = [record_path(tmp, n) for n in expected]
         failed = [n for n, p in zip(expected, paths) if p.with_suffix(FAILED).exists()]  # see write_record
         if failed:
             raise CheckpointError(f"{tmp.name}: {failed[:4]} could not be written; not finalised")
@@ -288,7 +191,7 @@ def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int
             try:
                 return [FileInfo(*json.loads(p.read_text())) for p in paths]
             except OSError as e:
-                raise _io_error(f"reading the records in {tmp}", e) from None
+                raise io_error(f"reading the records in {tmp}", e) from None
         now = time.monotonic()
         if orphaned is None and os.getppid() != parent:
             orphaned = now
@@ -339,7 +242,7 @@ def _serve(stdin: Any, stdout: Any) -> None:
     # The trainer's slots stay mapped between requests: each is sealed and
     # maybe persisted at every snapshot (a 1 GB slot: 0.2 s to map and unmap).
     maps = Mappings()
-    leftovers = _Leftovers()
+    leftovers = Leftovers()
 
     def read() -> None:
         for line in stdin:

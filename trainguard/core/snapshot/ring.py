@@ -35,7 +35,8 @@ from ..api import CheckpointError, ConfigError
 from ..checkpoint import CheckpointStore, FileInfo
 from .peer import fetch
 from .health import PersistHealth
-from .persist import PersistWorker, write_record
+from .persist import PersistWorker
+from .records import write_record
 from .segment import Entry, Layout, Slot, State
 from .shm import SnapshotDir
 
@@ -263,7 +264,8 @@ class SnapshotRing:
                 else:
                     self.errors.append(f"step {r['step']}: {r['error']}")
                     if r.get("superseded"):  # not a failure: the newer checkpoint is there
-                        log.error("rank %d: persisting step %s failed: %s", self.rank, r["step"], r["error"])
+                        log.info("rank %d: the save of step %s was not finalised: %s", self.rank, r["step"],
+                                 r["error"])
                     else:
                         self.health.failed(r["step"], r["error"], r.get("last_complete"))
             elif not r["ok"]:
