@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import common
 from checkpoint import FINALIZE, NAME, clock, mean, med, resnet_state, synthetic_state, table_rows, torch_saves
-from trainguard.adapters.torch.snapshot import Snapshots
+from trainguard.adapters.torch.snapshot import Snapshots, staging_bytes
 from trainguard.adapters.torch.state import flatten
 from trainguard.adapters.torch.trainstate import TrainState
 from trainguard.core.checkpoint import CheckpointStore
@@ -31,8 +31,13 @@ def gpu_rows(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], d
 
     take()'s device-to-host bandwidth in line (the copy, then the host work
     a snapshot needs while it is in flight, then one synchronize) against
-    one flat copy_ of the same bytes into a pinned tensor, and the time of
-    the state's flatten alone (host work no copy can overlap)."""
+    one flat copy_ of the same bytes into a pinned tensor, in five variants
+    side by side: the copies started after the walk of the state (the code
+    before) or ahead of it, each tensor copied on its own or small ones
+    gathered through a staging buffer (the gathers in line, or beside the
+    copies out); and the time of the state's flatten
+    alone. Blocked per checkpoint likewise with the walk first and the
+    copies ahead, alternately."""
     _, label, model, opt, train = made
     committed = TrainState(model, opt)
 
@@ -55,19 +60,14 @@ def gpu_rows(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], d
     saves, dcp_ret, _ = torch_saves(state, reps, tmp)
     shm, root = SnapshotDir.create(job), tmp / f"ckpt-{job}"
     snaps = Snapshots(shm, 0, count=2)
-    snaps.staging_bytes = 0  # the default (see staging_bytes()); with a staging buffer below: side by side
-    blocked, take, flat, plain, with_ckpt, walk = [], [], [], [], [], []
+    snaps.staging_bytes = staging_bytes()  # the default
+    blocked, plain, with_ckpt, walk, flat = {True: [], False: []}, [], [], [], []
     try:
         first = [clock(lambda: snaps.take(state, step)) for step in (1, 2)]
         while snaps.worker.pending:
             snaps.poll(0.5)
-        for i in range(reps):
-            flat.append(clock(flat_copy))
-            walk.append(clock(lambda: flatten(state, [])))
-            torch.cuda.synchronize()
-            take.append(clock(lambda: snaps.take(state, 10 + 2 * i)))
-            while snaps.worker.pending:  # its seal (a checksum pass over host memory) before the next measure
-                snaps.poll(0.5)
+        for i in range(2 * reps):  # the copies started ahead of the walk (the default) and after it, alternately
+            snaps.copy_ahead = ahead = i % 2 == 0
             plain.append(synced(train))
             synced(train)  # as the Guard checkpoints: at the end of a step, the next step's update waits
             step = 11 + 2 * i
@@ -76,54 +76,91 @@ def gpu_rows(made: tuple, reps: int, tmp: Path, job: str) -> tuple[list[dict], d
             index = snaps.take(snapshot_of(step), step, background=True)
             snaps.persist(index, step, root=str(root), name=NAME, finalize=FINALIZE)
             t1, waited = time.perf_counter(), snaps.waited
-            with_ckpt.append(t1 - t0 + synced(lambda: train(snaps.settle)))
-            blocked.append(t1 - t0 + snaps.waited - waited)
+            step_s = t1 - t0 + synced(lambda: train(snaps.settle))
+            if ahead:
+                with_ckpt.append(step_s)
+            blocked[ahead].append(t1 - t0 + snaps.waited - waited)
             snaps.wait(600)
             if snaps.errors or index is None:
                 raise RuntimeError(f"persist failed: slot {index}, {snaps.errors}")
             for old in CheckpointStore(root).steps()[1:]:
                 shutil.rmtree(CheckpointStore(root).final_path(old))
         pins = snaps.pins
-        snaps.staging_bytes = 64 << 20  # the same take() with small tensors gathered on the device first
-        snaps.forget_views()
-        staged_takes = []
-        for i in range(reps + 2):
-            torch.cuda.synchronize()
-            staged_takes.append(clock(lambda: snaps.take(state, 100 + i)))
-            snaps.wait(600)
-        staged, staged_takes = snaps.report(None), staged_takes[2:]  # the first of each slot registers it again
     finally:
         snaps.close()
         shm.remove()
-    ours, save, async_ = mean(blocked), mean(saves[1:]), mean(dcp_ret[1:])
+    # take() in line, five variants side by side: the walk first (the code before) or the copies ahead of it;
+    # one copy per tensor, or small tensors gathered through a 64 MiB staging buffer, the gathers in line
+    # (the code before) or on a stream of their own beside the copies out; each take is of the committed
+    # state after a commit, as the Guard takes it
+    variants = [(False, 0, False), (False, 64, False), (True, 0, False), (True, 64, False), (True, 64, True)]
+    kinds = sorted({(mb, overlap) for _, mb, overlap in variants})
+    dirs = {k: SnapshotDir.create(f"{job}-d2h{k[0]}{'o' if k[1] else ''}") for k in kinds}
+    rings = {k: Snapshots(d, 0, count=2) for k, d in dirs.items()}
+    takes: dict = {v: [] for v in variants}
+    try:
+        for (mb, overlap), ring in rings.items():
+            ring.staging_bytes, ring.staging_overlap = mb << 20, overlap
+        for i in range(reps + 2):  # the first two fill (and register) both slots of each ring
+            flat.append(clock(flat_copy))
+            walk.append(clock(lambda: flatten(state, [])))
+            for ahead, mb, overlap in variants:
+                ring = rings[mb, overlap]
+                ring.copy_ahead = ahead
+                committed.commit(100 + i)
+                taken = snapshot_of(100 + i)
+                torch.cuda.synchronize()
+                takes[ahead, mb, overlap].append(clock(lambda: ring.take(taken, 100 + i)))
+                while ring.worker.pending:  # its seal (a checksum pass over host memory) before the next measure
+                    ring.poll(0.5)
+        reports = {k: ring.report(None) for k, ring in rings.items()}
+    finally:
+        for ring in rings.values():
+            ring.close()
+        for d in dirs.values():
+            d.remove()
+    takes = {v: t[2:] for v, t in takes.items()}
+    default = (True, staging_bytes() >> 20, bool(staging_bytes()))
+    name = {(False, 0, False): "walk first (before), one copy per tensor",
+            (False, 64, False): "walk first (before), staging on, gathers in line",
+            (True, 0, False): "copies ahead of the walk, one copy per tensor",
+            (True, 64, False): "copies ahead of the walk, staging on, gathers in line",
+            (True, 64, True): "copies ahead of the walk, staging on, gathers beside the copies out"}
+    label_of = lambda v: f"{'ahead' if v[0] else 'walk'}_{v[1]}MiB{'_overlap' if v[2] else ''}"  # noqa: E731
+    ours, save, async_ = mean(blocked[True]), mean(saves[1:]), mean(dcp_ret[1:])
     rows = table_rows(label, (
         ("6 GPU blocked/ckpt", "trainguard take(background)+persist() req+wait", ours, None,
-         f"mean of {reps}; {nbytes / 1e6:.0f} MB in {len(tensors)} tensors; {pins} slots pinned; the copy on a "
-         "side stream beside the next forward and backward"),
+         f"mean of {reps}; {nbytes / 1e6:.0f} MB in {len(tensors)} tensors; {pins} slots pinned; copies ahead of "
+         "the walk, on a side stream beside the next forward and backward"),
+        ("6 GPU blocked/ckpt", "the same, the walk first (before)", mean(blocked[False]), None,
+         f"mean of {reps}, alternating with the row above"),
         ("6 GPU blocked/ckpt", "trainguard first take (allocates, pins)", mean(first), None,
          "per slot: " + ", ".join(f"{x:.3g}" for x in first) + " s"),
         ("6 GPU blocked/ckpt", "torch.save + fsync", save, None, f"mean of {reps}"),
         ("6 GPU blocked/ckpt", "DCP async_save (until return)", async_, None, f"mean of {reps}"),
-        ("6 GPU step", "training step, no checkpoint", med(plain), None, f"median of {reps}, synchronized"),
+        ("6 GPU step", "training step, no checkpoint", med(plain), None, f"median of {2 * reps}, synchronized"),
         ("6 GPU step", "training step after a snapshot + persist request", med(with_ckpt), None,
          f"median of {reps}, synchronized; the snapshot's take() and request included"),
-        ("6 GPU->host", "trainguard take()", med(take), nbytes,
-         f"median of {reps}; in line; one copy per tensor"),
-        ("6 GPU->host", "trainguard take(), staging on", med(staged_takes), nbytes,
-         f"median of {reps}; in line; {staged['staged_copies']} staged + {staged['direct_copies']} direct copies "
-         f"through a {staged['staging_MB']} MiB device buffer"),
-        ("6 GPU->host", "pinned copy_: one flat tensor", med(flat), nbytes, f"median of {reps}; goal baseline"),
+        *(("6 GPU->host", f"take(): {name[v]}" + (" (default)" if v == default else ""), med(takes[v]), nbytes,
+           f"median of {reps}; in line, the committed state after a commit; "
+           + (f"{reports[v[1:]]['staged_copies']} staged + {reports[v[1:]]['direct_copies']} direct copies through "
+              f"a {v[1]} MiB device buffer" if v[1] else "one copy per tensor"))
+          for v in variants),
+        ("6 GPU->host", "pinned copy_: one flat tensor", med(flat), nbytes, f"median of {reps + 2}; goal baseline"),
         ("6 GPU host", "flatten() of the state alone", med(walk), None,
-         f"median of {reps}; {len(tensors)} tensors: host work before the first copy can start")))
-    return rows, {"vs_save": 100 * ours / save, "vs_async": ours / async_, "d2h": 100 * med(flat) / med(take),
-                  "d2h_staged": 100 * med(flat) / med(staged_takes), "step": 100 * med(plain) / med(with_ckpt),
-                  "samples": {"blocked": blocked, "take": take, "staged": staged_takes, "flat": flat,
+         f"median of {reps + 2}; {len(tensors)} tensors: host work that copies started ahead of it overlap")))
+    return rows, {"vs_save": 100 * ours / save, "vs_async": ours / async_, "d2h": 100 * med(flat) / med(takes[default]),
+                  **{f"d2h_{label_of(v)}": 100 * med(flat) / med(takes[v]) for v in variants},
+                  "step": 100 * med(plain) / med(with_ckpt),
+                  "samples": {"blocked": blocked[True], "blocked_walk_first": blocked[False], "flat": flat,
+                              **{f"take_{label_of(v)}": takes[v] for v in variants},
                               "torch_save": saves, "async_save": dcp_ret, "plain": plain, "with_ckpt": with_ckpt,
                               "flatten": walk}}
 
 
-NOTE_6 = ("state on the GPU (ResNet-50 + AdamW after one step; the synthetic state); ours: take() walks the state, "
-          "then copies each tensor with non_blocking (one _foreach_copy_) into slots page-locked by cudaHostRegister "
+NOTE_6 = ("state on the GPU (ResNet-50 + AdamW after one step; the synthetic state); ours: take() starts the "
+          "copies of the tensors the last take found, then walks the state and checks each still sits where it did "
+          "(the code before, 'walk first': walks the state, then starts the copies); it copies each tensor with non_blocking (one _foreach_copy_) into slots page-locked by cudaHostRegister "
           "(or, staging on, gathers runs of small tensors on the device into a staging buffer first, one "
           "_foreach_copy_ per dtype, and copies each run), checks the layout and encodes the metadata while the "
           "copies are in flight, then one synchronize; as the Guard checkpoints "

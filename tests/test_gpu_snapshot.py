@@ -37,9 +37,10 @@ def test_take_pins_the_slot_and_reads_back_exactly(tmp_path, monkeypatch):
     from trainguard.core.snapshot.ring import load_verified
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    state = {"w": torch.randn(1024, 513, device="cuda", generator=g),
+    model = {"w": torch.randn(1024, 513, device="cuda", generator=g),
              "h": torch.randn(77, device="cuda", generator=g).half(), "n": torch.arange(5, device="cuda"),
              "step": torch.tensor(3.0), "big": torch.randn(5 << 20, device="cuda", generator=g)}  # 20 MB
+    state = {"state": {"model": model}}  # where a load puts tensors on the device (snapshot.on_device)
     # "big" goes on its own; "step" (a host tensor) splits the rest into two runs through the buffer
     monkeypatch.setenv("TRAINGUARD_SNAPSHOT_STAGING_MB", "16")
     shm = SnapshotDir.create(f"gpusnap-unit-{uuid.uuid4().hex[:8]}")
@@ -55,8 +56,9 @@ def test_take_pins_the_slot_and_reads_back_exactly(tmp_path, monkeypatch):
         held = snaps.available()
         step, back = load_verified(held[max(held)][0], lambda p: read_payload(p, "cuda"))
         assert step == 3
-        for key, t in state.items():
-            assert back[key].device.type == "cuda" and torch.equal(back[key].to(t.device), t), key
+        for key, t in model.items():
+            got = back["state"]["model"][key]
+            assert got.device.type == "cuda" and torch.equal(got.to(t.device), t), key
         for slot, _ in held.values():
             slot.close()
     finally:
@@ -95,6 +97,63 @@ def test_a_background_take_leaves_on_a_side_stream_after_the_work_that_wrote_the
             back = read_back(step)
             assert torch.equal(back["w"], state["w"].cpu()), step
         assert snaps.pins >= 2 and not snaps.pin_failed and not snaps.errors
+    finally:
+        snaps.close()
+        shm.remove()
+
+
+@pytest.mark.parametrize("staging_mb", ["0", "16"])
+def test_copies_started_before_the_walk_land_exactly_what_the_walk_found(monkeypatch, staging_mb):
+    """From the second take on, the device copies start from the last take's
+    tensors before the state is walked. Whatever the walk then finds lands:
+    values changed in place; a tensor replaced by one of the same shape
+    elsewhere in memory (copied again, behind); a host tensor's new value; a
+    new structure (walked and copied afresh); in line and in the background."""
+    from test_snapshot_layout import _read_back, _same
+    from trainguard.adapters.torch.snapshot import Snapshots
+    from trainguard.core.snapshot import SnapshotDir
+
+    monkeypatch.setenv("TRAINGUARD_SNAPSHOT_STAGING_MB", staging_mb)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    state = {"model": {"w": torch.randn(512, 300, device="cuda", generator=g),
+                       "bn": torch.randn(64, device="cuda", generator=g), "n": torch.tensor(7, device="cuda"),
+                       "big": torch.randn(5 << 20, device="cuda", generator=g)},
+             "optimizer": {"state": {0: {"step": torch.tensor(1.0), "m": torch.zeros(512, 300, device="cuda")}}},
+             "rng": torch.arange(16, dtype=torch.uint8)}
+    shm = SnapshotDir.create(f"gpusnap-ahead-{uuid.uuid4().hex[:8]}")
+    snaps = Snapshots(shm, 0, count=2)
+
+    def check(step: int, background: bool) -> None:
+        assert snaps.take(state, step, background=background) is not None
+        back = _read_back(snaps, step)
+        want = {"model": {k: v.cpu() for k, v in state["model"].items()},
+                "optimizer": {"state": {0: {k: v.cpu() for k, v in state["optimizer"]["state"][0].items()}}},
+                "rng": state["rng"]}
+        assert _same(back, want), (step, background)
+    try:
+        check(1, False)
+        assert snaps.ahead_hits == 0
+        for step, background in ((2, False), (3, True), (4, False), (5, True)):
+            torch.cuda._sleep(100_000_000)  # the writes below are queued behind a busy stream
+            state["model"]["w"].mul_(1.5)
+            state["optimizer"]["state"][0]["m"].add_(step)
+            state["optimizer"]["state"][0]["step"] += 1
+            state["rng"] = state["rng"] + 1  # a new host tensor at every take, as the RNG streams are
+            check(step, background)
+        assert (snaps.ahead_hits, snaps.ahead_late) == (4, 0)
+        for step, background in ((6, False), (7, True)):  # new memory under an old path: copied behind
+            state["model"]["bn"] = torch.randn(64, device="cuda", generator=g)
+            state["model"]["n"] = torch.tensor(step, device="cuda")
+            check(step, background)
+        assert (snaps.ahead_hits, snaps.ahead_late) == (6, 4)
+        state["model"]["extra"] = torch.ones(3, device="cuda")  # a new path: walked and copied afresh
+        check(8, False)
+        state["model"]["w"] = torch.randn(256, 300, device="cuda", generator=g)  # a new shape
+        check(9, True)
+        assert snaps.ahead_hits == 6, "a changed structure is not taken ahead of its walk"
+        check(10, False)
+        assert snaps.ahead_hits == 7, "the new structure is taken ahead from its second take on"
+        assert not snaps.errors and snaps.report(None)["copied_ahead"] == 7
     finally:
         snaps.close()
         shm.remove()

@@ -34,6 +34,8 @@ def parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
+    p.set_defaults(master_port=None)  # as torch 2.13 has it: a single-node job without one gets a free port
+    # (_standalone_defaults); torch 2.11's 29500 made two such jobs on one host collide
     p.prog = "trainguard run"
     p.description = "Launch a training script like torchrun, protected by trainguard."
     tg = p.add_argument_group("trainguard")

@@ -103,10 +103,21 @@ class TrainState:
 
     # ------------------------------------------------------------ snapshots
     def commit(self, step: int) -> None:
-        """Record the state at the end of ``step`` (cheap: buffers, small dicts, RNG)."""
+        """Record the state at the end of ``step`` (cheap: buffers, small dicts,
+        RNG). The buffers are copied into the last commit's copies where they
+        still fit: no allocation, and a snapshot finds them where it found
+        them last (:mod:`.snapshot` starts its copies before its walk)."""
         buffers = dict(self.module.named_buffers())
+        now = [buffers[n].detach() for n in self._buffer_names]
+        kept = self.snapshot["buffers"] if self.snapshot is not None else {}
+        if now and list(kept) == self._buffer_names and all(
+                k.shape == t.shape and k.dtype == t.dtype and k.device == t.device for k, t in zip(kept.values(), now)):
+            with torch.no_grad():
+                torch._foreach_copy_(list(kept.values()), now)
+        else:
+            kept = {n: t.clone() for n, t in zip(self._buffer_names, now)}
         self.snapshot = {
-            "buffers": {n: buffers[n].detach().clone() for n in self._buffer_names},
+            "buffers": kept,
             "host": {k: copy.deepcopy(v.state_dict()) for k, v in self.host.items()},
             "rng": _rng_state(),
         }
