@@ -135,7 +135,7 @@ def _outside(tmp: Path, name: str, sig: int, seed: int):
         record = None
         deadline = time.time() + 120
         while record is None and time.time() < deadline and proc.poll() is None:
-            record = next(Path("/dev/shm").glob(f"trainguard-*-{proc.pid}/own-r1"), None)
+            record = next(Path("/dev/shm").glob(f"trainguard-*-{proc.pid}-*/own-r1"), None)
             time.sleep(0.02)
         assert record is not None, "rank 1 never recorded an update"
         time.sleep(random.Random(seed).uniform(0.0, 1.5))

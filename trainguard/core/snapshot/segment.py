@@ -25,10 +25,12 @@ on the file, readers a shared one; a killed process's locks go with it.
 from __future__ import annotations
 
 import enum
+import errno
 import fcntl
 import json
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -49,6 +51,7 @@ _HEAD = struct.Struct("<8sIIQqQQQd")
 META_KEY = "trainguard"
 _CHUNK = 64 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # (O_NONBLOCK: a planted FIFO must not block an open)
 
 
 class State(enum.IntEnum):
@@ -188,11 +191,32 @@ class Slot:
 
     # ---------------------------------------------------------------- mapping
     def _open(self, create: bool) -> bool:
-        if self._fd is None:
+        """Open the slot file (``create``: make it when missing), never
+        through a link: the directory may be shared memory someone else
+        planted names in. A file is only ever made anew (``O_EXCL``), and
+        only a regular file is used.
+
+        Raises:
+            CheckpointError: the name is a link or not a regular file.
+        """
+        while self._fd is None:
             try:
-                self._fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+                fd = os.open(self.path, os.O_RDWR | _NOFOLLOW)
             except FileNotFoundError:
-                return False
+                if not create:
+                    return False
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+                except FileExistsError:  # made meanwhile: open that one
+                    continue
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise CheckpointError(f"snapshot slot {self.path} is a symbolic link: not following it") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise CheckpointError(f"snapshot slot {self.path} is not a regular file")
+            self._fd = fd
         return True
 
     def _mapped(self) -> mmap.mmap:
