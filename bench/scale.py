@@ -64,6 +64,7 @@ from trainguard.core.processor import _pb_group
 from trainguard.core.replicas import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.rpc import SERVICE, auth_metadata, new_token
+from trainguard.core.secret import TLS
 
 STEP = 100
 KINDS = ("stop", "clean", "resume")  # commands whose first arrival per rank is kept
@@ -87,7 +88,7 @@ def controller_main(world: int, token: str, conn) -> None:
     from trainguard.core.server import Controller
 
     raise_nofile()
-    ctl = Controller(ControllerConfig(), world, token=token)
+    ctl = Controller(ControllerConfig(), world, token=token, tls=TLS.from_env())  # TLS: see make_pki
     conn.send(ctl.start())
     while (req := conn.recv()) != "stop":
         try:
@@ -109,6 +110,31 @@ def controller_main(world: int, token: str, conn) -> None:
 
 
 # ---------------------------------------------------------------- clients
+def _channel(address: str, opts: list) -> grpc.aio.Channel:
+    """A client channel, over mutual TLS when the run sets TRAINGUARD_TLS_* (see make_pki)."""
+    tls = TLS.from_env()
+    return grpc.aio.secure_channel(address, tls.channel(), options=opts) if tls is not None else \
+        grpc.aio.insecure_channel(address, options=opts)
+
+
+def make_pki(d: Path) -> dict:
+    """A certificate authority and one node certificate for 127.0.0.1 it
+    signed (openssl), as TRAINGUARD_TLS_* settings: the controller and every
+    client process use the same, as nodes given one Secret would."""
+    import subprocess
+
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=bench ca")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=127.0.0.1")
+    ssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "node.pem",
+        "-days", "1", "-extfile", "ext.cnf")
+    return {"TRAINGUARD_TLS_CERT": str(d / "node.pem"), "TRAINGUARD_TLS_KEY": str(d / "node.key"),
+            "TRAINGUARD_TLS_CA": str(d / "ca.pem")}
+
+
 class Ranks:
     """The simulated ranks of one client process, on one asyncio loop."""
 
@@ -116,7 +142,7 @@ class Ranks:
         self.ranks, self.world, self.interval = ranks, world, interval
         self.md = auth_metadata(token)
         opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
-        self.channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(-(-len(ranks) // per_channel))]
+        self.channels = [_channel(address, opts) for _ in range(-(-len(ranks) // per_channel))]
         self.status = {run: pb.Status(step=STEP, run=run, data=pb.UPDATED) for run in (pb.TRAINING, pb.STOPPED)}
         self.heartbeat = {run: pb.RankMessage(heartbeat=s).SerializeToString() for run, s in self.status.items()}
         self.stopped_msg = pb.RankMessage(stopped=self.status[pb.STOPPED]).SerializeToString()
@@ -225,7 +251,7 @@ class Nodes:
         self.nodes = [ranks[j:j + per_node] for j in range(0, len(ranks), per_node)]
         self.index = {r: i for i, r in enumerate(ranks)}
         opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
-        self.channels = [grpc.aio.insecure_channel(address, options=opts)
+        self.channels = [_channel(address, opts)
                          for _ in range(-(-len(self.nodes) // per_channel))]
         self.status = {run: pb.Status(step=STEP, run=run, data=pb.UPDATED) for run in (pb.TRAINING, pb.STOPPED)}
         self.group = _pb_group(ReplicaGroup.full(range(world)))
@@ -367,7 +393,8 @@ def run_size(n: int, a) -> dict:
                                        per_node)))
         procs[-1].start()
         conns.append(conn)
-    row: dict = {"ranks": n, "ranks_per_node": per_node, "heartbeat_interval_s": interval,
+    row: dict = {"ranks": n, "tls": TLS.from_env() is not None, "ranks_per_node": per_node,
+                 "heartbeat_interval_s": interval,
                  "loadavg_1m": round(os.getloadavg()[0], 1)}
     clients_cpu = lambda: sum(cpu_s(p.pid) for p in procs)  # noqa: E731
     try:
@@ -437,7 +464,7 @@ def run_size(n: int, a) -> dict:
                 p.join(5)
 
 
-COLUMNS = ["ranks", "ranks_per_node", "heartbeat_interval_s", "registered", "refused_first", "register_s", "controller_cpu_pct", "clients_cpu_pct",
+COLUMNS = ["ranks", "tls", "ranks_per_node", "heartbeat_interval_s", "registered", "refused_first", "register_s", "controller_cpu_pct", "clients_cpu_pct",
            "state_after_steady", "fault_to_all_stop_s", "fault_to_all_plan_s", "fault_to_resume_s",
            "controller_cpu_pct_episode", "strategy", "state_after_episode", "loadavg_1m"]
 
@@ -452,13 +479,27 @@ def main() -> None:
     p.add_argument("--register-timeout", type=float, help="seconds (default 30 quick, 180 full)")
     p.add_argument("--steady-s", type=float, help="CPU window in seconds (default 3 quick, 10 full)")
     p.add_argument("--episode-timeout", type=float, default=120.0)
+    p.add_argument("--tls", choices=("off", "on", "both"), default="both",
+                   help="the control plane over mutual TLS, plain, or each size both ways side by side (default)")
     a = p.parse_args()
     sizes = a.sizes or ([256] if a.quick else [1024, 4096, 16384])
     a.register_timeout = a.register_timeout or (30.0 if a.quick else 180.0)
     a.steady_s = a.steady_s or (3.0 if a.quick else 10.0)
     raise_nofile()
-    rows = [run_size(n, a) for n in sizes]
-    top = rows[-1]
+    import tempfile
+
+    modes = {"off": [False], "on": [True], "both": [False, True]}[a.tls]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tg-bench-pki-") as d:
+        pki = make_pki(Path(d)) if True in modes else {}
+        for n in sizes:
+            for tls in modes:  # the same size plain and over TLS, one after the other
+                for k, v in pki.items():
+                    os.environ.pop(k, None) if not tls else os.environ.__setitem__(k, v)
+                rows.append(run_size(n, a))
+        for k in pki:
+            os.environ.pop(k, None)
+    top = next(r for r in reversed(rows) if r["tls"] == modes[0])  # the goals: the plain run (or TLS alone)
     # the ranks registered; none when the controller did not stay NORMAL while they heartbeat
     serves = top["registered"] if top["registered"] < top["ranks"] or top.get("state_after_steady") == "NORMAL" else 0
     goals = [

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -116,7 +117,8 @@ def run_two_nodes(tmp: Path, name: str, *, fault: str, strategies: str, steps: i
     ckpt, report = tmp / f"{name}-ckpt", tmp / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env.update(TRAINGUARD_HEARTBEAT_INTERVAL_S="0.5", TRAINGUARD_PRELOCK_TIMEOUT_S="20", PYTHONUNBUFFERED="1",
-               TRAINGUARD_FAULT=fault, TRAINGUARD_STRATEGIES=strategies, **(env_extra or {}))
+               TRAINGUARD_FAULT=fault, TRAINGUARD_STRATEGIES=strategies, **(env_extra or {}),
+               TRAINGUARD_TOKEN=f"two-nodes-{uuid.uuid4().hex}")  # several nodes: one shared secret
     port = _free_port()
     endpoint = f"127.0.0.1:{port}"
     rendezvous = None

@@ -33,6 +33,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _secret_file(tmp: Path) -> Path:
+    path = tmp / "job-secret"
+    path.write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")
+    path.chmod(0o400)
+    return path
+
+
 def run_nodes(tmp: Path, name: str, *, lose_after_s: float = 0.0) -> tuple[list, dict]:
     """Two node agents; with ``lose_after_s``, SIGKILL the node without the
     controller (agent and worker) that long after training starts, then
@@ -47,7 +54,8 @@ def run_nodes(tmp: Path, name: str, *, lose_after_s: float = 0.0) -> tuple[list,
     job = f"{name}-{uuid.uuid4().hex[:6]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env.update(TRAINGUARD_HEARTBEAT_INTERVAL_S="0.5", TRAINGUARD_PRELOCK_TIMEOUT_S="20", TRAINGUARD_STRATEGIES="dump",
-               PYTHONUNBUFFERED="1", SNAPSHOT_PEER="1", SNAP_STEP_SLEEP="0.1")
+               PYTHONUNBUFFERED="1", SNAPSHOT_PEER="1", SNAP_STEP_SLEEP="0.1",
+               TRAINGUARD_TOKEN_FILE=str(_secret_file(tmp)))  # two nodes: one secret, as a mounted Secret
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, "--job-id", job,
            "--monitor-interval", "0.1", "--max-restarts", "2", str(WORKERS / "snapshot_train.py"), "30",
@@ -72,7 +80,7 @@ def run_nodes(tmp: Path, name: str, *, lose_after_s: float = 0.0) -> tuple[list,
             victim = next(n for n, log in zip(nodes, logs) if not any("controller listening" in x for x in list(log)))
             # Kill just after a push of rank 1's newest snapshot landed on the other node: its next
             # snapshot is a step (0.1 s of sleep) away, so the peer holds the step the dump locks.
-            copy = Path(f"/dev/shm/trainguard-{job}-{next(n for n in nodes if n is not victim).pid}/peer/r1")
+            copy = next(Path("/dev/shm").glob(f"trainguard-{job}-{next(n for n in nodes if n is not victim).pid}-*")) / "peer" / "r1"
 
             def pushed() -> int | None:
                 try:

@@ -37,16 +37,20 @@ USAGE = """usage: trainguard {run,rehearse,status,ckpt,slow-nodes} ...
 
 def _status(argv: Sequence[str]) -> int:
     from trainguard.core.client import ControllerClient
+    from trainguard.core.secret import TLS, job_secret
 
     p = argparse.ArgumentParser(prog="trainguard status")
     p.add_argument("--controller", default=os.environ.get("TRAINGUARD_CONTROLLER"),
                    help="controller host:port (default: TRAINGUARD_CONTROLLER)")
-    p.add_argument("--token", default=os.environ.get("TRAINGUARD_TOKEN"),
-                   help="job token (default: TRAINGUARD_TOKEN)")
+    p.add_argument("--token", default=None, help="job secret (default: read from TRAINGUARD_TOKEN_FILE, else "
+                                                 "TRAINGUARD_TOKEN)")
     args = p.parse_args(argv)
-    if not args.controller or not args.token:
-        p.error("give --controller and --token (or set TRAINGUARD_CONTROLLER and TRAINGUARD_TOKEN)")
-    print(json.dumps(ControllerClient(args.controller, args.token).status(), indent=1))
+    token = args.token or (job_secret(nodes=2) if os.environ.get("TRAINGUARD_TOKEN_FILE") or
+                           os.environ.get("TRAINGUARD_TOKEN") else None)
+    if not args.controller or not token:
+        p.error("give --controller and the job secret (--token, TRAINGUARD_TOKEN_FILE or TRAINGUARD_TOKEN)")
+    # the controller's TLS settings when it serves TLS (TRAINGUARD_TLS_CERT/KEY/CA)
+    print(json.dumps(ControllerClient(args.controller, token, tls=TLS.from_env()).status(), indent=1))
     return 0
 
 

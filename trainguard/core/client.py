@@ -9,15 +9,17 @@ import grpc
 from .api import ControllerLostError, ProtocolError
 from .protocol import trainguard_pb2 as pb
 from .rpc import SERVICE, auth_metadata, client_channel
+from .secret import TLS
 
 __all__ = ["ControllerClient"]
 
 
 class ControllerClient:
-    """Args: address ``host:port``, the job token, a per-call timeout."""
+    """Args: address ``host:port``, the job token, a per-call timeout, the
+    TLS settings when the controller serves TLS (see :mod:`.secret`)."""
 
-    def __init__(self, address: str, token: str, *, timeout_s: float = 10.0) -> None:
-        self._channel = client_channel(address, 1 << 20)
+    def __init__(self, address: str, token: str, *, timeout_s: float = 10.0, tls: TLS | None = None) -> None:
+        self._channel = client_channel(address, 1 << 20, tls)
         self._metadata = auth_metadata(token)
         self._timeout = timeout_s
         self._address = address
@@ -29,7 +31,7 @@ class ControllerClient:
             return call(request, metadata=self._metadata, timeout=self._timeout)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
-                            grpc.StatusCode.RESOURCE_EXHAUSTED):
+                            grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise ProtocolError(f"controller at {self._address} refused {method}: {e.details()}") from None
             raise ControllerLostError(f"controller at {self._address} unreachable: {e.code().name}") from None
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .api import ConfigError, Strategy
+from .secret import TLS
 from .watchdog import WatchdogConfig
 
 __all__ = [
@@ -33,7 +34,13 @@ HEARTBEATS_PER_S = 4096
 #: Every environment variable trainguard reads, and what it is for.
 ENV: Mapping[str, str] = {
     "TRAINGUARD_CONTROLLER": "controller address host:port (set by the launcher)",
-    "TRAINGUARD_TOKEN": "per-job secret authenticating control messages (set by the launcher)",
+    "TRAINGUARD_TOKEN": "per-job secret authenticating control messages (the same on every node of a multi-node "
+                        "job; a single-node launcher makes one)",
+    "TRAINGUARD_TOKEN_FILE": "a file holding the job secret, mounted on every node (a Kubernetes Secret); read "
+                             "before TRAINGUARD_TOKEN",
+    "TRAINGUARD_TLS_CERT": "PEM certificate of this node for mutual TLS on the control plane (with _KEY and _CA)",
+    "TRAINGUARD_TLS_KEY": "PEM private key of TRAINGUARD_TLS_CERT",
+    "TRAINGUARD_TLS_CA": "PEM certificate of the authority that signed every node's certificate",
     "TRAINGUARD_CHECKPOINT_DIR": "where trainguard.compat.mindio_ttp.megatron_ttp saves and loads when Megatron-LM's "
                                  "args.save/args.load are not there",
     "TRAINGUARD_JOB_ID": "job id used in logs and checkpoints",
@@ -219,6 +226,7 @@ class ProcessorConfig:
     connect_timeout_s: float = 60.0
     exit_grace_s: float = 10.0  # after an exit command, before forcing the exit
     watchdog: WatchdogConfig = WatchdogConfig()
+    tls: TLS | None = None  # when the rank talks to a controller that serves TLS (msrun's workers)
 
     def __post_init__(self) -> None:
         host, sep, port = self.controller.rpartition(":")
@@ -250,6 +258,7 @@ class ProcessorConfig:
             rank=rank,
             world_size=world_size,
             watchdog=watchdog_from_env(environ),
+            tls=TLS.from_env(environ),
             **({"max_message_bytes": _number("TRAINGUARD_MAX_MESSAGE_BYTES", size, int)} if size else {}),
         )
 

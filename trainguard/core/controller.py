@@ -166,6 +166,9 @@ class ControllerCore(Restarts, Phases):
             key = ("list", tuple(g.rank_list), g.replica_cnt, g.replica_shift)
         group = self._parsed.get(key)
         if group is None:
+            if g.range_count and (g.range_step == 0 or not 0 < g.range_count <= self.world_size):
+                raise ProtocolError(f"replica group range of {g.range_count} ranks in steps of {g.range_step}: "
+                                    f"needs a step and at most {self.world_size} ranks")
             ranks = (tuple(range(g.range_start, g.range_start + g.range_step * g.range_count, g.range_step))
                      if g.range_count else key[1])
             group = self._parsed[key] = ReplicaGroup(ranks, g.replica_cnt, g.replica_shift)
@@ -350,6 +353,10 @@ class ControllerCore(Restarts, Phases):
         return max(beats, 5 * r.step_time_s + 2 * self.heartbeat_interval_s, r.silence_s)
 
     # ------------------------------------------------------------- snapshots
+    def pids(self, rank: int) -> list[int]:
+        """Every pid that registered as ``rank`` (its processes, oldest first)."""
+        return self._pids.get(rank, [])
+
     def snapshot(self) -> dict:
         """A JSON-able view for ``trainguard status`` and agents."""
         return {

@@ -142,7 +142,7 @@ class Processor:
             device_repairable=device_repairable, restart_count=restart_count, joining=joining,
             replicas=[_pb_group(g) for g in replicas],
         )
-        self._channel = client_channel(self.config.controller, self.config.max_message_bytes)
+        self._channel = client_channel(self.config.controller, self.config.max_message_bytes, self.config.tls)
         session = self._channel.stream_stream(
             f"/{SERVICE}/Session",
             request_serializer=pb.RankMessage.SerializeToString,

@@ -36,7 +36,8 @@ import grpc
 from .api import TrainguardError
 from .loop import LoopThread
 from .protocol import trainguard_pb2 as pb
-from .rpc import SERVICE, Refused, auth_metadata, check_token, decoder
+from .rpc import SERVICE, Authenticate, Refusals, Refused, auth_metadata, check_token, decoder
+from .secret import TLS
 
 __all__ = ["Relay"]
 
@@ -59,6 +60,8 @@ class Relay(LoopThread):
         max_message_bytes: size limit of one message, each way.
         agent: the node agent's announcement, when a node agent runs it.
         on_order: called on the relay's thread with each order for the agent.
+        tls: reach the controller over mutual TLS with these (the local
+            ranks still connect on loopback, with the job secret).
         batch_window_s, heartbeat_window_s: how long messages wait to travel
             together.
     """
@@ -66,8 +69,8 @@ class Relay(LoopThread):
     def __init__(self, controller: str, token: str, *, host: str = "127.0.0.1", port: int = 0,
                  node: str | None = None, max_message_bytes: int = 1 << 20, batch_window_s: float = 0.002,
                  heartbeat_window_s: float = 0.25, agent: pb.AgentHello | None = None,
-                 on_order: Callable[[pb.AgentOrder], None] | None = None) -> None:
-        self.controller, self.token = controller, token
+                 on_order: Callable[[pb.AgentOrder], None] | None = None, tls: TLS | None = None) -> None:
+        self.controller, self.token, self.tls = controller, token, tls
         self.host, self.port = host, port
         self.node = node or f"{socket.gethostname()}:{os.getpid()}"
         self.limit = max_message_bytes
@@ -81,6 +84,10 @@ class Relay(LoopThread):
         self._upstream_alive = False
         self._stopping = False
         self._agent, self._on_order = agent, on_order
+        self.refusals = Refusals(log, f"relay {self.node}")
+        # A rank's message travels inside an envelope inside a NodeMessage: it must leave room for both, or
+        # the controller would refuse the batch and end the stream of every rank on this node.
+        self._room = max_message_bytes - len(self.node.encode()) - 64
 
     # ------------------------------------------------------------ lifecycle
     thread_name = "trainguard-relay"
@@ -96,8 +103,9 @@ class Relay(LoopThread):
         return self.address
 
     async def _serve(self, ready: Future) -> None:
-        self._channel = grpc.aio.insecure_channel(self.controller, options=[
-            ("grpc.max_send_message_length", self.limit), ("grpc.max_receive_message_length", 4 * self.limit)])
+        options = [("grpc.max_send_message_length", self.limit), ("grpc.max_receive_message_length", 4 * self.limit)]
+        self._channel = grpc.aio.secure_channel(self.controller, self.tls.channel(), options=options) \
+            if self.tls is not None else grpc.aio.insecure_channel(self.controller, options=options)
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout=30)
         except asyncio.TimeoutError:
@@ -110,8 +118,9 @@ class Relay(LoopThread):
         if self._agent is not None:
             self._sends.put_nowait(pb.NodeMessage(node=self.node, agent=self._agent))
         self._tasks = [asyncio.ensure_future(self._read_upstream()), asyncio.ensure_future(self._write_upstream())]
-        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * self.limit),
-                                                ("grpc.so_reuseport", 0)])
+        self._server = grpc.aio.server(
+            interceptors=[Authenticate(self.token, self.refusals, frozenset({"Session"}))],
+            options=[("grpc.max_receive_message_length", 4 * self.limit), ("grpc.so_reuseport", 0)])
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Session": grpc.stream_stream_rpc_method_handler(
                 self._session, request_deserializer=decoder(pb.RankMessage, self.limit),
@@ -168,6 +177,13 @@ class Relay(LoopThread):
         """Send the agent's answer to an order (from any thread)."""
         self._loop.call_soon_threadsafe(self._sends.put_nowait, pb.NodeMessage(node=self.node, events=[event]))
 
+    def report_process_exit(self, rank: int, pid: int, code: int, reason: str = "",
+                            last_running: float = 0.0) -> None:
+        """Tell the controller one of the agent's workers exited (from any
+        thread): over this stream, the agent's own, so no one else can."""
+        exit_ = pb.ProcessExit(rank=rank, pid=pid, exit_code=code, reason=reason, last_running=last_running)
+        self._loop.call_soon_threadsafe(self._sends.put_nowait, pb.NodeMessage(node=self.node, exits=[exit_]))
+
     def _forward(self, rank: int, message: pb.RankMessage | None = None, *, disconnected: bool = False) -> None:
         envelope = pb.RankEnvelope(rank=rank, message=message, disconnected=disconnected)
         if message is not None and message.WhichOneof("body") == "heartbeat":
@@ -202,25 +218,38 @@ class Relay(LoopThread):
             self._sends.put_nowait(pb.NodeMessage(node=self.node, items=batch))
 
     # ------------------------------------------------------------ local ranks
+    def _too_big(self, message: pb.RankMessage) -> str:
+        return (f"RankMessage of {message.ByteSize()} bytes does not fit this relay's {self._room}-byte room "
+                f"(TRAINGUARD_MAX_MESSAGE_BYTES {self.limit}, less the envelope)")
+
+    async def _refuse(self, context, code: grpc.StatusCode, reason: str) -> None:
+        self.refusals(context.peer(), code, reason)
+        await context.abort(code, f"trainguard: {reason}")
+
     async def _session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.ControllerMessage]:
-        if not check_token(context.invocation_metadata(), self.token):
-            log.warning("relay refused UNAUTHENTICATED from %s", context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "trainguard: missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)")
+        if not check_token(context.invocation_metadata(), self.token):  # Authenticate refused it already
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED,
+                               "missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)")
         stream = requests.__aiter__()
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
             return
+        except grpc.RpcError as e:  # a message over gRPC's own size limit ends the stream here
+            self.refusals(context.peer(), grpc.StatusCode.RESOURCE_EXHAUSTED, f"a first message that broke the "
+                                                                              f"stream ({e})")
+            return
         if isinstance(first, Refused):
-            await context.abort(first.code, f"trainguard: {first.reason}")
+            await self._refuse(context, first.code, first.reason)
+        if first.ByteSize() > self._room:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_big(first))
         if first.WhichOneof("body") != "hello":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "trainguard: the first message of a session must be Hello")
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be "
+                                                                          "Hello")
         rank = first.hello.rank
         if rank in self._local:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"trainguard: rank {rank} is already connected to this node's relay")
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"rank {rank} is already connected to this node's relay")
         if not self._upstream_alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "trainguard: the relay lost the controller")
         queue: asyncio.Queue = asyncio.Queue()
@@ -234,7 +263,7 @@ class Relay(LoopThread):
                 if item is _END:
                     break
                 if isinstance(item, _Refusal):
-                    await context.abort(item.code, f"trainguard: {item.reason}")
+                    await self._refuse(context, item.code, f"rank {rank}: {item.reason}")
                 yield item
         finally:
             reader.cancel()
@@ -248,6 +277,9 @@ class Relay(LoopThread):
             async for message in stream:
                 if isinstance(message, Refused):
                     queue.put_nowait(_Refusal(message.code, message.reason))
+                    return
+                if message.ByteSize() > self._room:
+                    queue.put_nowait(_Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_big(message)))
                     return
                 self._forward(rank, message)
                 if message.WhichOneof("body") == "goodbye":

@@ -1,8 +1,12 @@
 """gRPC plumbing shared by the controller and the processors.
 
 * Authentication: every call carries ``authorization: Bearer <token>``; the
-  server compares it in constant time and refuses anything else with
-  ``UNAUTHENTICATED`` and a log line naming the peer.
+  server compares it in constant time (:class:`Authenticate`, an
+  interceptor: before the request's bytes are decoded) and refuses anything
+  else with ``UNAUTHENTICATED``.
+* Logging: every refusal is logged with the peer, at most one line per peer
+  host and kind of refusal a few seconds (:class:`Refusals`; the next line
+  counts the ones left out), so a flood of bad calls cannot flood the log.
 * Size: requests larger than the configured limit are refused with
   ``RESOURCE_EXHAUSTED`` (logged) instead of being parsed.
 * Shape: bytes that do not parse, or parse into a message with nothing in
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-import secrets
+import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,9 +29,12 @@ from google.protobuf.message import DecodeError
 
 from .api import DataStatus, FaultKind, ProtocolError, RunStatus, Severity
 from .protocol import trainguard_pb2 as pb
+from .secret import TLS, new_token
 
 __all__ = [
     "SERVICE",
+    "Authenticate",
+    "Refusals",
     "Refused",
     "auth_metadata",
     "check_token",
@@ -44,11 +52,6 @@ SERVICE = "trainguard.v1.Control"
 _AUTH_KEY = "authorization"
 
 
-def new_token() -> str:
-    """A fresh per-job secret (256 bits, hex)."""
-    return secrets.token_hex(32)
-
-
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((_AUTH_KEY, f"Bearer {token}"),)
 
@@ -59,6 +62,56 @@ def check_token(metadata: Any, token: str) -> bool:
         if key == _AUTH_KEY and isinstance(value, str) and value.startswith("Bearer "):
             return hmac.compare_digest(value[7:].encode(), token.encode())
     return False
+
+
+class Refusals:
+    """The refusal log of a server: one line per peer host and kind of
+    refusal (its code and its reason, numbers aside) per ``interval_s``; the next line for the same pair says how many
+    were left out meanwhile."""
+
+    def __init__(self, logger: logging.Logger, what: str, interval_s: float = 10.0, clock=time.monotonic) -> None:
+        self.log, self.what, self.interval_s, self.clock = logger, what, interval_s, clock
+        self._seen: dict[tuple[str, str, str], list] = {}  # (host, code, kind) -> [last logged at, left out since]
+
+    def __call__(self, peer: str, code: grpc.StatusCode, reason: str) -> None:
+        host = peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer  # ipv4:1.2.3.4:5678 -> ipv4:1.2.3.4
+        key, now = (host, code.name, re.sub(r"\d+", "#", reason)[:48]), self.clock()  # the kind, not its numbers
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self.interval_s:
+            seen[1] += 1
+            return
+        if len(self._seen) >= 4096:  # many peers: forget the old pairs rather than grow
+            self._seen.clear()
+        left_out = seen[1] if seen is not None else 0
+        self._seen[key] = [now, 0]
+        self.log.warning("%s refused %s from %s: %s%s", self.what, code.name, peer, reason,
+                         f" (and {left_out} more from {host} since the last such line)" if left_out else "")
+
+
+def _ignore(data: bytes) -> None:  # the body of a refused call is never decoded
+    return None
+
+
+class Authenticate(grpc.aio.ServerInterceptor):
+    """Refuse a call without the job secret before its request is decoded:
+    a refused stream is never read, and no refused body is parsed."""
+
+    def __init__(self, token: str, refusals: Refusals, streams: frozenset[str]) -> None:
+        self.token, self.refusals, self.streams = token, refusals, streams
+
+    async def intercept_service(self, continuation, details):
+        if check_token(details.invocation_metadata, self.token):
+            return await continuation(details)
+        method = details.method.rsplit("/", 1)[-1]
+        reason = "missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)"
+
+        async def refuse(_request, context):
+            self.refusals(context.peer(), grpc.StatusCode.UNAUTHENTICATED, f"{method}: {reason}")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"trainguard: {reason}")
+
+        if method in self.streams:
+            return grpc.stream_stream_rpc_method_handler(refuse, request_deserializer=_ignore)
+        return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=_ignore)
 
 
 @dataclass(frozen=True)
@@ -88,17 +141,18 @@ def decoder(cls: type, limit: int) -> Callable[[bytes], Any]:
     return decode
 
 
-def client_channel(address: str, max_message_bytes: int) -> grpc.Channel:
-    """An insecure channel to the controller with matching size limits."""
-    return grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max(max_message_bytes, 4 << 20)),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ],
-    )
+def client_channel(address: str, max_message_bytes: int, tls: TLS | None = None) -> grpc.Channel:
+    """A channel to the controller (or a relay) with matching size limits;
+    with ``tls``, mutual TLS (see :mod:`.secret`)."""
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max(max_message_bytes, 4 << 20)),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    if tls is not None:
+        return grpc.secure_channel(address, tls.channel(), options=options)
+    return grpc.insecure_channel(address, options=options)
 
 
 # Enum values in the proto equal the core enums' values, so conversion is by value.

@@ -9,6 +9,7 @@ the only thread that touches :class:`~trainguard.core.controller.ControllerCore`
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from concurrent.futures import Future
@@ -23,7 +24,8 @@ from .config import ControllerConfig
 from .controller import ControllerCore
 from .profiling.live import LiveDetector
 from .protocol import trainguard_pb2 as pb
-from .rpc import SERVICE, Refused, check_token, decoder, new_token, validate_rank_message
+from .rpc import SERVICE, Authenticate, Refusals, Refused, check_token, decoder, validate_rank_message
+from .secret import TLS, new_token
 
 __all__ = ["Controller"]
 
@@ -80,7 +82,9 @@ class _Service:
         self.token = token
         self.routes: dict[int, Callable[[pb.Command], None]] = {}
         self.agents: dict[str, _NodeLink] = {}  # node agents, by the node name of their relay
+        self.agent_keys: dict[str, bytes] = {}  # the key each name was first announced with
         self.stopping = False  # set while the server shuts down: ended sessions are not lost ranks
+        self.refusals = Refusals(log, "controller")
         self.welcome = pb.ControllerMessage(welcome=pb.Welcome(
             job_id=core.config.job_id, heartbeat_interval_s=core.heartbeat_interval_s))
 
@@ -112,7 +116,7 @@ class _Service:
                 self.core.on_disconnect(rank)
 
     async def _refuse(self, context, code: grpc.StatusCode, reason: str) -> None:
-        log.warning("refused %s from %s: %s", code.name, context.peer(), reason)
+        self.refusals(context.peer(), code, reason)
         await context.abort(code, f"trainguard: {reason}")
 
     async def _authorize(self, context) -> None:
@@ -223,12 +227,20 @@ class _Service:
                             f"node agent {node}: ranks {bad[:8]} outside a world of {self.core.world_size}"
                             if bad else f"node agent {node}: negative spare slots {msg.agent.spare}")))
                         return
+                    key = self.agent_keys.setdefault(node, msg.agent.key)
+                    if not msg.agent.key or not hmac.compare_digest(key, msg.agent.key):
+                        link.queue.put_nowait(_Abort(grpc.StatusCode.PERMISSION_DENIED, (
+                            f"node agent {node}: that name was announced with another key (only the agent that "
+                            "took it may take it again)" if msg.agent.key else f"node agent {node}: no key")))
+                        return
                     seen["agent"] = node
                     self.agents[node] = link
                     self.core.on_agent(node, msg.agent)
                 for event in msg.events:
                     if seen.get("agent") == node:
                         self.core.on_agent_event(node, event)
+                for exit_ in msg.exits:
+                    self._agent_exit(seen.get("agent"), node, exit_)
                 for item in msg.items:
                     self._node_item(item, link, local, msg.node or peer)
         except asyncio.CancelledError:
@@ -267,10 +279,20 @@ class _Service:
             if body == "goodbye":
                 self._ended(rank, local.pop(rank), goodbye=True)
         except ProtocolError as e:
-            log.warning("refused rank %d from node %s: %s", rank, node, e)
+            self.refusals(node, grpc.StatusCode.INVALID_ARGUMENT, f"rank {rank}: {e}")
             link.refuse(rank, str(e))
             if rank in local:  # a rank that breaks the protocol mid-session is dropped
                 self._ended(rank, local.pop(rank), goodbye=False)
+
+    def _agent_exit(self, agent: str | None, node: str, report: pb.ProcessExit) -> None:
+        """A worker's exit, from the node agent that runs it and from no one else."""
+        if agent != node or self.core.agents.home(report.rank) != node:
+            owner = self.core.agents.home(report.rank) if 0 <= report.rank < self.core.world_size else None
+            self.refusals(node, grpc.StatusCode.PERMISSION_DENIED, f"an exit report for rank {report.rank}: " + (
+                "it is no node agent" if agent != node else f"rank {report.rank} runs under {owner}"))
+            return
+        self.core.on_process_exit(report.rank, report.pid, report.exit_code, report.reason[:2000],
+                                  report.last_running)
 
     def _dispatch(self, rank: int, body: str, msg: pb.RankMessage) -> None:
         core = self.core
@@ -291,8 +313,18 @@ class _Service:
         await self._authorize(context)
         if isinstance(request, Refused):
             await self._refuse(context, request.code, request.reason)
-        self.core.on_process_exit(request.rank, request.pid, request.exit_code, request.reason[:2000],
-                                  request.last_running)
+        rank, core = request.rank, self.core
+        if not 0 <= rank < core.world_size:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"rank {rank} outside a world of "
+                                                                        f"{core.world_size}")
+        home = core.agents.home(rank)
+        if home is not None:  # a node agent runs it: its exits come over that agent's relay stream
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
+                               f"the exit of rank {rank} is reported by its node agent {home}, not by this call")
+        if core.pids(rank) and request.pid not in core.pids(rank):  # a launcher without a relay (msrun)
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
+                               f"pid {request.pid} never registered as rank {rank}")
+        core.on_process_exit(rank, request.pid, request.exit_code, request.reason[:2000], request.last_running)
         return pb.Ack()
 
     async def get_status(self, request, context) -> pb.JobStatus:
@@ -308,16 +340,20 @@ class Controller(LoopThread):
         config: bind address, strategies, timeouts.
         world_size: number of ranks that will register.
         token: the job secret; a fresh one is made when omitted.
+        tls: serve mutual TLS with these (see :mod:`.secret`); plain gRPC
+            when omitted.
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
 
-    def __init__(self, config: ControllerConfig, world_size: int, *, token: str | None = None) -> None:
+    def __init__(self, config: ControllerConfig, world_size: int, *, token: str | None = None,
+                 tls: TLS | None = None) -> None:
         if world_size < 1:
             raise TrainguardError(f"world_size must be >= 1, got {world_size}")
         self.config = config
         self.world_size = world_size
         self.token = token or new_token()
+        self.tls = tls
         self.address = ""
         self._server: Any = None
         self._service: _Service | None = None
@@ -369,7 +405,8 @@ class Controller(LoopThread):
         # Every rank opens its session at about the same moment; gRPC's default
         # cap on calls waiting to be accepted (1000) would cancel the rest.
         pending = max(4096, 2 * self.world_size)
-        self._server = grpc.aio.server(options=[
+        self._server = grpc.aio.server(interceptors=[
+            Authenticate(self.token, self._service.refusals, frozenset({"Session", "NodeSession"}))], options=[
             ("grpc.max_receive_message_length", max(4 * limit, 4 << 20)),
             ("grpc.so_reuseport", 0),
             ("grpc.server.max_pending_requests", pending),
@@ -379,7 +416,8 @@ class Controller(LoopThread):
         host = self.config.host
         bind = f"[{host}]:{self.config.port}" if ":" in host else f"{host}:{self.config.port}"
         try:
-            port = self._server.add_insecure_port(bind)
+            port = self._server.add_secure_port(bind, self.tls.server()) if self.tls is not None else \
+                self._server.add_insecure_port(bind)
         except RuntimeError as e:
             raise TrainguardError(f"controller could not bind {bind}: {e}") from None
         await self._server.start()

@@ -4,10 +4,12 @@
 two things:
 
 * after each rendezvous, the agent of node 0 starts the job's controller
-  and publishes its address (and, unless the user set one, a fresh job
-  token) in the rendezvous store; every agent starts a relay for its node's
-  ranks (:mod:`trainguard.core.relay`) and hands the relay's address and the
-  token to its workers through the environment;
+  and publishes its address in the rendezvous store (never the job secret:
+  the store has no authentication; every node has the secret from its own
+  file or environment, see :mod:`trainguard.core.secret`); every agent
+  starts a relay for its node's ranks (:mod:`trainguard.core.relay`) and
+  hands the relay's address and the secret to its workers through the
+  environment;
 * when a worker dies, the agent reports it to the controller at once and
   lets the survivors finish what the controller tells them (a dying-gasp
   save, then exit) instead of killing them on the spot. Once every worker
@@ -30,10 +32,10 @@ two things:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import queue
+import secrets
 import socket
 import time
 from typing import Any
@@ -47,7 +49,7 @@ from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.client import ControllerClient
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
-from trainguard.core.rpc import new_token
+from trainguard.core.secret import TLS
 from trainguard.core.snapshot import PeerServer, SnapshotDir
 
 from .watch import FrozenWatch, report_exit
@@ -59,7 +61,7 @@ log = logging.getLogger("trainguard.launcher")
 
 _ADDRESS_KEY = "trainguard/controller"
 _WORKER_STORE_KEY = "trainguard/worker_store_port"
-_TOKEN_KEY = "trainguard/token"
+_ROUND_KEY = "trainguard/round"  # a random id of the round: the key of the peer servers' addresses
 #: The controller's states between a fault and its outcome.
 _HANDLING = ("ABNORMAL", "RECOVERING", "DUMPING")
 #: How long the others of a round in which a rank failed before every rank
@@ -71,13 +73,17 @@ EXIT_BARRIER_AFTER_LOSS_S = 10
 
 
 class TrainguardAgent(LocalElasticAgent):
-    """Args: as ``LocalElasticAgent``, plus the controller's config and how
-    many workers this agent may start for other nodes' ranks (``recover``)."""
+    """Args: as ``LocalElasticAgent``, plus the controller's config, how
+    many workers this agent may start for other nodes' ranks (``recover``),
+    the job secret and the control plane's TLS settings (see
+    :mod:`trainguard.core.secret`)."""
 
-    def __init__(self, *args: Any, controller_config: ControllerConfig, spare_slots: int = 0,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, controller_config: ControllerConfig, spare_slots: int = 0, secret: str,
+                 tls: TLS | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._config = controller_config
+        self._secret, self._tls = secret, tls
+        self._key = secrets.token_bytes(16)  # proves to the controller that a relay of a new round is ours
         self._spare = spare_slots
         self._orders: queue.Queue = queue.Queue()
         self.replacements: Replacements | None = None
@@ -119,15 +125,14 @@ class TrainguardAgent(LocalElasticAgent):
             if worker_group.group_world_size > 1 and self._config.host in ("127.0.0.1", "localhost", "::1"):
                 log.warning("the controller listens on %s: only agents on this host can reach it; for nodes "
                             "on other hosts pass --controller-host (or TRAINGUARD_HOST)", self._config.host)
-            token = os.environ.get("TRAINGUARD_TOKEN") or new_token()
             # One restart budget per job: process restarts and torch's
             # restarts of the whole group draw on --max-restarts alike.
             config = dataclasses.replace(self._config, max_restarts=self._remaining_restarts)
-            self.controller = Controller(config, world_size, token=token)
+            self.controller = Controller(config, world_size, token=self._secret, tls=self._tls)
+            store.set(_ROUND_KEY, secrets.token_hex(8))
             store.set(_ADDRESS_KEY, self.controller.start())
-            store.set(_TOKEN_KEY, token)
         address = store.get(_ADDRESS_KEY).decode()
-        token = store.get(_TOKEN_KEY).decode()
+        token = self._secret
         if self.relay is not None:
             self.relay.stop()
         if self.replacements is not None:
@@ -136,15 +141,16 @@ class TrainguardAgent(LocalElasticAgent):
         # The node's ranks reach the controller through this agent's relay:
         # one stream per node instead of one per rank; it carries the
         # agent's orders too.
-        hello = pb.AgentHello(ranks=[w.global_rank for w in worker_group.workers], spare=self._spare)
+        hello = pb.AgentHello(ranks=[w.global_rank for w in worker_group.workers], spare=self._spare,
+                              key=self._key)
         self.relay = Relay(address, token, max_message_bytes=self._config.max_message_bytes, agent=hello,
-                           on_order=self._orders.put)
+                           on_order=self._orders.put, tls=self._tls)
         os.environ.update(TRAINGUARD_CONTROLLER=self.relay.start(), TRAINGUARD_TOKEN=token,
                           TRAINGUARD_JOB_ID=self._config.job_id)
         self._snapshots(worker_group, store, token)
         if self._client is not None:
             self._client.close()
-        self._client = ControllerClient(address, token)
+        self._client = ControllerClient(address, token, tls=self._tls)
 
     def _snapshots(self, worker_group: WorkerGroup, store: Any, token: str) -> None:
         """The node's snapshot directory (kept across rounds, so restarted
@@ -165,9 +171,9 @@ class TrainguardAgent(LocalElasticAgent):
             self.peer_server.start()
         self.peer_server.token = token
         port = self.peer_server.address.rsplit(":", 1)[1]
-        # Keyed by this round's token, so a value left by a node of an
-        # earlier round (one that was lost) is never read.
-        key = f"trainguard/peer/{hashlib.sha256(token.encode()).hexdigest()[:16]}"
+        # Keyed by this round's id, so a value left by a node of an earlier
+        # round (one that was lost) is never read.
+        key = f"trainguard/peer/{store.get(_ROUND_KEY).decode()}"
         store.set(f"{key}/{me}", f"{'127.0.0.1' if loopback else socket.getfqdn()}:{port}")
         os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"{key}/{(me + 1) % nodes}").decode()
 
@@ -337,4 +343,4 @@ class TrainguardAgent(LocalElasticAgent):
         return c.prelock_timeout_s + c.save_timeout_s + 2 * c.handler_timeout_s + 30
 
     def _report(self, rank: int, pid: int, code: int, reason: str = "", last_running: float = 0.0) -> None:
-        report_exit(self.controller, self._client, rank, pid, code, reason, last_running)
+        report_exit(self.controller, self.relay, rank, pid, code, reason, last_running)

@@ -36,7 +36,7 @@ from trainguard.core import (EXIT_AFTER_DUMP, Controller, ControllerConfig, Cont
                              TrainguardError, check_env, logs)
 from trainguard.core.client import ControllerClient
 from trainguard.core.faults import check_ranks
-from trainguard.core.rpc import new_token
+from trainguard.core.secret import TLS, job_secret
 from trainguard.core.snapshot import SnapshotDir
 
 from .watch import FrozenWatch, report_exit
@@ -155,17 +155,16 @@ class MsrunPlugin:
     # ------------------------------------------------------------ control
     def _start_controller(self) -> None:
         m = self.manager
-        token = os.environ.get("TRAINGUARD_TOKEN")
-        if self.nodes > 1 and not (token and self.config.port):
-            raise TrainguardError("a multi-node msrun job needs the same TRAINGUARD_TOKEN and TRAINGUARD_PORT on "
-                                  "every node (and TRAINGUARD_HOST on the master: an address the others reach)")
-        token = token or new_token()
+        token, tls = job_secret(nodes=self.nodes), TLS.from_env()  # several nodes: a shared secret, or refused
+        if self.nodes > 1 and not self.config.port:
+            raise TrainguardError("a multi-node msrun job needs the same TRAINGUARD_PORT on every node (and "
+                                  "TRAINGUARD_HOST on the master: an address the others reach)")
         if m.is_master:
-            self.controller = Controller(self.config, m.worker_num, token=token)
+            self.controller = Controller(self.config, m.worker_num, token=token, tls=tls)
             address = self.controller.start()
         else:
             address = f"{m.master_addr}:{self.config.port}"
-            self.client = ControllerClient(address, token)
+            self.client = ControllerClient(address, token, tls=tls)
         os.environ.update(TRAINGUARD_CONTROLLER=address, TRAINGUARD_TOKEN=token,
                           TRAINGUARD_JOB_ID=self.config.job_id)
         comm_timeout = os.environ.setdefault("MS_CPU_COMM_OP_TIMEOUT", str(COMM_TIMEOUT_S))

@@ -8,13 +8,15 @@ launcher pieces, with :class:`~.agent.TrainguardAgent` as the agent.
 Exit codes: 0 when training finished; 75 when the job stopped after a
 dying-gasp checkpoint (relaunch the same command to resume); 2 when a
 setting was refused before any worker started (``TRAINGUARD_FAULT`` that is
-malformed or names a rank the job does not have, an unknown setting); 1
+malformed or names a rank the job does not have, an unknown setting, a job
+of several nodes without a shared secret); 1
 otherwise (a worker's start-up refusal included: its message is in the log).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -24,8 +26,11 @@ from typing import Sequence
 
 from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, FaultSpec, TrainguardError, check_env, logs
 from trainguard.core.faults import check_ranks
+from trainguard.core.secret import TLS, job_secret
 
 __all__ = ["main", "parser"]
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 log = logging.getLogger("trainguard.launcher")
 
@@ -46,6 +51,13 @@ def parser() -> argparse.ArgumentParser:
                     help="address the controller binds to (default: TRAINGUARD_HOST or 127.0.0.1)")
     tg.add_argument("--controller-port", type=int, default=None,
                     help="port the controller binds to (default: any free port)")
+    tg.add_argument("--token-file", default=None,
+                    help="a file holding the job secret, the same on every node (sets TRAINGUARD_TOKEN_FILE; "
+                         "needed, or TRAINGUARD_TOKEN, by a job of several nodes)")
+    for part, what in (("cert", "this node's PEM certificate"), ("key", "its PEM private key"),
+                       ("ca", "the PEM certificate of the authority that signed every node's")):
+        tg.add_argument(f"--tls-{part}", default=None,
+                        help=f"mutual TLS on the control plane: {what} (sets TRAINGUARD_TLS_{part.upper()})")
     tg.add_argument("--job-id", default=None, help="job id in logs, reports and profiling directories (default: "
                                                    "TRAINGUARD_JOB_ID, else the rendezvous id)")
     tg.add_argument("--spare-slots", type=int, default=None,
@@ -84,9 +96,19 @@ def launch(argv: Sequence[str]) -> int:
     if config.min_nodes != config.max_nodes:
         raise TrainguardError("elastic node counts (--nnodes MIN:MAX) need elastic-training; give one number")
     check_ranks(faults, config.nproc_per_node * config.max_nodes)
+    for name in ("token_file", "tls_cert", "tls_key", "tls_ca"):
+        if getattr(args, name):
+            os.environ[f"TRAINGUARD_{name.upper()}"] = getattr(args, name)
+    # Before anything starts: a job of several nodes without a shared secret is refused (see core.secret).
+    secret, tls = job_secret(nodes=config.max_nodes), TLS.from_env()
+    for name in ("TRAINGUARD_TLS_CERT", "TRAINGUARD_TLS_KEY", "TRAINGUARD_TLS_CA"):
+        os.environ.pop(name, None)  # the workers reach their node's relay on loopback, with the secret
     controller_config = ControllerConfig.from_env(
         strategies=args.strategies, host=args.controller_host, port=args.controller_port,
         job_id=args.job_id or os.environ.get("TRAINGUARD_JOB_ID") or config.run_id)
+    if config.max_nodes == 1 and controller_config.host not in LOOPBACK:
+        log.info("a single-node job: the controller listens on 127.0.0.1, not %s", controller_config.host)
+        controller_config = dataclasses.replace(controller_config, host="127.0.0.1")
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -104,7 +126,7 @@ def launch(argv: Sequence[str]) -> int:
     spare = int(spare)
     agent = TrainguardAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                             log_line_prefix_template=config.log_line_prefix_template,
-                            controller_config=controller_config, spare_slots=spare)
+                            controller_config=controller_config, spare_slots=spare, secret=secret, tls=tls)
     try:
         result = agent.run()
     finally:

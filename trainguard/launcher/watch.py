@@ -50,7 +50,8 @@ class FrozenWatch:
 def report_exit(controller: Any, client: Any, rank: int, pid: int, code: int, reason: str = "",
                 last_running: float = 0.0) -> None:
     """Log a worker's end and report it to the controller (in this process,
-    else through ``client``)."""
+    else through ``client``: the node agent's relay, or a launcher's
+    :class:`~trainguard.core.client.ControllerClient`)."""
     log.warning("worker rank %d (pid %d) %s%s", rank, pid, f"{reason}: " if reason else "",
                 f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
     try:

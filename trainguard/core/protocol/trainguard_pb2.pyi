@@ -384,12 +384,14 @@ class RankEnvelope(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., message: _Optional[_Union[RankMessage, _Mapping]] = ..., disconnected: _Optional[bool] = ...) -> None: ...
 
 class AgentHello(_message.Message):
-    __slots__ = ("ranks", "spare")
+    __slots__ = ("ranks", "spare", "key")
     RANKS_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedScalarFieldContainer[int]
     spare: int
-    def __init__(self, ranks: _Optional[_Iterable[int]] = ..., spare: _Optional[int] = ...) -> None: ...
+    key: bytes
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ..., spare: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class AgentEvent(_message.Message):
     __slots__ = ("rank", "order", "ok", "pid", "join_store", "message")
@@ -408,16 +410,18 @@ class AgentEvent(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., order: _Optional[int] = ..., ok: _Optional[bool] = ..., pid: _Optional[int] = ..., join_store: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class NodeMessage(_message.Message):
-    __slots__ = ("node", "items", "agent", "events")
+    __slots__ = ("node", "items", "agent", "events", "exits")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    EXITS_FIELD_NUMBER: _ClassVar[int]
     node: str
     items: _containers.RepeatedCompositeFieldContainer[RankEnvelope]
     agent: AgentHello
     events: _containers.RepeatedCompositeFieldContainer[AgentEvent]
-    def __init__(self, node: _Optional[str] = ..., items: _Optional[_Iterable[_Union[RankEnvelope, _Mapping]]] = ..., agent: _Optional[_Union[AgentHello, _Mapping]] = ..., events: _Optional[_Iterable[_Union[AgentEvent, _Mapping]]] = ...) -> None: ...
+    exits: _containers.RepeatedCompositeFieldContainer[ProcessExit]
+    def __init__(self, node: _Optional[str] = ..., items: _Optional[_Iterable[_Union[RankEnvelope, _Mapping]]] = ..., agent: _Optional[_Union[AgentHello, _Mapping]] = ..., events: _Optional[_Iterable[_Union[AgentEvent, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[ProcessExit, _Mapping]]] = ...) -> None: ...
 
 class NodeDelivery(_message.Message):
     __slots__ = ("ranks", "message", "refused")

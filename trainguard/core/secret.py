@@ -1,0 +1,124 @@
+"""The job secret and the control plane's TLS settings.
+
+Every control message carries the job secret. Where it comes from, first
+found wins:
+
+1. ``TRAINGUARD_TOKEN_FILE``: a file every node mounts (a Kubernetes
+   ``Secret``, say); the whole file, surrounding blanks dropped;
+2. ``TRAINGUARD_TOKEN``: the same value set on every node;
+3. a single-node job only: a fresh secret made by the launcher, handed to
+   its own workers through their environment and nowhere else (its
+   controller listens on loopback).
+
+A job of several nodes without one refuses to start: the rendezvous store
+every node shares (torch's ``TCPStore``, msrun's) is unauthenticated and
+listens on every interface, so nothing secret may travel through it.
+
+With ``TRAINGUARD_TLS_CERT``, ``TRAINGUARD_TLS_KEY`` and ``TRAINGUARD_TLS_CA``
+(PEM files: this node's certificate and key, and the authority that signed
+every node's) the controller serves TLS and asks each client for a
+certificate signed by that authority (mutual TLS); relays and clients
+present theirs. The secret is still checked on every call: TLS keeps it
+off the wire and proves the endpoints, the secret proves the job.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import grpc
+
+from .api import ConfigError
+
+__all__ = ["MIN_SECRET_CHARS", "TLS", "job_secret", "new_token"]
+
+#: The shortest secret accepted from a file or the environment.
+MIN_SECRET_CHARS = 16
+
+_HOW = ("give every node the same secret: mount one file on every node and set TRAINGUARD_TOKEN_FILE to its path "
+        "(a Kubernetes Secret: see deploy/ and the README's Security section), or set TRAINGUARD_TOKEN to the same "
+        f"value (at least {MIN_SECRET_CHARS} characters; `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+
+
+def new_token() -> str:
+    """A fresh per-job secret (256 bits, hex)."""
+    import secrets
+
+    return secrets.token_hex(32)
+
+
+def job_secret(environ: Mapping[str, str] | None = None, *, nodes: int) -> str:
+    """The job secret for a job of ``nodes`` nodes (see the module docstring).
+
+    Raises:
+        ConfigError: an unreadable, empty or short secret, or none for a job
+            of several nodes.
+    """
+    environ = os.environ if environ is None else environ
+    path = environ.get("TRAINGUARD_TOKEN_FILE")
+    if path:
+        try:  # a Kubernetes Secret is a link into the volume's current data: links are followed here
+            with open(path, encoding="utf-8") as f:
+                value, where = f.read().strip(), f"TRAINGUARD_TOKEN_FILE={path}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read the job secret from TRAINGUARD_TOKEN_FILE={path}: {e}") from None
+    else:
+        value, where = environ.get("TRAINGUARD_TOKEN", "").strip(), "TRAINGUARD_TOKEN"
+    if value:
+        if len(value) < MIN_SECRET_CHARS or any(c.isspace() or not c.isprintable() for c in value):
+            raise ConfigError(f"the job secret in {where} must be at least {MIN_SECRET_CHARS} printable characters "
+                              "without blanks")
+        return value
+    if nodes > 1:
+        raise ConfigError(f"a job of {nodes} nodes needs a shared secret, and none is set: {_HOW}")
+    return new_token()
+
+
+@dataclass(frozen=True)
+class TLS:
+    """This node's certificate and key, and the authority every node's is
+    signed by (PEM bytes)."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "TLS | None":
+        """The TLS files named by ``TRAINGUARD_TLS_CERT/KEY/CA``; ``None``
+        when none is set.
+
+        Raises:
+            ConfigError: only some are set, or one cannot be read.
+        """
+        environ = os.environ if environ is None else environ
+        names = ("TRAINGUARD_TLS_CERT", "TRAINGUARD_TLS_KEY", "TRAINGUARD_TLS_CA")
+        paths = [environ.get(n, "") for n in names]
+        if not any(paths):
+            return None
+        if not all(paths):
+            missing = [n for n, p in zip(names, paths) if not p]
+            raise ConfigError(f"TLS needs all of {', '.join(names)}; {', '.join(missing)} not set")
+        parts = []
+        for name, path in zip(names, paths):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise ConfigError(f"cannot read {name}={path}: {e}") from None
+            if b"-----BEGIN" not in data:
+                raise ConfigError(f"{name}={path} is not a PEM file")
+            parts.append(data)
+        return cls(*parts)
+
+    def server(self) -> grpc.ServerCredentials:
+        """Credentials of a server that asks every client for a certificate."""
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel(self) -> grpc.ChannelCredentials:
+        """Credentials of a client that checks the server and shows its own."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
