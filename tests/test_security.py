@@ -210,6 +210,20 @@ def test_only_the_agent_that_runs_a_rank_reports_its_exit(caplog):
             a.stop(), b.stop()
 
 
+def test_a_rank_given_up_for_lost_is_ended_within_seconds_of_the_jobs_end(tmp_path):
+    """Rank 1 freezes (no thread of it runs again; the process lives): the
+    controller gives it up, the others dump, the job ends. Its agent stops
+    it seconds after the end, not after every grace period summed (37 min)."""
+    from conftest import run_job
+
+    start = time.monotonic()
+    job = run_job(tmp_path, "frozen", nproc=2, steps=12, fault="freeze:rank=1,step=3", strategies="dump",
+                  timeout=180)
+    assert job.rc == 75, job
+    assert "still running" in job.log and "after the job ended; stopping them" in job.log, job
+    assert time.monotonic() - start < 170
+
+
 def test_a_node_agents_name_cannot_be_taken_over():
     with Controller(ControllerConfig(**FAST), 2, token=SECRET) as c:
         real = _relay(c, "node-a", [0, 1], b"k" * 16)
@@ -276,7 +290,8 @@ def test_the_relay_logs_every_kind_of_refusal_as_the_controller_does(caplog):
                                             response_deserializer=None)
             with caplog.at_level(logging.WARNING, logger="trainguard.relay"):
                 for body, token in ((pb.RankMessage(heartbeat=pb.Status()).SerializeToString(), SECRET),
-                                    (b"\xff\xff\xff", SECRET), (b"", "wrong-" + "0" * 20)):
+                                    (b"\xff\xff\xff", SECRET), (b"", "wrong-" + "0" * 20),
+                                    (b"\x0a" + b"\xff" * (5 << 20), SECRET)):  # over gRPC's own limit
                     with pytest.raises(grpc.RpcError):
                         list(session(iter([body]), metadata=(("authorization", f"Bearer {token}"),), timeout=10))
             channel.close()
@@ -284,5 +299,6 @@ def test_the_relay_logs_every_kind_of_refusal_as_the_controller_does(caplog):
             for kind in ("refused INVALID_ARGUMENT", "refused UNAUTHENTICATED"):
                 assert f"relay node-r {kind} from ipv4:127.0.0.1" in text, text
             assert "must be Hello" in text and "malformed RankMessage" in text, text
+            assert "ended before its first message (empty, or over gRPC's 4194304-byte limit)" in text, text
         finally:
             relay.stop()

@@ -223,3 +223,29 @@ def test_a_root_others_may_rename_entries_in_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="not sticky"):
         SnapshotDir.create("job-loose", loose)
     assert list(loose.iterdir()) == []
+
+
+def test_mindspores_repair_file_sweep_leaves_links_and_other_users_files_alone(root, attacker, victims):
+    """The MindSpore repair's file (a replica's state for a rank on the same
+    machine): its sweep of files left by dead processes removes only ours;
+    another user's file and a link planted under the same pattern stay."""
+    handlers = pytest.importorskip("trainguard.adapters.mindspore.handlers")
+    dead = _dead_pid()
+    assert attacker(f"echo theirs > {root}/trainguard-job-{dead}-step3.state").returncode == 0
+    os.symlink(victims[0], root / f"trainguard-job-{dead}-step4.state")
+    ours = root / f"trainguard-job-{dead}-step5.state"
+    ours.write_bytes(b"left by a dead repair")
+    handlers._remove_stale(root)
+    assert not ours.exists(), "our own leftover is removed"
+    assert (root / f"trainguard-job-{dead}-step3.state").read_text() == "theirs\n"
+    assert os.path.islink(root / f"trainguard-job-{dead}-step4.state") and victims[0].read_bytes() == PRECIOUS
+
+
+def test_mindspores_repair_file_goes_to_the_nodes_private_directory(monkeypatch, tmp_path):
+    handlers = pytest.importorskip("trainguard.adapters.mindspore.handlers")
+    private = tmp_path / "node"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv("TRAINGUARD_SNAPSHOT_DIR", str(private))
+    assert handlers._repair_dir() == private
+    monkeypatch.delenv("TRAINGUARD_SNAPSHOT_DIR")
+    assert handlers._repair_dir() == Path(handlers.SHM)

@@ -12,6 +12,9 @@ Kinds:
 * ``comm``  raise a communication error (``SUSPECT REMOTE ERROR ...``)
 * ``crash`` SIGKILL the rank's own process
 * ``hang``  stop making progress (sleep forever in Python)
+* ``freeze`` hold the interpreter for good, as a call stuck in a driver
+  does: no thread of the rank runs again (its heartbeats stop), yet the
+  process lives
 * ``stop``  SIGSTOP the rank's own process (frozen, as a stuck host makes it)
 * ``stall`` from then on the rank's collectives are never sent (a
   black-holed link) until the group is rebuilt: every rank waits, alive
@@ -59,7 +62,7 @@ from .api import ConfigError, Severity
 
 __all__ = ["FaultInjector", "FaultSpec", "KINDS", "PHASES", "check_ranks", "read_fault_log"]
 
-KINDS = ("uce", "crash", "hang", "stop", "stall", "comm", "slow", "pause")
+KINDS = ("uce", "crash", "hang", "freeze", "stop", "stall", "comm", "slow", "pause")
 PHASES = ("forward", "backward", "reduce", "optimizer", "recovery", "save", "gc", "resume")
 _KEYS = {"rank", "step", "phase", "factor", "severity"}
 
@@ -268,6 +271,8 @@ class FaultInjector:
         elif spec.kind == "hang":
             while True:
                 self._sleep(3600)
+        elif spec.kind == "freeze":
+            _freeze()
         elif spec.kind == "pause":
             if phase == "gc":
                 _gc_pause(seconds)
@@ -293,6 +298,17 @@ class FaultInjector:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _freeze() -> None:
+    """Hold the GIL for good: the switch interval is made a day long, and a
+    loop without a call that releases it spins on (a core busy, as a stuck
+    driver call often keeps one)."""
+    import sys
+
+    sys.setswitchinterval(86400.0)
+    while True:
+        pass
 
 
 def _gc_pause(seconds: float) -> None:

@@ -36,7 +36,7 @@ import grpc
 from .api import TrainguardError
 from .loop import LoopThread
 from .protocol import trainguard_pb2 as pb
-from .rpc import SERVICE, Authenticate, Refusals, Refused, auth_metadata, check_token, decoder
+from .rpc import SERVICE, Authenticate, Refusals, Refused, auth_metadata, check_token, decoder, empty_stream
 from .secret import TLS
 
 __all__ = ["Relay"]
@@ -120,7 +120,8 @@ class Relay(LoopThread):
         self._tasks = [asyncio.ensure_future(self._read_upstream()), asyncio.ensure_future(self._write_upstream())]
         self._server = grpc.aio.server(
             interceptors=[Authenticate(self.token, self.refusals, frozenset({"Session"}))],
-            options=[("grpc.max_receive_message_length", 4 * self.limit), ("grpc.so_reuseport", 0)])
+            options=[("grpc.max_receive_message_length", 4 * self.limit), ("grpc.so_reuseport", 0),
+                     ("grpc.http2.bdp_probe", 0)])  # see the controller's server (server.py)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Session": grpc.stream_stream_rpc_method_handler(
                 self._session, request_deserializer=decoder(pb.RankMessage, self.limit),
@@ -234,10 +235,7 @@ class Relay(LoopThread):
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
-            return
-        except grpc.RpcError as e:  # a message over gRPC's own size limit ends the stream here
-            self.refusals(context.peer(), grpc.StatusCode.RESOURCE_EXHAUSTED, f"a first message that broke the "
-                                                                              f"stream ({e})")
+            self.refusals(context.peer(), grpc.StatusCode.INVALID_ARGUMENT, empty_stream(4 * self.limit))
             return
         if isinstance(first, Refused):
             await self._refuse(context, first.code, first.reason)

@@ -40,6 +40,7 @@ __all__ = [
     "check_token",
     "client_channel",
     "decoder",
+    "empty_stream",
     "from_pb_status",
     "new_token",
     "to_pb_status",
@@ -88,13 +89,22 @@ class Refusals:
                          f" (and {left_out} more from {host} since the last such line)" if left_out else "")
 
 
+def empty_stream(limit: int) -> str:
+    """The refusal reason of a stream that ended before its first message:
+    gRPC drops a message over its own size limit before any handler sees
+    it, and the stream then looks empty."""
+    return f"a session that ended before its first message (empty, or over gRPC's {limit}-byte limit)"
+
+
 def _ignore(data: bytes) -> None:  # the body of a refused call is never decoded
     return None
 
 
 class Authenticate(grpc.aio.ServerInterceptor):
-    """Refuse a call without the job secret before its request is decoded:
-    a refused stream is never read, and no refused body is parsed."""
+    """Refuse a call without the job secret before its request is read: the
+    refusal is served as a streaming handler that never asks for a message
+    (a unary call's body is one message on the same wire), so no refused
+    body is received into Python, let alone parsed."""
 
     def __init__(self, token: str, refusals: Refusals, streams: frozenset[str]) -> None:
         self.token, self.refusals, self.streams = token, refusals, streams
@@ -105,13 +115,13 @@ class Authenticate(grpc.aio.ServerInterceptor):
         method = details.method.rsplit("/", 1)[-1]
         reason = "missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)"
 
-        async def refuse(_request, context):
+        async def refuse(_requests, context):
             self.refusals(context.peer(), grpc.StatusCode.UNAUTHENTICATED, f"{method}: {reason}")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"trainguard: {reason}")
 
         if method in self.streams:
             return grpc.stream_stream_rpc_method_handler(refuse, request_deserializer=_ignore)
-        return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=_ignore)
+        return grpc.stream_unary_rpc_method_handler(refuse, request_deserializer=_ignore)
 
 
 @dataclass(frozen=True)

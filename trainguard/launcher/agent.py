@@ -68,6 +68,11 @@ _HANDLING = ("ABNORMAL", "RECOVERING", "DUMPING")
 #: registered may take to leave by themselves (a setting every rank refuses
 #: alike) before they are ended.
 STARTING_GRACE_S = 3.0
+#: How long workers still running after the job ended (the controller
+#: EXITED) get before their agent stops them: every rank it still reached
+#: was told to exit and does within its exit grace (10 s); one it had given
+#: up for lost would otherwise wait in a collective for its timeout.
+ENDED_GRACE_S = 15.0
 #: How long the agent waits for the others at exit once a node agent was lost.
 EXIT_BARRIER_AFTER_LOSS_S = 10
 
@@ -92,6 +97,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._client: ControllerClient | None = None
         self._worker_store: dist.TCPStore | None = None
         self._failed_at: float | None = None
+        self._ended_at: float | None = None  # when a failure's episode ended the job (see ENDED_GRACE_S)
         self._reported: set[int] = set()
         self._frozen = FrozenWatch()
         self.last_status: dict | None = None
@@ -116,7 +122,7 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
-        self._failed_at, self._reported = None, set()
+        self._failed_at, self._ended_at, self._reported = None, None, set()
         store = worker_group.store
         self._fresh_worker_store(worker_group)
         world_size = worker_group.workers[0].world_size
@@ -283,9 +289,16 @@ class TrainguardAgent(LocalElasticAgent):
             now = time.monotonic()
             if self._failed_at is None:
                 self._failed_at = now
-            if now - self._failed_at < self._grace_s():
+            if state == "EXITED" and self._ended_at is None:
+                self._ended_at = now
+            if self._ended_at is not None:
+                if now - self._ended_at < ENDED_GRACE_S:
+                    return RunResult(state=WorkerState.HEALTHY)
+                log.warning("ranks %s still running %.0f s after the job ended; stopping them", running[:16],
+                            now - self._ended_at)
+            elif now - self._failed_at < self._grace_s():
                 return RunResult(state=WorkerState.HEALTHY)
-            if running:
+            elif running:
                 log.error("ranks %s still running %.0f s after a failure; stopping them", running,
                           now - self._failed_at)
         return super()._monitor_workers(worker_group)

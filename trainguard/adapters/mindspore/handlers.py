@@ -1,7 +1,8 @@
 """The MindSpore adapter's recovery handlers and its checkpoint files.
 
 Repair copies every parameter (weights, BatchNorm statistics, optimizer
-slots) from a replica: through a file in ``/dev/shm`` when the replica and
+slots) from a replica: through a file in shared memory (the node's private
+snapshot directory when the launcher made one) when the replica and
 every rank it repairs share a machine (ResNet-50's 179 MB in about 1.9 s,
 where MindSpore's CPU ``Broadcast`` took about 9 s), else, or with
 ``TRAINGUARD_SHM_REPAIR=0``, with one ``Broadcast`` over the job's world
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -169,18 +171,22 @@ def shm_copy(guard: "Guard", state: ModelState, root: int, receivers: Sequence[i
     The file is removed by whoever gets to it after both barriers, or when
     one fails."""
     g = guard
-    path = Path(SHM) / f"trainguard-{g.processor.job_id or 'job'}-{g.pids[root]}-step{step}.state"
+    directory = _repair_dir()
+    path = directory / f"trainguard-{g.processor.job_id or 'job'}-{g.pids[root]}-step{step}.state"
     arrays = state.arrays()
     try:
         if g.rank == root:
-            _remove_stale(Path(SHM))
-            with open(path, "wb") as f:
+            _remove_stale(directory)
+            path.unlink(missing_ok=True)  # never written through a link planted at its name
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                           "wb") as f:
                 for a in arrays.values():
                     f.write(np.ascontiguousarray(a).data)
         g.barrier()  # written
         out = None
         if g.rank in receivers:
-            blob = np.fromfile(path, np.uint8)
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+                blob = np.fromfile(f, np.uint8)
             total = sum(a.nbytes for a in arrays.values())
             if blob.size != total:
                 raise RecoveryError(f"{path} holds {blob.size} bytes of rank {root}'s state, expected {total}")
@@ -208,16 +214,29 @@ def _shm_repair() -> bool:
     return value == "1" and os.path.isdir(SHM)
 
 
+def _repair_dir() -> Path:
+    """Where a repair's file goes: the node's snapshot directory (private,
+    0700, set by the launcher) when there is one, else shared memory itself
+    (the file is then created anew, 0600, and never opened through a link)."""
+    snapshots = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+    return Path(snapshots) if snapshots and os.path.isdir(snapshots) else Path(SHM)
+
+
 def _remove_stale(directory: Path) -> None:
-    """Remove state files left by a repair whose source process died."""
+    """Remove state files of ours left by a repair whose source process died
+    (another user's files, and links, are left alone)."""
+    uid = os.getuid()
     for f in directory.glob("trainguard-*-step*.state"):
         try:
+            st = f.lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
             pid = int(f.name.rsplit("-", 2)[-2])
             os.kill(pid, 0)
         except ProcessLookupError:
             log.warning("removing %s: its process %d is gone", f, pid)
             f.unlink(missing_ok=True)
-        except (ValueError, PermissionError):
+        except (ValueError, PermissionError, FileNotFoundError):
             continue
 
 
