@@ -38,7 +38,7 @@ __all__ = ["MIN_SECRET_CHARS", "TLS", "job_secret", "new_token"]
 MIN_SECRET_CHARS = 16
 
 _HOW = ("give every node the same secret: mount one file on every node and set TRAINGUARD_TOKEN_FILE to its path "
-        "(a Kubernetes Secret: see deploy/ and the README's Security section), or set TRAINGUARD_TOKEN to the same "
+        "(a Kubernetes Secret: see docs/security.md), or set TRAINGUARD_TOKEN to the same "
         f"value (at least {MIN_SECRET_CHARS} characters; `python -c 'import secrets; print(secrets.token_hex(32))'`)")
 
 

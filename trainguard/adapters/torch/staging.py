@@ -8,7 +8,7 @@ dtype), then leaves in one copy. The buffer is split in two halves that
 runs take in turn: a run is gathered on a stream of its own while the run
 before it is still leaving the device, so the gathers (device-to-device, at
 device-memory speed) hide behind the device-to-host copies. See
-``bench/results/checkpoint-gpu.json`` and the README's performance notes.
+``bench/results/checkpoint-gpu.json`` and docs/development.md (performance notes).
 """
 
 from __future__ import annotations
