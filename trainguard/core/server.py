@@ -413,10 +413,6 @@ class Controller(LoopThread):
             ("grpc.so_reuseport", 0),
             ("grpc.server.max_pending_requests", pending),
             ("grpc.server.max_pending_requests_hard_limit", pending),
-            # The flow-control window stays at its 64 KiB start: gRPC would widen it for any caller, and a
-            # refused caller's body would then be received in full (100 calls of 4 MiB: +57 MiB, now +2;
-            # bench/preauth.py). Control messages are small and the links short.
-            ("grpc.http2.bdp_probe", 0),
         ])
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         host = self.config.host
