@@ -275,16 +275,20 @@ class Snapshots(SnapshotRing):
         left to the caller); the staging plan when they went through it."""
         tensors = ahead.tensors
         if self.staging_bytes:
-            staging, key = self._staging, (id(layout), self.staging_bytes, tuple(t.device for t in tensors),
-                                            self.staging_overlap)
-            if staging is None or staging.key != key:
-                staging = self._staging = Staging(layout, paths, tensors, self.staging_bytes, self._stage,
-                                                     overlap=self.staging_overlap)
+            staging = self._plan(layout, paths, tensors)
             staging.copy_device(torch.frombuffer(payload, dtype=torch.uint8), layout.data_start, views, tensors)
             return staging
         torch._foreach_copy_([views[i] for i in ahead.device], [tensors[i] for i in ahead.device],
                              non_blocking=True)
         return None
+
+    def _plan(self, layout, paths: list[str], tensors: list[torch.Tensor]) -> Staging:
+        """The staging plan of this layout and these tensors' devices (made once, then reused)."""
+        key = (id(layout), self.staging_bytes, tuple(t.device for t in tensors), self.staging_overlap)
+        if self._staging is None or self._staging.key != key:
+            self._staging = Staging(layout, paths, tensors, self.staging_bytes, self._stage,
+                                    overlap=self.staging_overlap)
+        return self._staging
 
     def _side_stream(self, tensors: list[torch.Tensor]) -> torch.cuda.Stream | None:
         """The stream a background copy of ``tensors`` leaves the device on,
@@ -306,11 +310,7 @@ class Snapshots(SnapshotRing):
         the staging plan when device tensors went through it."""
         with torch.no_grad():
             if self.staging_bytes and any(self._stage(t) for t in tensors):
-                staging, key = self._staging, (id(layout), self.staging_bytes, tuple(t.device for t in tensors),
-                                            self.staging_overlap)
-                if staging is None or staging.key != key:
-                    staging = self._staging = Staging(layout, paths, tensors, self.staging_bytes, self._stage,
-                                                     overlap=self.staging_overlap)
+                staging = self._plan(layout, paths, tensors)
                 staging.copy_device(torch.frombuffer(payload, dtype=torch.uint8), layout.data_start, views, tensors)
                 return staging
             # one call: a Python-level copy_ per tensor costs more than a small tensor's bytes
