@@ -61,7 +61,7 @@ def agent(monkeypatch):
     a._pcontext = type("Context", (), {"subprocess_handlers": {0: object()}})()
     a.replacements = FakeReplacements(a._pcontext, proc)
     a._config = ControllerConfig()
-    a._orders, a._reported, a._failed_at, a._frozen = queue.Queue(), set(), None, FrozenWatch()
+    a._orders, a._reported, a._failed_at, a._ended_at, a._frozen = queue.Queue(), set(), None, None, FrozenWatch()
     a.controller, a._client, a.relay = FakeController("RECOVERING"), None, None
     a.torch_verdicts = torch_verdicts
     return a
@@ -98,3 +98,23 @@ def test_the_wait_is_bounded_by_the_grace_period(agent):
     assert agent._monitor_workers("group").state is WorkerState.HEALTHY
     agent._failed_at -= agent._grace_s() + 1
     assert agent._monitor_workers("group").state is WorkerState.FAILED
+
+
+def test_workers_left_running_after_the_job_ended_are_stopped_after_a_short_grace(agent):
+    """The job ended (the controller EXITED) while a rank it had given up for
+    lost still runs: the agent stops it ENDED_GRACE_S later, not after every
+    grace period of a recovery summed."""
+    from trainguard.launcher import agent as agent_module
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        agent.replacements.procs[0] = alive
+        agent.controller.state = "EXITED"
+        assert agent._monitor_workers("group").state is WorkerState.HEALTHY  # its exit grace first
+        assert agent.torch_verdicts == []
+        agent._ended_at -= agent_module.ENDED_GRACE_S + 1
+        assert agent._monitor_workers("group").state is WorkerState.FAILED  # torch's verdict ends the workers
+        assert agent.torch_verdicts == ["group"]
+    finally:
+        alive.kill()
+        alive.wait()

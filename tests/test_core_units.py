@@ -76,7 +76,7 @@ def test_fault_specs_parse():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("boom:rank=1,step=2", "KIND in uce, crash, hang, stop, stall, comm, slow, pause"),
+    ("boom:rank=1,step=2", "KIND in uce, crash, hang, freeze, stop, stall, comm, slow, pause"),
     ("pause:rank=1,step=2,phase=forward,factor=5", "pause needs phase=gc or phase=save"),
     ("hang:rank=1,step=2,phase=gc", "phase=gc is for pause only"),
     ("uce:rank=1", "missing step"),
