@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -21,9 +22,24 @@ FAST_CLUSTER = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for msrun's scheduler, free now and below the kernel's range of
+    automatic ports (32768-60999 by default): a port from that range, once
+    released, can be handed to any other socket (a gRPC server, a store, an
+    outgoing connection of a test running beside) before msrun binds it, and
+    msrun's workers then retry a scheduler that never came up until the test
+    times out (seen in CI)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, min(low, 32768)))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the automatic range")
 
 
 @dataclass

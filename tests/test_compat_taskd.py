@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -89,9 +88,10 @@ def fresh_compat_state(monkeypatch):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port another process binds later: below the automatic range (see ms_jobs.free_port)."""
+    from ms_jobs import free_port as below_automatic
+
+    return below_automatic()
 
 
 # ------------------------------------------------------------ manager config

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _assert_no_stray_processes
-from ms_jobs import FAST_CLUSTER
+from ms_jobs import FAST_CLUSTER, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "resnet50" / "train_mindspore.py"
@@ -49,10 +48,6 @@ class Run:
         return f"rc={self.rc}\n{self.log[-6000:]}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def example(tmp: Path, name: str, *, fault: str | None = None, guard: bool = True, script: Path = SCRIPT,
