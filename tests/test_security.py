@@ -246,6 +246,26 @@ def test_a_node_agents_name_cannot_be_taken_over():
             real.stop()
 
 
+
+def test_a_hello_without_a_key_reserves_no_name():
+    """An announcement with no key is refused and leaves the name free: the
+    agent that comes next with its key takes it (an empty key once kept it)."""
+    with Controller(ControllerConfig(**FAST), 2, token=SECRET) as c:
+        keyless = _relay(c, "node-a", [0, 1], b"")
+        keyless.start()
+        try:
+            _wait(lambda: not keyless._upstream_alive, 10)  # refused: no key
+        finally:
+            keyless.stop()
+        real = _relay(c, "node-a", [0, 1], b"k" * 16)
+        real.start()
+        try:
+            _wait(lambda: c._call(lambda: c._core.agents.home(0)) == "node-a", 10)
+            assert real._upstream_alive
+        finally:
+            real.stop()
+
+
 # ------------------------------------------------------------ refusals: cheap and quiet
 def _unary_raw(address: str, method: str, body: bytes, token: str):
     channel = grpc.insecure_channel(address)

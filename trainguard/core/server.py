@@ -229,8 +229,8 @@ class _Service:
                             f"node agent {node}: ranks {bad[:8]} outside a world of {self.core.world_size}"
                             if bad else f"node agent {node}: negative spare slots {msg.agent.spare}")))
                         return
-                    key = self.agent_keys.setdefault(node, msg.agent.key)
-                    if not msg.agent.key or not hmac.compare_digest(key, msg.agent.key):
+                    key = self.agent_keys.setdefault(node, msg.agent.key) if msg.agent.key else b""
+                    if not key or not hmac.compare_digest(key, msg.agent.key):
                         link.queue.put_nowait(_Abort(grpc.StatusCode.PERMISSION_DENIED, (
                             f"node agent {node}: that name was announced with another key (only the agent that "
                             "took it may take it again)" if msg.agent.key else f"node agent {node}: no key")))
