@@ -148,9 +148,9 @@ def test_manager_config_maps_onto_a_controller(monkeypatch):
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("env, expected", [
-    ({"TRAINGUARD_TOKEN": None}, "TRAINGUARD_TOKEN is not set.*every pod of the job"),
-    ({"TRAINGUARD_TOKEN": "short"}, "at least 16 printable ASCII characters"),
-    ({"TRAINGUARD_TOKEN": "a secret with spaces"}, "without spaces"),
+    ({"TRAINGUARD_TOKEN": None}, "TaskD manager .*needs a shared secret.*every pod.*TRAINGUARD_TOKEN_FILE"),
+    ({"TRAINGUARD_TOKEN": "short"}, "at least 16 printable characters"),
+    ({"TRAINGUARD_TOKEN": "a secret with spaces"}, "without blanks"),
     ({"TRAINGUARD_PORT": "0"}, r"TRAINGUARD_PORT='0' is not a port in \[1, 65535\]"),
     ({"TRAINGUARD_PORT": "96O1"}, "is not a port"),
     ({"TRAINGUARD_STRATEGY": "dump"}, "unknown setting TRAINGUARD_STRATEGY; did you mean TRAINGUARD_STRATEGIES"),
@@ -268,8 +268,22 @@ def test_worker_needs_the_job_token(monkeypatch):
     monkeypatch.delenv("TRAINGUARD_TOKEN")
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
     init_taskd_worker(0)
-    with pytest.raises(ConfigError, match="TRAINGUARD_TOKEN is not set"):
+    with pytest.raises(ConfigError, match="TaskD worker .*needs a shared secret.*TRAINGUARD_TOKEN"):
         start_taskd_worker()
+
+
+
+@pytest.mark.timeout(10)
+def test_worker_reads_the_job_secret_from_a_mounted_file(monkeypatch, tmp_path):
+    """As the manager does: a Kubernetes Secret mounted as a file; the worker's
+    Guard then finds it in TRAINGUARD_TOKEN."""
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    monkeypatch.delenv("TRAINGUARD_TOKEN")
+    monkeypatch.setenv("TRAINGUARD_TOKEN_FILE", str(tmp_path / "token"))
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    init_taskd_worker(0)
+    assert start_taskd_worker() is True
+    assert os.environ["TRAINGUARD_TOKEN"] == TOKEN
 
 
 # ------------------------------------------------------ manager, in-process

@@ -32,12 +32,12 @@ import grpc
 
 from .api import ConfigError
 
-__all__ = ["MIN_SECRET_CHARS", "TLS", "job_secret", "new_token"]
+__all__ = ["MIN_SECRET_CHARS", "TLS", "configured_secret", "job_secret", "new_token", "shared_secret"]
 
 #: The shortest secret accepted from a file or the environment.
 MIN_SECRET_CHARS = 16
 
-_HOW = ("give every node the same secret: mount one file on every node and set TRAINGUARD_TOKEN_FILE to its path "
+_HOW = ("give every node (every pod) the same secret: mount one file on every node and set TRAINGUARD_TOKEN_FILE to its path "
         "(a Kubernetes Secret: see docs/security.md), or set TRAINGUARD_TOKEN to the same "
         f"value (at least {MIN_SECRET_CHARS} characters; `python -c 'import secrets; print(secrets.token_hex(32))'`)")
 
@@ -49,12 +49,12 @@ def new_token() -> str:
     return secrets.token_hex(32)
 
 
-def job_secret(environ: Mapping[str, str] | None = None, *, nodes: int) -> str:
-    """The job secret for a job of ``nodes`` nodes (see the module docstring).
+def configured_secret(environ: Mapping[str, str] | None = None) -> str | None:
+    """The secret set by ``TRAINGUARD_TOKEN_FILE`` or ``TRAINGUARD_TOKEN``
+    (``None``: neither is set).
 
     Raises:
-        ConfigError: an unreadable, empty or short secret, or none for a job
-            of several nodes.
+        ConfigError: an unreadable file, or a short secret or one with blanks.
     """
     environ = os.environ if environ is None else environ
     path = environ.get("TRAINGUARD_TOKEN_FILE")
@@ -66,14 +66,37 @@ def job_secret(environ: Mapping[str, str] | None = None, *, nodes: int) -> str:
             raise ConfigError(f"cannot read the job secret from TRAINGUARD_TOKEN_FILE={path}: {e}") from None
     else:
         value, where = environ.get("TRAINGUARD_TOKEN", "").strip(), "TRAINGUARD_TOKEN"
-    if value:
-        if len(value) < MIN_SECRET_CHARS or any(c.isspace() or not c.isprintable() for c in value):
-            raise ConfigError(f"the job secret in {where} must be at least {MIN_SECRET_CHARS} printable characters "
-                              "without blanks")
-        return value
+    if not value:
+        return None
+    if len(value) < MIN_SECRET_CHARS or any(c.isspace() or not c.isprintable() for c in value):
+        raise ConfigError(f"the job secret in {where} must be at least {MIN_SECRET_CHARS} printable characters "
+                          "without blanks")
+    return value
+
+
+def shared_secret(environ: Mapping[str, str] | None = None, *, needed_by: str) -> str:
+    """The secret ``needed_by`` (a TaskD manager, say) shares with processes
+    it did not start, so it cannot make one itself.
+
+    Raises:
+        ConfigError: none is set, or the one set is unusable.
+    """
+    value = configured_secret(environ)
+    if value is None:
+        raise ConfigError(f"{needed_by} needs a shared secret, and none is set: {_HOW}")
+    return value
+
+
+def job_secret(environ: Mapping[str, str] | None = None, *, nodes: int) -> str:
+    """The job secret for a job of ``nodes`` nodes (see the module docstring).
+
+    Raises:
+        ConfigError: an unreadable, empty or short secret, or none for a job
+            of several nodes.
+    """
     if nodes > 1:
-        raise ConfigError(f"a job of {nodes} nodes needs a shared secret, and none is set: {_HOW}")
-    return new_token()
+        return shared_secret(environ, needed_by=f"a job of {nodes} nodes")
+    return configured_secret(environ) or new_token()
 
 
 @dataclass(frozen=True)

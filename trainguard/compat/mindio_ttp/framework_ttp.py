@@ -60,6 +60,7 @@ from trainguard.core import (
 )
 from trainguard.core import logs
 from trainguard.core.classify import Classifier
+from trainguard.core.secret import shared_secret
 
 from . import markers
 from .handlers import TtpHandlers
@@ -111,10 +112,8 @@ def tft_start_controller(bind_ip: str, port: int, enable_tls: bool = True, tls_i
         return 0
     from trainguard.core import Controller  # grpc server: only on the rank that serves
 
-    token = os.environ.get("TRAINGUARD_TOKEN", "")
-    if not token:
-        raise ConfigError("serving a controller from the training script needs the job secret in TRAINGUARD_TOKEN "
-                          "(the same value in every process); or launch with `trainguard run`, which makes one")
+    token = shared_secret(needed_by="a controller served from the training script (or launch with `trainguard "
+                          "run`, which makes a secret)")
     config = ControllerConfig.from_env(host=bind_ip, port=checked_int("port", port, minimum=1))
     TTP.controller = Controller(config, TTP.controller_args["world_size"], token=token)
     address = TTP.controller.start()

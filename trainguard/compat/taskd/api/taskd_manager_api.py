@@ -54,6 +54,8 @@ from trainguard.core import (
     logs,
 )
 
+from trainguard.core.secret import shared_secret
+
 from .. import taskd_port
 
 __all__ = ["TaskdJobStopped", "TaskdManager", "init_taskd_manager", "start_taskd_manager"]
@@ -76,7 +78,6 @@ _UNSUPPORTED = {
     "plugin_dir": "TaskD plugins do not exist in trainguard; choose recover strategies with TRAINGUARD_STRATEGIES",
     "cluster_infos": "set the manager's address with TRAINGUARD_HOST and TRAINGUARD_PORT (or MASTER_ADDR)",
 }
-_MIN_TOKEN_CHARS = 16
 #: After the job stopped, how long the ranks get to receive their exit
 #: command and leave before the controller goes away.
 _LEAVE_S = 30.0
@@ -135,26 +136,6 @@ def _check_config(config: Any) -> tuple[str, int, int]:
     if problems:
         raise ConfigError("invalid TaskD manager config: " + "; ".join(problems))
     return job_id, config["node_nums"], config["proc_per_node"]
-
-
-def _job_token(environ: Mapping[str, str]) -> str:
-    """The secret shared by the manager and every worker.
-
-    Raises:
-        ConfigError: ``TRAINGUARD_TOKEN`` is unset, too short or not a
-            printable ASCII word.
-    """
-    make = "python -c 'import secrets; print(secrets.token_hex(32))'"
-    token = environ.get("TRAINGUARD_TOKEN", "")
-    if not token:
-        raise ConfigError(
-            "TRAINGUARD_TOKEN is not set: the TaskD manager and every training process must share one "
-            f"per-job secret. Make one ({make}), keep it in a Kubernetes Secret and export it as "
-            "TRAINGUARD_TOKEN in every pod of the job (manager and workers)")
-    if len(token) < _MIN_TOKEN_CHARS or not all(33 <= ord(c) <= 126 for c in token):
-        raise ConfigError(f"TRAINGUARD_TOKEN must be at least {_MIN_TOKEN_CHARS} printable ASCII characters "
-                          f"without spaces (got {len(token)} characters); make one with {make}")
-    return token
 
 
 def _bind_host(environ: Mapping[str, str]) -> tuple[str | None, str]:
@@ -299,7 +280,7 @@ def init_taskd_manager(config: dict) -> bool:
     global taskd_manager
     job_id, node_nums, proc_per_node = _check_config(config)
     environ = os.environ
-    token = _job_token(environ)
+    token = shared_secret(environ, needed_by="the TaskD manager (its workers run in other pods)")
     host, source = _bind_host(environ)
     port = taskd_port(environ)
     controller_config = ControllerConfig.from_env(environ, job_id=job_id, host=host, port=port)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from trainguard.core import ConfigError, TrainguardError, check_env
+from trainguard.core.secret import shared_secret
 
 from .. import taskd_port
 
@@ -159,9 +160,8 @@ def start_taskd_worker() -> bool:
     check_env()
     if taskd_worker.framework == "pt":
         _check_rank(taskd_worker.rank)
-    if not os.environ.get("TRAINGUARD_TOKEN"):
-        raise ConfigError("TRAINGUARD_TOKEN is not set: every training process needs the job secret the TaskD "
-                          "manager was started with (export the same TRAINGUARD_TOKEN in every pod)")
+    # the secret the manager was started with; the Guard reads it from TRAINGUARD_TOKEN
+    os.environ["TRAINGUARD_TOKEN"] = shared_secret(needed_by="a TaskD worker (its manager runs in another pod)")
     if _previous_controller is None:
         _previous_controller = (os.environ.get("TRAINGUARD_CONTROLLER"),)
     (outside,) = _previous_controller
