@@ -48,15 +48,14 @@ from trainguard.core.checkpoint import MEGATRON, FileInfo, SavedShard, Verified
 from trainguard.core.resume import resume
 
 from .kinds import DENSE, EXPERT, shard_of, shard_state, sharded_kinds
-from .layout import ParallelRank, parallel_rank
+from .layout import FILE, ParallelRank, parallel_rank
+from .snapfile import holding, read_file
 from .state import apply, rank_state
 
 __all__ = ["FILE", "load", "load_found", "megatron_store", "parallel_rank_or_world", "save", "saved_copies",
            "shard_file", "shard_subdir", "write_rank"]
 
 log = logging.getLogger("trainguard.megatron")
-
-FILE = "model_optim_rng.pt"
 
 
 def shard_file(index: int, kind: int = DENSE) -> str:
@@ -213,8 +212,6 @@ def load_found(found: Verified, model: Any, optimizer: Any, scheduler: Any, *,
     Raises:
         CheckpointError: this rank's file is missing, or does not fit the objects.
     """
-    from . import snapshot  # built on this module
-
     here, names = parallel_rank_or_world(), set(found.manifest.get("files", {}))
     index = {k: shard_of(k)[0] for k in sharded_kinds(optimizer)}
     read: dict[str, tuple[dict | None, dict]] = {}
@@ -228,7 +225,7 @@ def load_found(found: Verified, model: Any, optimizer: Any, scheduler: Any, *,
         where = found.file(name)
         if name not in read:
             if name.endswith(".safetensors"):
-                read[name] = snapshot.read_file(where, device)
+                read[name] = read_file(where, device)
             else:
                 pt = _read_pt(where, device)
                 read[name] = (pt, {}) if kind is None else (None, {kind: pt})
@@ -237,13 +234,13 @@ def load_found(found: Verified, model: Any, optimizer: Any, scheduler: Any, *,
             raise CheckpointError(f"{where} holds no {what}")
         return got, where
 
-    state, where = piece([f"{here.subdir}/{FILE}", *snapshot.holding(names, here, None, None)], None,
+    state, where = piece([f"{here.subdir}/{FILE}", *holding(names, here, None, None)], None,
                          f"{here.subdir}/{FILE}")
     if state.get("iteration") != found.step:
         raise CheckpointError(f"{where} holds iteration {state.get('iteration')}, not {found.step}")
     shards = {}
     for kind, j in index.items():
         name = f"{shard_subdir(here, kind)}/{shard_file(j, kind)}"
-        shards[kind], _ = piece([name, *snapshot.holding(names, here, kind, j)], kind, name)
+        shards[kind], _ = piece([name, *holding(names, here, kind, j)], kind, name)
     apply(state, shards, model, optimizer, scheduler, where=where)
     log.info("loaded %s at iteration %d", found.path, found.step)

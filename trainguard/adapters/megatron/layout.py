@@ -24,7 +24,10 @@ import torch.distributed as dist
 
 from trainguard.core import ConfigError, ReplicaGroup
 
-__all__ = ["ParallelRank", "parallel_rank", "replica_groups"]
+__all__ = ["FILE", "ParallelRank", "parallel_rank", "replica_groups"]
+
+#: Megatron-LM's file of a rank's model, optimizer and RNG states, in its ``mp_rank_*`` directory.
+FILE = "model_optim_rng.pt"
 
 
 def _ps():

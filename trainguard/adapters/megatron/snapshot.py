@@ -21,22 +21,18 @@ distributed optimizer ``distrib_optim_shard_NNN.safetensors``, one per
 shard, each holding its saver's rank state too (with experts:
 ``mp_rank_TT_EEE/distrib_optim_shard_NNN_expert_shard_MMM.safetensors``,
 named after the dense and the expert shard it holds; a rank loads its dense
-shard from whichever expert-parallel rank's file holds it, :func:`holding`).
+shard from whichever expert-parallel rank's file holds it, :func:`~.snapfile.holding`).
 :func:`~.checkpoint.load_found` reads these and the ``.pt`` files alike.
 """
 
 from __future__ import annotations
 
-import io
 import logging
-import re
-from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainguard.adapters.torch.checkpoints import read_stored_snapshot
 from trainguard.adapters.torch.snapshot import Snapshots, destinations, filled, read_payload_into
 from trainguard.core import CheckpointError, CheckpointStore
 from trainguard.core.checkpoint import FileInfo
@@ -45,48 +41,13 @@ from trainguard.core.snapshot import SnapshotDir
 from trainguard.core.snapshot.ring import load_verified
 
 from . import checkpoint as ckpt
-from .kinds import EXPERT, distributed, mains, shard_of, shard_state, sharded_kinds
-from .state import apply, chunks, rank_state
+from .kinds import distributed, mains, shard_of, sharded_kinds
+from .snapfile import contents, parts, snapshot_file
+from .state import apply, chunks
 
-__all__ = ["MegatronSnapshots", "holding", "read_file", "snapshot_file"]
+__all__ = ["MegatronSnapshots"]
 
 log = logging.getLogger("trainguard.megatron")
-
-_PLAIN = (int, float, str, bool, type(None))
-
-
-def snapshot_file(subdir: str, index: dict[int, int]) -> str:
-    """The name of a persisted snapshot in a checkpoint: Megatron's model
-    file or, with a distributed optimizer, one named after the shard of
-    each kind it holds (``index``: kind -> shard)."""
-    if not index:
-        return f"{subdir}/{ckpt.FILE.removesuffix('.pt')}.safetensors"
-    parts = [f"{'expert_' if kind == EXPERT else ''}shard_{j:03d}" for kind, j in sorted(index.items())]
-    return f"{subdir}/distrib_optim_{'_'.join(parts)}.safetensors"
-
-
-_NAME = re.compile(r"^(?P<sub>[^/]+)/(?:model_optim_rng|distrib_optim(?:_shard_(?P<dense>\d+))?"
-                   r"(?:_expert_shard_(?P<expert>\d+))?)\.safetensors$")
-
-
-def holding(names: Iterable[str], here: ckpt.ParallelRank, kind: int | None, shard: int | None) -> list[str]:
-    """The persisted snapshots among ``names`` that hold this rank's model
-    state (``kind`` None: any in its directory) or shard ``shard`` of
-    ``kind`` (the dense shards: any expert-parallel rank's)."""
-    out = []
-    for name in sorted(names):
-        m = _NAME.match(name)
-        if m is None:
-            continue
-        sub = m["sub"]
-        if kind is None or kind == EXPERT:
-            fits = sub == here.subdir and (kind is None or m["expert"] is not None and int(m["expert"]) == shard)
-        else:
-            fits = re.fullmatch(re.escape(here.dense_subdir) + r"(_\d{3})?", sub) is not None and \
-                m["dense"] is not None and int(m["dense"]) == shard
-        if fits:
-            out.append(name)
-    return out
 
 
 def _own_file(optimizer: Any) -> str:
@@ -94,48 +55,9 @@ def _own_file(optimizer: Any) -> str:
 
 
 # ------------------------------------------------------------------ values
-def _pack(obj: Any, path: tuple, odd: list) -> Any:
-    """``obj`` with every value the ring cannot carry as it is replaced by
-    its ``torch.save`` bytes (their paths appended to ``odd``)."""
-    kind = type(obj)
-    if isinstance(obj, torch.Tensor) or kind in _PLAIN:
-        return obj
-    if kind in (dict, OrderedDict) and all(type(k) in (str, int) for k in obj):
-        return {k: _pack(v, (*path, k), odd) for k, v in obj.items()}
-    if kind in (list, tuple):
-        return kind(_pack(v, (*path, i), odd) for i, v in enumerate(obj))
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    odd.append(list(path))
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def _unpack(obj: Any, odd: set, path: tuple) -> Any:
-    if not odd:
-        return obj
-    if path in odd:
-        try:
-            return torch.load(io.BytesIO(obj.cpu().numpy().tobytes()), weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"the value at {'/'.join(map(str, path))} could not be loaded safely: {e}") \
-                from None
-    if isinstance(obj, dict):
-        return {k: _unpack(v, odd, (*path, k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_unpack(v, odd, (*path, i)) for i, v in enumerate(obj))
-    return obj
-
-
-def _contents(step: int, model: Any, optimizer: Any, scheduler: Any, history: dict, rng: dict | None = None) -> dict:
-    odd: list = []
-    parts = _pack({"rank": rank_state(step, model, optimizer, scheduler, rng=rng),
-                   "shards": [shard_state(optimizer, k) for k in sharded_kinds(optimizer)]}, (), odd)
-    return {"state": {**parts, "odd": odd}, "history": history}
-
-
 def _places(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     """The tensors a restarted rank already holds for a snapshot of
-    :func:`_contents`, by path: its model chunks' and optimizers' (with a
+    :func:`~.snapfile.contents`, by path: its model chunks' and optimizers' (with a
     distributed optimizer, the main parameters of each shard too), to be
     filled in place (:func:`~trainguard.adapters.torch.snapshot.read_payload_into`)."""
     parts = chunks(model)
@@ -154,29 +76,6 @@ def _has_state(optimizer: Any) -> bool:
     ``state_dict``: it asserts one step count)."""
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return all(len(getattr(o, "optimizer", o).state) for o in inner)
-
-
-def _parts(state: dict) -> tuple[dict, dict[int, dict]]:
-    """(rank state, its shards by kind) of a snapshot's ``state``.
-
-    Raises:
-        CheckpointError: it is not a Megatron rank's snapshot.
-    """
-    try:
-        odd = {tuple(p) for p in state["odd"]}
-        shards = _unpack(state["shards"], odd, ("shards",))
-        return _unpack(state["rank"], odd, ("rank",)), {s["kind"]: s for s in shards}
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"not a snapshot of a Megatron rank (no {e})") from None
-
-
-def read_file(path: Any, device: Any = "cpu") -> tuple[dict, dict[int, dict]]:
-    """(rank state, its shards by kind) in a persisted snapshot file.
-
-    Raises:
-        CheckpointError: it is not a readable trainguard snapshot.
-    """
-    return _parts(read_stored_snapshot(path, torch.device(device)))
 
 
 # ------------------------------------------------------------------ ring
@@ -203,11 +102,11 @@ class MegatronSnapshots(Snapshots):
         """Copy the rank's state at ``step`` into a free slot; the slot index,
         or ``None`` when every slot is being persisted (with ``wait``, after
         waiting for one up to the save timeout)."""
-        index = self.take(_contents(step, model, optimizer, scheduler, history, rng), step)
+        index = self.take(contents(step, model, optimizer, scheduler, history, rng), step)
         if index is None and wait:
             log.warning("rank %d: every snapshot slot is being persisted; waiting for one", self.rank)
             self.wait(self.save_timeout_s)
-            index = self.take(_contents(step, model, optimizer, scheduler, history, rng), step)
+            index = self.take(contents(step, model, optimizer, scheduler, history, rng), step)
         return index
 
     def _take_now(self, step: int, objects: tuple, history: dict, rng: dict | None = None) -> int:
@@ -289,7 +188,7 @@ class MegatronSnapshots(Snapshots):
         def from_memory(step: int, slot, source: str) -> None:
             into = _places(model, optimizer)  # filled once the checksum passed: no second copy of the model
             _, held = load_verified(slot, lambda payload: read_payload_into(payload, device, into), filled)
-            apply(*_parts(held["state"]), model, optimizer, scheduler, where=slot.path)
+            apply(*parts(held["state"]), model, optimizer, scheduler, where=slot.path)
             # A dying-gasp checkpoint of the same step knows of the fault that stopped the job.
             stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
                 else None
