@@ -322,3 +322,18 @@ def test_the_relay_logs_every_kind_of_refusal_as_the_controller_does(caplog):
             assert "ended before its first message (empty, or over gRPC's 4194304-byte limit)" in text, text
         finally:
             relay.stop()
+
+
+def test_a_flood_of_unauthenticated_calls_costs_the_controller_little_memory():
+    """100 concurrent unauthenticated 4 MiB calls against a controller in a
+    process of its own (bench/preauth.py's flood): each is received only up
+    to gRPC's fixed 64 KiB window before it is refused. With gRPC's growing
+    (BDP) windows it cost 60-140 MiB; now a few."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("preauth", Path(__file__).parent.parent / "bench" / "preauth.py")
+    preauth = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(preauth)
+    r = preauth.flood(preauth.ROOT, 100, 4.0)
+    assert r["refused"] == 100 and r["other_codes"] == [], r
+    assert r["grown_MiB"] < 24, r  # 60-140 with BDP probing on (bench/results/preauth.json)

@@ -120,7 +120,8 @@ class Relay(LoopThread):
         self._tasks = [asyncio.ensure_future(self._read_upstream()), asyncio.ensure_future(self._write_upstream())]
         self._server = grpc.aio.server(
             interceptors=[Authenticate(self.token, self.refusals, frozenset({"Session"}))],
-            options=[("grpc.max_receive_message_length", 4 * self.limit), ("grpc.so_reuseport", 0)])
+            options=[("grpc.max_receive_message_length", 4 * self.limit), ("grpc.so_reuseport", 0),
+                     ("grpc.http2.bdp_probe", 0)])  # as the controller's: see server.py
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Session": grpc.stream_stream_rpc_method_handler(
                 self._session, request_deserializer=decoder(pb.RankMessage, self.limit),

@@ -411,6 +411,10 @@ class Controller(LoopThread):
             Authenticate(self.token, self._service.refusals, frozenset({"Session", "NodeSession"}))], options=[
             ("grpc.max_receive_message_length", self._service.grpc_limit),
             ("grpc.so_reuseport", 0),
+            # No growing receive windows (gRPC's BDP probe): a call is received, up to its window, before its
+            # secret is checked, and 100 unauthenticated 4 MiB calls cost 60-140 MiB with them, 1-3 without
+            # (bench/preauth.py); control messages fit the fixed 64 KiB window (bench/scale.py is no slower).
+            ("grpc.http2.bdp_probe", 0),
             ("grpc.server.max_pending_requests", pending),
             ("grpc.server.max_pending_requests_hard_limit", pending),
         ])
