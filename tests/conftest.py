@@ -161,15 +161,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def no_leaked_trainguard_threads():
-    """Controllers and processors started by a test must be stopped by it."""
+    """Controllers, relays and processors started by a test must be stopped
+    by it (the servers share the process's one loop thread, which stays)."""
+    from trainguard.core.loop import live_servers
+
     before = {t.ident for t in threading.enumerate()}
+    servers_before = {id(server) for server in live_servers()}
     yield
     deadline = time.time() + 10
     while True:
-        leaked = [t for t in threading.enumerate()
+        leaked = [t.name for t in threading.enumerate()
                   if t.ident not in before and t.name.startswith("trainguard") and t.is_alive()
-                  and t.name != "trainguard-pg-retire"]
+                  and t.name not in ("trainguard-pg-retire", "trainguard-loop")]
+        leaked += [server.thread_name for server in live_servers() if id(server) not in servers_before]
         if not leaked or time.time() > deadline:
             break
         time.sleep(0.05)
-    assert not leaked, f"threads left running: {[t.name for t in leaked]}"
+    assert not leaked, f"threads or servers left running: {leaked}"

@@ -450,10 +450,7 @@ class Controller(LoopThread):
 
     async def _shutdown(self, grace_s: float) -> None:
         self._service.stopping = True
-        await self._server.stop(grace_s)
-        for task in asyncio.all_tasks():
-            if task is not asyncio.current_task():
-                task.cancel()
+        await self._server.stop(grace_s)  # ends every call; stop() then cancels the ticks (_serve)
 
     def __enter__(self) -> "Controller":
         self.start()
