@@ -20,6 +20,8 @@ from typing import Any, Mapping
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .data import resumable
+
 __all__ = ["TrainState", "unwrap"]
 
 
@@ -79,7 +81,8 @@ class TrainState:
         model: the module (DDP-wrapped or not).
         optimizer: the (unwrapped) optimizer.
         scheduler, scaler, data: optional objects with ``state_dict`` /
-            ``load_state_dict``.
+            ``load_state_dict``; ``data`` may also be a torchdata
+            ``StatefulDataLoader`` (:func:`.data.resumable`).
         extra: more named stateful objects to save and repair.
     """
 
@@ -89,6 +92,7 @@ class TrainState:
         self.module = unwrap(model)
         self.rank = rank
         self.optimizer = optimizer
+        data = resumable(data)  # a StatefulDataLoader: with its sampler's epoch; a plain DataLoader: refused
         self.host: dict[str, Any] = {k: v for k, v in
                                      {"scheduler": scheduler, "scaler": scaler, "data": data, **(extra or {})}.items()
                                      if v is not None}
