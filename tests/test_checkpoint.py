@@ -120,12 +120,23 @@ def test_mindspore_layout_keeps_files_under_rank_directories(tmp_path):
     framework's own save function (by path) is hashed like any other."""
     store = CheckpointStore(tmp_path, MINDSPORE)
     info = store.write_path(7, "rank_0/ttp_rank_0-0_7.ckpt", lambda path: path.write_bytes(b"weights"))
-    assert (tmp_path / "tft_saved_checkpoints-step_7_tmp" / "rank_0" / "ttp_rank_0-0_7.ckpt").is_file()
+    assert (tmp_path / "ttp_saved_checkpoints-step_7_tmp" / "rank_0" / "ttp_rank_0-0_7.ckpt").is_file()
     store.finalize(7, [info], layout=layout(info.name))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest_tft_step.txt", "tft_saved_checkpoints-step_7"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest_tft_step.txt", "ttp_saved_checkpoints-step_7"]
     assert store.latest().step == 7
-    (tmp_path / "tft_saved_checkpoints-step_7" / "rank_0" / "ttp_rank_0-0_7.ckpt").write_bytes(b"weightz")
+    (tmp_path / "ttp_saved_checkpoints-step_7" / "rank_0" / "ttp_rank_0-0_7.ckpt").write_bytes(b"weightz")
     assert store.latest() is None  # the corrupted file fails its checksum
+
+
+def test_mindspore_dying_gasps_named_by_older_releases_are_still_read(tmp_path):
+    """``tft_saved_checkpoints-step_{n}``: older MindSpore TFT's name, and
+    trainguard's before it took 2.10's ``ttp_saved_...``."""
+    store = CheckpointStore(tmp_path, MINDSPORE)
+    info = store.write_path(5, "rank_0/ttp_rank_0-0_5.ckpt", lambda path: path.write_bytes(b"weights"))
+    store.finalize(5, [info], layout=layout(info.name))
+    (tmp_path / "ttp_saved_checkpoints-step_5").rename(tmp_path / "tft_saved_checkpoints-step_5")
+    found = store.latest()
+    assert found is not None and found.step == 5 and found.path.name == "tft_saved_checkpoints-step_5"
 
 
 def test_manifest_records_sizes_and_checksums(tmp_path):

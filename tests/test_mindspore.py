@@ -17,8 +17,10 @@ import pytest
 
 from conftest import WORKERS
 from ms_jobs import STEPS, MsJob, run_ms
+from trainguard.core import MINDSPORE
 from trainguard.launcher.msrun import strategies_from_env
 
+DUMP_3 = MINDSPORE.dirname(3)  # the dying gasp of step 3
 needs_mindspore = pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore")
 
 
@@ -89,8 +91,8 @@ def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identic
     if phase == "reduce":
         assert "rank 0: the update of step 4 failed before it changed any state" in first.log, first
     entries = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
-    assert entries == ["latest_tft_step.txt", "tft_saved_checkpoints-step_3"], entries  # one, finalised
-    shard = ckpt / "tft_saved_checkpoints-step_3" / "rank_0" / "ttp_rank_0-1_3.ckpt"  # epoch 1, its step 3
+    assert entries == ["latest_tft_step.txt", DUMP_3], entries  # one, finalised
+    shard = ckpt / DUMP_3 / "rank_0" / "ttp_rank_0-1_3.ckpt"  # epoch 1, its step 3
     assert shard.is_file(), first
     keys = subprocess.run([sys.executable, "-c", "import sys, mindspore as ms; d = ms.load_checkpoint(sys.argv[1]); "
                            "print(int(d['step_num'].asnumpy()), int(d['epoch_num'].asnumpy()), "
@@ -117,14 +119,14 @@ def test_a_worker_killed_while_it_resumes_ends_the_job_and_the_next_relaunch_is_
     ckpt, fault = tmp_path / "ckpt", "crash:rank=1,step=3,phase=forward;crash:rank=1,step=3,phase=resume"
     first = run_ms(tmp_path, "first", fault=fault, ckpt=ckpt)
     assert first.rc == 75, first
-    dump = ckpt / "tft_saved_checkpoints-step_3" / "manifest.json"
+    dump = ckpt / DUMP_3 / "manifest.json"
     before = dump.read_bytes()
     second = run_ms(tmp_path, "second", fault=fault, ckpt=ckpt)
     assert second.rc not in (0, 75), second
     assert "rank 1 failed before every rank had registered" in second.log, second
     assert "RingAllGather" not in second.log, "rank 0 was ended, not left to its collective's timeout"
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == \
-        ["latest_tft_step.txt", "tft_saved_checkpoints-step_3"] and dump.read_bytes() == before
+        ["latest_tft_step.txt", DUMP_3] and dump.read_bytes() == before
     third = run_ms(tmp_path, "third", fault=fault, ckpt=ckpt)
     assert third.rc == 0 and third.report is not None, third
     assert third.report["final_state_sha256"] == baseline.report["final_state_sha256"], third
@@ -139,7 +141,7 @@ def test_with_snapshots_the_dump_writes_the_snapshot_and_the_relaunch_is_bit_ide
     first = run_ms(tmp_path, "snap", fault=fault, ckpt=ckpt, env=env)
     assert first.rc == 75, first
     assert "the save of step 3 reuses its snapshot in memory" in first.log, first
-    shard = ckpt / "tft_saved_checkpoints-step_3" / "rank_0" / "ttp_rank_0-1_3.safetensors"
+    shard = ckpt / DUMP_3 / "rank_0" / "ttp_rank_0-1_3.safetensors"
     assert shard.is_file(), first
     # MindSpore's own loader reads the persisted snapshot.
     keys = subprocess.run([sys.executable, "-c", "import sys, json, mindspore as ms; "
@@ -170,7 +172,7 @@ def test_shared_snapshots_when_the_holder_dies_its_replica_dumps_the_whole_state
     env = {"TRAIN_SNAPSHOT_EVERY": "1", "TRAIN_SNAPSHOT_SHARED": "1"}
     first = run_ms(tmp_path, "shared", fault=fault, ckpt=ckpt, env=env)
     assert first.rc == 75, first
-    shards = sorted((ckpt / "tft_saved_checkpoints-step_3").glob("rank_*/*.safetensors"))
+    shards = sorted((ckpt / DUMP_3).glob("rank_*/*.safetensors"))
     assert [p.parent.name for p in shards] == ["rank_1"], first
     from safetensors import safe_open
     with safe_open(str(shards[0]), "np") as f:  # the parameters and the optimizer's moments, not a header
@@ -297,4 +299,4 @@ def test_a_frozen_worker_is_killed_by_the_msrun_plugin_and_the_job_dumps(tmp_pat
     assert job.rc == 75, job
     assert "found stopped (state T)" in job.log and "killed by its agent" in job.log, job
     assert "dying-gasp checkpoint at step 3" in job.log, job
-    assert (job.ckpt / "tft_saved_checkpoints-step_3" / "manifest.json").is_file(), job
+    assert (job.ckpt / DUMP_3 / "manifest.json").is_file(), job

@@ -19,11 +19,14 @@ import pytest
 
 from conftest import WORKERS, _assert_no_stray_processes
 from ms_jobs import MsJob, run_ms
+from trainguard.core import MINDSPORE
 
 if importlib.util.find_spec("mindspore") is None:  # find_spec does not import it
     pytest.skip("mindspore is not installed", allow_module_level=True)
 
 SCRIPT = WORKERS / "ms_model_train.py"
+DUMP_3 = MINDSPORE.dirname(3)  # the dying gasp of step 3
+DUMP_PREFIX = MINDSPORE.dirname(0)[:-1]  # any dying gasp, _tmp included
 EPOCHS = 3  # of 2 batches: 6 steps; a fault at step 3 lands in epoch 1, batch 1
 
 
@@ -91,17 +94,142 @@ importlib.reload(importlib.import_module("trainguard.adapters.mindspore"))
 assert Model.train is wrapped, "wrapped twice"
 old = tg.TFTRegister(0, "127.0.0.1", 8000, "ckpt")
 assert isinstance(old, tg.TrainFaultTolerance) and old.ckpt_save_path == "ckpt"
-try:
-    tg.TrainFaultTolerance(ckpt_save_fn="ckpt")
-except ConfigError as e:
-    assert "ckpt_save_fn must be a function fn(cb_params, append_dict), got 'ckpt'" in str(e)
-else:
-    raise AssertionError("a ckpt_save_fn that is not callable accepted")
 callback.unwrap_model_train()
 assert Model.train is original
 print("ok")
 """)
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.timeout(240)
+def test_callback_takes_mindspores_keywords_and_refuses_what_mindspore_refuses(tmp_path):
+    """MindSpore 2.10's ``TrainFaultTolerance(ckpt_save_path=None, **kwargs)``
+    (``ckpt_save_fn``, ``ckpt_load_fn``, ``initial_step``): constructed and
+    checked without a job; ``ckpt_load_fn``'s dict loaded as MindSpore loads it."""
+    done = run_alone(tmp_path, "-c", """
+import inspect
+import numpy as np
+import mindspore as ms
+from mindspore import nn
+from mindspore.train.callback import TrainFaultTolerance as Theirs
+import trainguard.mindspore as tg
+from trainguard.core import ConfigError
+
+shape = lambda f: [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+assert shape(tg.TrainFaultTolerance.__init__) == shape(Theirs.__init__), inspect.signature(Theirs.__init__)
+try:  # what MindSpore refuses
+    Theirs()
+except ValueError as e:
+    assert "need to set ckpt_save_fn or ckpt_save_path" in str(e), e
+else:
+    raise AssertionError("MindSpore accepted TrainFaultTolerance()")
+
+def refused(message, *args, **kwargs):
+    try:
+        tg.TrainFaultTolerance(*args, **kwargs)
+    except ConfigError as e:
+        assert isinstance(e, ValueError) and message in str(e), (message, str(e))
+    else:
+        raise AssertionError(f"accepted {args} {kwargs}")
+
+save = lambda cb_params, append_dict: None
+refused("TrainFaultTolerance needs ckpt_save_path or ckpt_save_fn, as MindSpore's")
+refused("TrainFaultTolerance needs ckpt_save_path or ckpt_save_fn", initial_step=3)
+refused("got 'ckpt_save_dir': MindSpore's TrainFaultTolerance(ckpt_save_path=None, **kwargs) reads only "
+        "ckpt_save_fn, ckpt_load_fn, initial_step", ckpt_save_dir="ckpt")
+refused("ckpt_save_fn must be a function fn(cb_params, append_dict), got 'ckpt'", ckpt_save_fn="ckpt")
+refused("ckpt_load_fn must be a function fn() -> (param_dict, remove_redundancy)", ckpt_save_fn=save,
+        ckpt_load_fn={})
+refused("ckpt_load_fn loads the files of your ckpt_save_fn", "ckpt", ckpt_load_fn=lambda: ({}, False))
+refused("give ckpt_load_fn (its step_num says where training resumes) or initial_step, not both",
+        ckpt_save_fn=save, ckpt_load_fn=lambda: ({}, False), initial_step=2)
+refused("initial_step must be an int >= 0, got -1", "ckpt", initial_step=-1)
+try:
+    tg.TFTRegister(0, "127.0.0.1", 8000)
+except ConfigError as e:
+    assert "TFTRegister needs ckpt_save_path" in str(e)
+else:
+    raise AssertionError("TFTRegister without a path accepted")
+
+cb = tg.TrainFaultTolerance("ckpt", ckpt_save_fn=save, initial_step=4)  # ckpt_save_fn preferred, as MindSpore's
+assert (cb.ckpt_save_path, cb.save_cb, cb.initial_step, cb.ckpt_load_func) == ("ckpt", save, 4, None)
+assert tg.TrainFaultTolerance(ckpt_save_path="ckpt").ckpt_save_path == "ckpt"
+
+# ckpt_load_fn: MindSpore's (param_dict, remove_redundancy), loaded into the train network at its step_num.
+net = nn.Dense(3, 2)
+model = ms.train.Model(net, nn.MSELoss(), optimizer=tg.OptTFTWrapper(nn.Momentum(net.trainable_params(), 0.1, 0.9)))
+saved = {p.name: ms.Parameter(ms.Tensor(np.full(p.shape, 7, np.float32)), name=p.name)
+         for p in model._train_network.get_parameters() if p.name.endswith(("weight", "bias"))}
+saved["step_num"] = ms.Parameter(ms.Tensor(np.array([5], np.int64)), name="step_num")
+cb = tg.TrainFaultTolerance(ckpt_save_fn=save, ckpt_load_fn=lambda: (saved, False))
+cb._load_with_user_fn(model)
+assert cb.initial_step == 5 and float(net.weight.asnumpy().min()) == float(net.bias.asnumpy().max()) == 7.0
+cb = tg.TrainFaultTolerance(ckpt_save_fn=save, ckpt_load_fn=lambda: ({"step_num": 9}, None))  # None: loaded itself
+cb._load_with_user_fn(model)
+assert cb.initial_step == 9
+cb = tg.TrainFaultTolerance(ckpt_save_fn=save, ckpt_load_fn=lambda: ({}, False))  # nothing saved yet: from 0
+cb._load_with_user_fn(model)
+assert cb.initial_step == 0
+for bad, message in [(lambda: {}, "must return (param_dict, remove_redundancy)"),
+                     (lambda: ({"w": saved["step_num"]}, False), "has no 'step_num'")]:
+    try:
+        tg.TrainFaultTolerance(ckpt_save_fn=save, ckpt_load_fn=bad)._load_with_user_fn(model)
+    except ConfigError as e:
+        assert message in str(e), str(e)
+    else:
+        raise AssertionError(message)
+print("ok")
+""")
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+
+
+def test_dying_gasp_directory_is_named_as_mindspore_2_10_names_it():
+    """MindSpore 2.10's ``_get_ckpt_dir``: ``ttp_saved_checkpoints-step_{n}``
+    (``_tmp`` while written), in ``ckpt_save_path``; the older releases that had ``TFTRegister`` wrote
+    ``tft_saved_...`` (while its docstring said ``ttp_saved_...``)."""
+    path = Path(importlib.util.find_spec("mindspore").submodule_search_locations[0]) / "train" / "callback" / \
+        "_train_fault_tolerance.py"
+    assert 'mid_dir = f"ttp_saved_checkpoints-step_{str(step)}{tmp}"' in path.read_text()  # not imported here
+    assert MINDSPORE.dirname(12) == "ttp_saved_checkpoints-step_12" and MINDSPORE.step_of(MINDSPORE.dirname(12)) == 12
+
+
+@pytest.mark.timeout(240)
+def test_ckpt_load_fn_resumes_model_train_from_the_users_files(tmp_path):
+    """One process, no launcher: a run saves its state at step 4 the way a
+    ``ckpt_save_fn`` would (``step_num`` appended); a second ``Model.train``
+    with ``ckpt_load_fn`` on a fresh network starts at epoch 2 and ends
+    bit-identical to an uninterrupted run."""
+    done = run_alone(tmp_path, "-c", """
+import numpy as np
+import mindspore as ms
+import mindspore.dataset as ds
+from mindspore import nn
+import trainguard.mindspore as tg
+
+ms.set_context(mode=ms.PYNATIVE_MODE)
+data = np.random.default_rng(0)
+x, y = data.standard_normal((16, 4)).astype(np.float32), data.standard_normal((16, 1)).astype(np.float32)
+
+def run(epochs, load=None, stop_at=None):
+    ms.set_seed(0)
+    dataset = ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(8)  # 2 batches an epoch
+    net = nn.Dense(4, 1, weight_init="ones", bias_init="zeros")
+    model = ms.train.Model(net, nn.MSELoss(), optimizer=tg.OptTFTWrapper(nn.Momentum(net.trainable_params(), 0.1, 0.9)))
+    cb = tg.TrainFaultTolerance(ckpt_save_fn=lambda cb_params, append_dict: None, ckpt_load_fn=load)
+    model.train(epochs, dataset, callbacks=[cb], dataset_sink_mode=False)
+    return model, cb
+
+full, _ = run(3)
+model, _ = run(2)  # the first 4 of 6 steps, saved as a ckpt_save_fn would with its step_num
+ms.save_checkpoint(model._train_network, "mid.ckpt", append_dict={"step_num": 4})
+resumed, cb = run(3, load=lambda: (ms.load_checkpoint("mid.ckpt"), False))
+assert cb.guard.step == 2, cb.guard.step  # 6 steps in all, 4 of them loaded
+for a, b in zip(full._train_network.get_parameters(), resumed._train_network.get_parameters()):
+    assert a.name == b.name and np.array_equal(a.asnumpy(), b.asnumpy()), a.name
+print("ok")
+""")
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+    assert "Model.train starts at epoch 2, batch 0 (step 4)" in done.stdout + done.stderr
 
 
 @pytest.mark.timeout(240)
@@ -122,8 +250,8 @@ def test_killed_worker_is_dumped_and_the_relaunch_resumes_mid_epoch(tmp_path, ba
     ckpt = tmp_path / "ckpt"
     job = run_model_train(tmp_path, "crash", fault="crash:rank=1,step=3,phase=backward", ckpt=ckpt)
     assert job.rc == 75, job
-    saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("tft_saved_checkpoints"))
-    assert saved == ["tft_saved_checkpoints-step_3"], job
+    saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith(DUMP_PREFIX))
+    assert saved == [DUMP_3], job
 
     again = run_model_train(tmp_path, "relaunch", ckpt=ckpt)
     assert again.rc == 0 and again.report is not None, again
@@ -150,7 +278,7 @@ def test_ckpt_save_fn_writes_the_dying_gasp_and_the_user_resumes_from_it(tmp_pat
     assert written.name == "rank_0-step_3.json", job
     assert json.loads(written.read_text()) == {"cur_step_num": 3, "cur_epoch_num": 2,
                                                 "append_dict": {"__exception_save__": True}}
-    assert not any(p.name.startswith("tft_saved_checkpoints") for p in ckpt.iterdir())  # nothing of trainguard's
+    assert not any(p.name.startswith(DUMP_PREFIX) for p in ckpt.iterdir())  # nothing of trainguard's
 
     again = run_model_train(tmp_path, "user-resume", ckpt=ckpt, env={
         "TEST_SAVE_FN": "1", "TEST_RESUME": str(written.with_suffix(".ckpt")), "TEST_INITIAL_STEP": "3"})
@@ -183,8 +311,8 @@ def test_graph_mode_killed_worker_is_dumped_and_the_relaunch_resumes(tmp_path, g
     ckpt = tmp_path / "ckpt"
     job = run_model_train(tmp_path, "crash", fault="crash:rank=1,step=3,phase=forward", ckpt=ckpt, mode="graph")
     assert job.rc == 75, job  # rank 0 left its compiled step when the vote's all-reduce timed out
-    saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("tft_saved_checkpoints"))
-    assert saved == ["tft_saved_checkpoints-step_3"], job
+    saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith(DUMP_PREFIX))
+    assert saved == [DUMP_3], job
 
     again = run_model_train(tmp_path, "relaunch", ckpt=ckpt, mode="graph")
     assert again.rc == 0 and again.report is not None, again

@@ -2,7 +2,7 @@
 
 A checkpoint is a directory named by its step in the framework's habit
 (:data:`TORCH`: ``step_00000123``; :data:`MEGATRON`: ``iter_0000123``;
-:data:`MINDSPORE`: ``tft_saved_checkpoints-step_123``, files under
+:data:`MINDSPORE`: ``ttp_saved_checkpoints-step_123``, files under
 ``rank_{r}/``). It
 is written as ``<name>_tmp``; every file's size and SHA-256 are recorded as
 it is written; one rank then verifies every file, writes ``manifest.json``,
@@ -111,9 +111,10 @@ class Naming:
 
 TORCH = Naming("step_{:08d}", "latest_step.txt", r"step_(\d{8,})")
 MEGATRON = Naming("iter_{:07d}", "latest_checkpointed_iteration.txt", r"iter_(\d{7,})")
-#: MindSpore TFT's dying-gasp directories (``tft_saved_checkpoints-step_{n}``);
+#: MindSpore 2.10 TFT's dying-gasp directories (``ttp_saved_checkpoints-step_{n}``;
+#: the ``tft_saved_...`` of older releases, and of trainguard before, are still read).
 #: MindSpore itself keeps no tracker, trainguard writes one beside them.
-MINDSPORE = Naming("tft_saved_checkpoints-step_{}", "latest_tft_step.txt", r"tft_saved_checkpoints-step_(\d+)")
+MINDSPORE = Naming("ttp_saved_checkpoints-step_{}", "latest_tft_step.txt", r"(?:ttp|tft)_saved_checkpoints-step_(\d+)")
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ import logging
 import os
 
 import mindspore as ms
+import numpy as np
 from mindspore import nn
 from mindspore.train import Callback, Model
 
@@ -62,6 +63,8 @@ log = logging.getLogger("trainguard.mindspore")
 
 #: Set on the wrapper of ``Model.train``, so wrapping twice is a no-op.
 _MARK = "__trainguard_wrapped__"
+#: Parameters of trainguard's own, not in a checkpoint a user saved before the Guard existed.
+_NOT_SAVED = ("trainguard_", "tft_g_one_flag")
 
 
 class TrainFaultTolerance(Callback):
@@ -70,8 +73,7 @@ class TrainFaultTolerance(Callback):
 
     Args:
         ckpt_save_path: where dying-gasp checkpoints go (MindSpore TFT's
-            layout) and where training resumes from; ``None``: recovery in
-            place only (``retry``), nothing to save to.
+            layout) and where training resumes from.
         ckpt_save_fn: your own writer for the dying-gasp checkpoint,
             ``fn(cb_params, append_dict)`` as in MindSpore: called on the
             rank that saves, with ``cb_params`` at the saved step
@@ -79,25 +81,75 @@ class TrainFaultTolerance(Callback):
             the weights and optimizer state of that step) and
             ``append_dict={"__exception_save__": True}``. It takes the place
             of trainguard's files (preferred when both are given); nothing
-            is renamed, and resuming is yours (``initial_step``).
+            is renamed, and resuming is yours (``ckpt_load_fn`` or
+            ``initial_step``).
+        ckpt_load_fn: your own loader, ``fn() -> (param_dict,
+            remove_redundancy)`` as in MindSpore. MindSpore calls it after a
+            training-result error (``TRE:1``), which trainguard does not
+            detect; trainguard calls it once at the start of each
+            ``Model.train`` instead, to resume from your files: an empty
+            ``param_dict`` (or ``None``) starts afresh, otherwise it is
+            loaded into the train network as MindSpore does
+            (``load_param_into_net(train_network, param_dict, True,
+            remove_redundancy)``; ``remove_redundancy=None``: your function
+            loaded it) and its ``step_num`` (steps trained) is where
+            training continues. Needs ``ckpt_save_fn``: with only
+            ``ckpt_save_path`` trainguard resumes from its own files.
         initial_step: steps trained before this run, when you resumed the
             weights yourself: step numbers and the data position count on
             from it (instead of ``Model.train``'s ``initial_epoch``).
 
+    MindSpore 2.10's signature is ``TrainFaultTolerance(ckpt_save_path=None,
+    **kwargs)`` and it reads ``ckpt_save_fn``, ``ckpt_load_fn`` and
+    ``initial_step`` from ``kwargs``; so does this class, and it refuses any
+    other keyword (MindSpore ignores them silently).
+
     Raises:
-        ConfigError: ``ckpt_save_fn`` not callable, or ``initial_step`` negative.
+        ConfigError (a ``ValueError``, as MindSpore's refusals): neither
+            ``ckpt_save_path`` nor ``ckpt_save_fn`` (MindSpore refuses that
+            too), a keyword MindSpore does not read, ``ckpt_save_fn`` or
+            ``ckpt_load_fn`` not callable, ``ckpt_load_fn`` without
+            ``ckpt_save_fn`` or with ``initial_step``, or ``initial_step``
+            negative.
     """
 
-    def __init__(self, ckpt_save_path: str | os.PathLike | None = None, ckpt_save_fn=None,
-                 initial_step: int = 0) -> None:
+    #: The keywords MindSpore 2.10's ``TrainFaultTolerance`` reads from ``**kwargs``.
+    KEYWORDS = ("ckpt_save_fn", "ckpt_load_fn", "initial_step")
+
+    def __init__(self, ckpt_save_path: str | os.PathLike | None = None, **kwargs) -> None:
         super().__init__()
+        unknown = sorted(set(kwargs) - set(self.KEYWORDS))
+        if unknown:
+            raise ConfigError(f"TrainFaultTolerance got {', '.join(map(repr, unknown))}: MindSpore's "
+                              f"TrainFaultTolerance(ckpt_save_path=None, **kwargs) reads only "
+                              f"{', '.join(self.KEYWORDS)} from kwargs (and ignores the rest, which trainguard "
+                              f"refuses rather than drop silently)")
+        ckpt_save_fn = kwargs.get("ckpt_save_fn")
+        ckpt_load_fn = kwargs.get("ckpt_load_fn")
+        initial_step = kwargs.get("initial_step", 0)
+        if ckpt_save_fn is None and ckpt_save_path is None:
+            # MindSpore: "TrainFaultTolerance construct need to set ckpt_save_fn or ckpt_save_path!"
+            raise ConfigError("TrainFaultTolerance needs ckpt_save_path or ckpt_save_fn, as MindSpore's: the "
+                              "dying-gasp checkpoint must go somewhere")
         if ckpt_save_fn is not None and not callable(ckpt_save_fn):
             raise ConfigError(f"ckpt_save_fn must be a function fn(cb_params, append_dict), got {ckpt_save_fn!r}")
-        if not isinstance(initial_step, int) or initial_step < 0:
+        if ckpt_load_fn is not None:
+            if not callable(ckpt_load_fn):
+                raise ConfigError(f"ckpt_load_fn must be a function fn() -> (param_dict, remove_redundancy), "
+                                  f"got {ckpt_load_fn!r}")
+            if ckpt_save_fn is None:
+                raise ConfigError("ckpt_load_fn loads the files of your ckpt_save_fn: with ckpt_save_path alone "
+                                  "trainguard resumes from its own dying-gasp checkpoints there (pass ckpt_save_fn "
+                                  "too, or drop ckpt_load_fn)")
+            if initial_step:
+                raise ConfigError("give ckpt_load_fn (its step_num says where training resumes) or initial_step, "
+                                  "not both")
+        if isinstance(initial_step, bool) or not isinstance(initial_step, int) or initial_step < 0:
             raise ConfigError(f"initial_step must be an int >= 0, got {initial_step!r}")
         self.ckpt_save_path = ckpt_save_path
         self.initial_step = initial_step
         self.ckpt_save_fn = ckpt_save_fn
+        self.ckpt_load_fn = ckpt_load_fn
         self._cb_params = None  # the running Model.train's, for ckpt_save_fn
         self._base = 0  # the data position of the Guard's step 0
         self._per_epoch = 1
@@ -105,6 +157,45 @@ class TrainFaultTolerance(Callback):
         self.guard: Guard | None = None
         self._training = False  # between on_train_begin and on_train_end: a fault there is recovered
         self._resume_at: int | None = None  # the data position a resumed call starts at
+
+    @property
+    def save_cb(self):
+        """MindSpore's attribute name for ``ckpt_save_fn``."""
+        return self.ckpt_save_fn
+
+    @property
+    def ckpt_load_func(self):
+        """MindSpore's attribute name for ``ckpt_load_fn``."""
+        return self.ckpt_load_fn
+
+    def _load_with_user_fn(self, model: Model) -> None:
+        """``ckpt_load_fn`` before the first step: load what it returns into
+        the train network as MindSpore does, and start at its ``step_num``."""
+        loaded = self.ckpt_load_fn()
+        if not isinstance(loaded, (tuple, list)) or len(loaded) != 2:
+            raise ConfigError(f"ckpt_load_fn must return (param_dict, remove_redundancy), as MindSpore's; got "
+                              f"{type(loaded).__name__}")
+        param_dict, remove_redundancy = loaded
+        if not param_dict:
+            self.initial_step = 0
+            return
+        if "step_num" not in param_dict:
+            raise ConfigError("the param_dict of ckpt_load_fn has no 'step_num' (the steps trained, which "
+                              "MindSpore's dying gasp appends): trainguard cannot tell where to resume")
+        step = param_dict["step_num"]
+        step = int(np.asarray(step.asnumpy() if hasattr(step, "asnumpy") else step).reshape(-1)[0])
+        if step < 0:
+            raise ConfigError(f"ckpt_load_fn returned step_num={step}")
+        if remove_redundancy is not None:  # None: the function loaded the parameters itself (MindSpore's rule)
+            params = {k: v for k, v in param_dict.items() if isinstance(v, ms.Parameter)}
+            not_loaded, _ = ms.load_param_into_net(model._train_network, params, True, remove_redundancy)
+            missing = [n for n in not_loaded if not any(tag in n for tag in _NOT_SAVED)]
+            if missing:  # MindSpore logs these and goes on; so does trainguard, louder
+                log.warning("ckpt_load_fn: %d parameters of the train network are not in its param_dict and keep "
+                            "their values (%s%s): the resumed run will not match an uninterrupted one",
+                            len(missing), ", ".join(missing[:5]), ", ..." if len(missing) > 5 else "")
+        self.initial_step = step
+        log.info("ckpt_load_fn: resuming at step %d", step)
 
     def _save_with_user_fn(self, step: int) -> None:
         """``ckpt_save_fn`` at the Guard's ``step``, with ``cb_params`` set
@@ -185,6 +276,8 @@ class TFTRegister(TrainFaultTolerance):
                  ckpt_save_path: str | os.PathLike | None = None) -> None:
         log.info("TFTRegister: ctrl_rank_id=%s, ctrl_ip=%s, ctrl_port=%s are ignored: trainguard's launcher runs "
                  "the controller", ctrl_rank_id, ctrl_ip, ctrl_port)
+        if ckpt_save_path is None:
+            raise ConfigError("TFTRegister needs ckpt_save_path: where the dying-gasp checkpoint goes")
         super().__init__(ckpt_save_path)
 
 
@@ -244,6 +337,8 @@ def _train_protected(original, model: Model, callback: TrainFaultTolerance, call
     if callback.initial_step and call["initial_epoch"] and callback.initial_step // per_epoch != call["initial_epoch"]:
         raise ConfigError(f"initial_step={callback.initial_step} is in epoch {callback.initial_step // per_epoch} "
                           f"of {per_epoch} steps, but Model.train got initial_epoch={call['initial_epoch']}")
+    if callback.ckpt_load_fn is not None:
+        callback._load_with_user_fn(model)  # before the Guard: its step numbers count on from the loaded step
     base = callback.initial_step or start
     guard = callback._attach(model, per_epoch)
     callback._base = base

@@ -127,9 +127,8 @@ class Collectives:
             # Which of the graph's collectives ran is unknown: run none again (the controller dumps).
             first = next((line for line in str(error).splitlines() if line.strip() and not line.startswith("-")), "")
             self.comm_broken = f"the compiled step failed ({first or type(error).__name__})"
-        own = report_left_step(self.processor, error, self.classifier, phase=phase)
+        own = report_left_step(self.processor, error, self.classifier, phase=phase)  # logs it too
         if own:
-            log.error("rank %d fault at step %d: %s", self.rank, self._step, error)
             try:
                 self._drain()
             except CommunicationBroken as e:
@@ -150,6 +149,6 @@ class Collectives:
             return True
 
     def _leave(self, outcome) -> None:
-        log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
+        log.info("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
         self.close(finished=False)
         logs.exit_now(outcome.exit_code)  # MindSpore's communicator may hold a peer's half collective

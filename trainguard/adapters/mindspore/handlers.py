@@ -8,10 +8,10 @@ where MindSpore's CPU ``Broadcast`` took about 9 s), else, or with
 ``TRAINGUARD_SHM_REPAIR=0``, with one ``Broadcast`` over the job's world
 group. Checkpoints use MindSpore TFT's layout::
 
-    <dir>/tft_saved_checkpoints-step_{n}_tmp/rank_{r}/ttp_rank_{r}-{epoch}_{step_in_epoch}.ckpt
+    <dir>/ttp_saved_checkpoints-step_{n}_tmp/rank_{r}/ttp_rank_{r}-{epoch}_{step_in_epoch}.ckpt
 
-(epoch and step in it counted from 1, as MindSpore does; MindSpore 2.10's own
-TFT names the directory ``ttp_saved_checkpoints-step_{n}``)
+(epoch and step in it counted from 1, as MindSpore does; the directory named
+as MindSpore 2.10's own TFT names it, older releases' ``tft_saved_...`` read too)
 
 written with ``mindspore.save_checkpoint`` (with ``epoch_num``, ``step_num``,
 ``global_step`` and ``loss_scale`` appended), verified, and renamed without
