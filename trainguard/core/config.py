@@ -45,6 +45,9 @@ ENV: Mapping[str, str] = {
                                  "args.save/args.load are not there",
     "TRAINGUARD_JOB_ID": "job id used in logs and checkpoints",
     "TRAINGUARD_STRATEGIES": "ordered recover strategies, comma-separated (retry,dump,exit)",
+    "TRAINGUARD_ANNOTATIONS": "the pod's annotations file (Kubernetes Downward API, metadata.annotations), whose "
+                              "recover-strategy is used when neither --strategies nor TRAINGUARD_STRATEGIES is "
+                              "given (default /etc/podinfo/annotations, read only if it exists)",
     "TRAINGUARD_FAULT": "fault injection: KIND:rank=R,step=N[,phase=P];...",
     "TRAINGUARD_HOST": "address the controller binds to (default 127.0.0.1)",
     "TRAINGUARD_PORT": "port the controller binds to (default: any free port)",

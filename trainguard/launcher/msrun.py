@@ -18,7 +18,9 @@ finished, 75 after a dying-gasp checkpoint, 1 otherwise.
 The strategies come from ``TRAINGUARD_STRATEGIES`` or, when it is unset,
 from MindSpore's ``MS_ENABLE_TFT``: ``UCE:1`` -> ``retry``, ``ARF:1`` ->
 ``recover-in-place`` (not available for MindSpore yet: the controller
-falls back), ``TTP:1`` -> ``dump``; ``exit`` always last.
+falls back), ``TTP:1`` -> ``dump``; ``exit`` always last; else from the
+pod's ``recover-strategy`` annotation (``TRAINGUARD_ANNOTATIONS``, see
+:mod:`trainguard.core.annotations`). The first log line says which.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from typing import Any
 
 from trainguard.core import (EXIT_AFTER_DUMP, Controller, ControllerConfig, ControllerState, FaultSpec,
                              TrainguardError, check_env, logs)
+from trainguard.core.annotations import StrategyChoice, from_annotations, resolve_strategies
 from trainguard.core.client import ControllerClient
+from trainguard.core.config import parse_strategies
 from trainguard.core.faults import check_ranks
 from trainguard.core.secret import TLS, job_secret
 from trainguard.core.snapshot import SnapshotDir
@@ -63,16 +67,27 @@ _ORDERED = (0, EXIT_AFTER_DUMP)
 
 def strategies_from_env(environ=os.environ) -> str | None:
     """The recover strategies a job asked for, in TaskD's words (``None``: none)."""
+    choice = strategy_choice(environ)
+    return None if choice is None else choice.text
+
+
+def strategy_choice(environ=os.environ) -> StrategyChoice | None:
+    """The strategies a job asked for and where from: ``TRAINGUARD_STRATEGIES``,
+    ``MS_ENABLE_TFT``, the pod's ``recover-strategy`` annotation (``None``: none).
+
+    Raises:
+        ConfigError: the deciding source is invalid (a malformed annotations file included).
+    """
     if environ.get("TRAINGUARD_STRATEGIES"):
-        return environ["TRAINGUARD_STRATEGIES"]
+        return resolve_strategies(None, environ)
     items = re.split(r"[,\s]+", environ.get("MS_ENABLE_TFT", "").strip().strip("{}"))
     on = {key.strip() for key, _, value in (i.partition(":") for i in items) if value.strip() == "1"}
     if not on & {"TTP", "UCE", "ARF"}:
-        return None
+        return from_annotations(environ)
     if "ARF" in on:  # as in MindSpore: process-level rescheduling turns the dying gasp on
         on.add("TTP")
     chosen = [s for key, s in (("UCE", "retry"), ("ARF", "recover-in-place"), ("TTP", "dump")) if key in on]
-    return ",".join(chosen + ["exit"])
+    return StrategyChoice(parse_strategies(chosen + ["exit"]), "MS_ENABLE_TFT")
 
 
 class _SafeSpawn:
@@ -97,10 +112,14 @@ class _SafeSpawn:
 def attach(manager: Any, *, force: bool = False) -> bool:
     """Take over ``manager``'s workers (msrun's ``_ProcessManager``) when
     the job asks for fault tolerance (``force``: always)."""
-    strategies = strategies_from_env()
-    if strategies is None and not force:
+    try:
+        choice = strategy_choice()
+    except TrainguardError as e:  # before any worker: the setting is refused, as `trainguard run` does
+        print(f"trainguard msrun: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if choice is None and not force:
         return False
-    manager.handler = MsrunPlugin(manager, strategies)
+    manager.handler = MsrunPlugin(manager, choice or resolve_strategies(None, {}))
     manager.enable_mindx = True
     sys.modules[type(manager).__module__].subprocess = _SafeSpawn()
     # msrun starts its scheduler and workers as `python SCRIPT`: make that the
@@ -114,11 +133,16 @@ def attach(manager: Any, *, force: bool = False) -> bool:
 class MsrunPlugin:
     """One node's msrun, driven by trainguard (``handler.start()`` in msrun)."""
 
-    def __init__(self, manager: Any, strategies: str | None) -> None:
+    def __init__(self, manager: Any, strategies: StrategyChoice | str | None) -> None:
         check_env()
         self.manager = manager
         self.nodes = max(1, manager.worker_num // max(1, manager.local_worker_num))
-        self.config = ControllerConfig.from_env(strategies=strategies, job_id=os.environ.get("TRAINGUARD_JOB_ID")
+        if not isinstance(strategies, StrategyChoice):
+            strategies = (StrategyChoice(parse_strategies(strategies), "the caller") if strategies
+                          else resolve_strategies(None, {}))
+        self.strategy_choice = strategies
+        self.config = ControllerConfig.from_env(strategies=strategies.strategies,
+                                                job_id=os.environ.get("TRAINGUARD_JOB_ID")
                                                 or f"msrun-{manager.master_port}")
         self.controller: Controller | None = None
         self.client: ControllerClient | None = None
@@ -136,6 +160,7 @@ class MsrunPlugin:
         sys.exit(code)
 
     def run(self) -> int:
+        log.info("%s", self.strategy_choice.describe())  # the first line: where the strategies came from
         # A malformed fault, or one for a rank the job does not have, is refused before any worker starts.
         check_ranks(FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", "")), self.manager.worker_num)
         self._start_controller()
@@ -172,8 +197,7 @@ class MsrunPlugin:
             log.warning("MS_CPU_COMM_OP_TIMEOUT=%s s is not below the prelock timeout (%g s): the survivors of a lost "
                         "worker would answer the stop too late for a dying-gasp save; raise "
                         "TRAINGUARD_PRELOCK_TIMEOUT_S above it", comm_timeout, self.config.prelock_timeout_s)
-        log.info("trainguard controls msrun's %d local workers (controller %s, strategies %s)",
-                 m.local_worker_num, address, ",".join(s.value for s in self.config.strategies))
+        log.info("trainguard controls msrun's %d local workers (controller %s)", m.local_worker_num, address)
 
     def _global_rank(self, local_rank: int) -> int:
         m = self.manager
@@ -275,8 +299,8 @@ class MsrunPlugin:
     def _summary(self) -> int:
         records = (self.last_status or {}).get("recoveries", [])
         for r in records:
-            log.warning("recovery: %s on rank %d at step %d -> %s (recover %s s, lost %d steps): %s",
-                        r["fault"], r["rank"], r["step"], r["strategy"], r["recover_s"], r["lost_steps"], r["reason"])
+            log.info("recovery: %s on rank %d at step %d -> %s (recover %s s, lost %d steps): %s",
+                     r["fault"], r["rank"], r["step"], r["strategy"], r["recover_s"], r["lost_steps"], r["reason"])
         codes = {self._global_rank(local): code for local, code, _ in self._workers()}
         if all(c == 0 for c in codes.values()):
             return 0

@@ -25,6 +25,8 @@ import uuid
 from typing import Sequence
 
 from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, FaultSpec, TrainguardError, check_env, logs
+from trainguard.core.annotations import resolve_strategies
+from trainguard.core.events import note
 from trainguard.core.faults import check_ranks
 from trainguard.core.secret import TLS, job_secret
 
@@ -45,8 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.description = "Launch a training script like torchrun, protected by trainguard."
     tg = p.add_argument_group("trainguard")
     tg.add_argument("--strategies", default=None,
-                    help="ordered recover strategies, comma-separated (default: TRAINGUARD_STRATEGIES or "
-                         "retry,dump,exit)")
+                    help="ordered recover strategies, comma-separated (default: TRAINGUARD_STRATEGIES, else the "
+                         "pod's recover-strategy annotation in TRAINGUARD_ANNOTATIONS, else retry,dump,exit)")
     tg.add_argument("--controller-host", default=None,
                     help="address the controller binds to (default: TRAINGUARD_HOST or 127.0.0.1)")
     tg.add_argument("--controller-port", type=int, default=None,
@@ -60,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
                         help=f"mutual TLS on the control plane: {what} (sets TRAINGUARD_TLS_{part.upper()})")
     tg.add_argument("--job-id", default=None, help="job id in logs, reports and profiling directories (default: "
                                                    "TRAINGUARD_JOB_ID, else the rendezvous id)")
+    tg.add_argument("--run-dir", default=None,
+                    help="append the job's events (faults, decisions, recoveries, checkpoints, per-rank steps) to "
+                         "RUN_DIR/events.jsonl for `trainguard report RUN_DIR` (sets TRAINGUARD_RUN_DIR)")
     tg.add_argument("--spare-slots", type=int, default=None,
                     help="workers this node may start for other nodes' ranks under the `recover` strategy "
                          "(default: TRAINGUARD_SPARE_SLOTS or 0)")
@@ -83,7 +88,7 @@ def launch(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.launcher.api import _get_addr_and_port
-    from torch.distributed.run import config_from_args
+    from torch.distributed.run import config_from_args, determine_local_world_size
 
     from .agent import TrainguardAgent
 
@@ -91,7 +96,14 @@ def launch(argv: Sequence[str]) -> int:
     # A malformed fault, or one for a rank the job does not have, is refused before anything starts.
     faults = FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", ""))
     args = parser().parse_args(argv)
+    # Flag, TRAINGUARD_STRATEGIES, the pod's recover-strategy annotation, default: the first log line says which.
+    choice = resolve_strategies(args.strategies)
+    log.info("%s", choice.describe())
     _standalone_defaults(args)
+    if "OMP_NUM_THREADS" not in os.environ and determine_local_world_size(args.nproc_per_node) > 1:
+        # torchrun's own choice, made without its boxed warning: a clean run prints none
+        log.info("OMP_NUM_THREADS=1 for every worker (torchrun's default with several per node; set it to tune)")
+        os.environ["OMP_NUM_THREADS"] = "1"
     config, cmd, cmd_args = config_from_args(args)
     if config.min_nodes != config.max_nodes:
         raise TrainguardError("elastic node counts (--nnodes MIN:MAX) need elastic-training; give one number")
@@ -99,12 +111,14 @@ def launch(argv: Sequence[str]) -> int:
     for name in ("token_file", "tls_cert", "tls_key", "tls_ca"):
         if getattr(args, name):
             os.environ[f"TRAINGUARD_{name.upper()}"] = getattr(args, name)
+    if args.run_dir:  # the controller and the workers read it (trainguard.core.events)
+        os.environ["TRAINGUARD_RUN_DIR"] = os.path.abspath(args.run_dir)
     # Before anything starts: a job of several nodes without a shared secret is refused (see core.secret).
     secret, tls = job_secret(nodes=config.max_nodes), TLS.from_env()
     for name in ("TRAINGUARD_TLS_CERT", "TRAINGUARD_TLS_KEY", "TRAINGUARD_TLS_CA"):
         os.environ.pop(name, None)  # the workers reach their node's relay on loopback, with the secret
     controller_config = ControllerConfig.from_env(
-        strategies=args.strategies, host=args.controller_host, port=args.controller_port,
+        strategies=choice.strategies, host=args.controller_host, port=args.controller_port,
         job_id=args.job_id or os.environ.get("TRAINGUARD_JOB_ID") or config.run_id)
     if config.max_nodes == 1 and controller_config.host not in LOOPBACK:
         log.info("a single-node job: the controller listens on 127.0.0.1, not %s", controller_config.host)
@@ -124,6 +138,7 @@ def launch(argv: Sequence[str]) -> int:
     if not str(spare).isdigit():
         raise TrainguardError(f"--spare-slots / TRAINGUARD_SPARE_SLOTS must be a whole number >= 0, got {spare!r}")
     spare = int(spare)
+    note("launch", argv=list(argv), nproc_per_node=config.nproc_per_node, nnodes=config.max_nodes)
     agent = TrainguardAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                             log_line_prefix_template=config.log_line_prefix_template,
                             controller_config=controller_config, spare_slots=spare, secret=secret, tls=tls)
@@ -132,32 +147,50 @@ def launch(argv: Sequence[str]) -> int:
     finally:
         agent.shutdown_controller()
         spec.rdzv_handler.shutdown()
-    return _summarise(result, agent.last_status)
+    code = _summarise(result, agent.last_status)
+    note("exit", code=code)
+    return code
 
 
 def _summarise(result, status: dict | None) -> int:
     records = (status or {}).get("recoveries", [])
     for r in records:
         detect = "" if r["detect_s"] is None else f"detect {r['detect_s']} s, "  # known when the rank reported it
-        log.warning("recovery: %s on rank %d at step %d -> %s (%srecover %s s, lost %d steps): %s",
+        log.info("recovery: %s on rank %d at step %d -> %s (%srecover %s s, lost %d steps): %s",
                     r["fault"], r["rank"], r["step"], r["strategy"], detect, r["recover_s"], r["lost_steps"],
                     r["reason"])
     if not result.is_failed():
         return 0
     if records and records[-1]["strategy"] == "dump":  # recorded once the checkpoint was finalised
-        odd = {r: f.exitcode for r, f in result.failures.items() if f.exitcode != EXIT_AFTER_DUMP}
+        faulty = {r["rank"] for r in records}  # their ends are the faults: told already
+        odd = {r: f.exitcode for r, f in result.failures.items() if f.exitcode != EXIT_AFTER_DUMP and r not in faulty}
         if odd:
             log.warning("after the dump, ranks ended with other exit codes (a hung rank is ended with 77): %s", odd)
         print(f"trainguard: the job saved a dying-gasp checkpoint at step {records[-1]['step']} and stopped "
               f"({records[-1]['reason']}); relaunch the same command to resume from it.", file=sys.stderr)
+        return EXIT_AFTER_DUMP
+    if not status and result.failures and all(f.exitcode == EXIT_AFTER_DUMP for f in result.failures.values()):
+        # A node without the controller (it runs on node 0) has no records; its ranks exit 75 only when told
+        # to after a dump.
+        print("trainguard: this node's ranks stopped after the job's dying-gasp checkpoint (node 0's log says "
+              "which step); relaunch the same command to resume from it.", file=sys.stderr)
         return EXIT_AFTER_DUMP
     for rank, failure in sorted(result.failures.items()):
         print(f"trainguard: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
     return 1
 
 
+class _NoTorchFailureLine(logging.Filter):
+    """torchrun's "failed (exitcode: N) local_rank: ..." line, which trainguard
+    says better (a dump's 75 is no failure; see _summarise)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode:")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logs.setup("launcher")
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoTorchFailureLine())
     try:
         return launch(sys.argv[1:] if argv is None else argv)
     except TrainguardError as e:
