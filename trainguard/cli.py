@@ -5,7 +5,12 @@
 * ``trainguard rehearse [--quick] [--json FILE] [--strategies LIST] [launcher flags] SCRIPT [ARGS]`` --
   inject every kind of fault into your own script and check each run ends
   bit-identical to a fault-free one (:mod:`trainguard.rehearse`).
-* ``trainguard status [--controller HOST:PORT]`` -- a running job's state.
+* ``trainguard status [--controller HOST:PORT] [--watch [--interval S]]`` -- a
+  running job's state (``--watch``: each rank's step and state and the last
+  fault, redrawn every S seconds until the job ends).
+* ``trainguard report RUN_DIR [--out PNG]`` -- a picture of a job's timeline
+  and a text summary, from the run directory ``trainguard run --run-dir``
+  wrote (:mod:`trainguard.report`).
 * ``trainguard ckpt list|verify DIR`` -- the checkpoints in a directory and
   whether each passes verification.
 * ``trainguard slow-nodes DIR [--job ID] [--json] [--plot PNG]`` -- the slow
@@ -23,13 +28,14 @@ from typing import Sequence
 
 __all__ = ["main"]
 
-USAGE = """usage: trainguard {run,rehearse,status,ckpt,slow-nodes} ...
+USAGE = """usage: trainguard {run,rehearse,status,report,ckpt,slow-nodes} ...
 
   run     launch a training script like torchrun, protected by trainguard
           (--framework mindspore: like msrun, with msrun's flags)
   rehearse  run your script once per fault kind and check each ends bit-identical
           to a fault-free run (--quick: one case per kind)
-  status  show a running job's controller state
+  status  show a running job's controller state (--watch: live, per rank)
+  report  draw a job's timeline from its run directory (--run-dir) and summarise it
   ckpt    list or verify checkpoints in a directory
   slow-nodes  find slow ranks in a job's profiling records (table, JSON, plot)
 """
@@ -44,13 +50,73 @@ def _status(argv: Sequence[str]) -> int:
                    help="controller host:port (default: TRAINGUARD_CONTROLLER)")
     p.add_argument("--token", default=None, help="job secret (default: read from TRAINGUARD_TOKEN_FILE, else "
                                                  "TRAINGUARD_TOKEN)")
+    p.add_argument("--watch", action="store_true",
+                   help="redraw each rank's step and state and the last fault until the job ends (Ctrl-C stops)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch (default 2)")
     args = p.parse_args(argv)
+    if args.interval <= 0:
+        p.error("--interval must be > 0")
     token = args.token or (job_secret(nodes=2) if os.environ.get("TRAINGUARD_TOKEN_FILE") or
                            os.environ.get("TRAINGUARD_TOKEN") else None)
     if not args.controller or not token:
         p.error("give --controller and the job secret (--token, TRAINGUARD_TOKEN_FILE or TRAINGUARD_TOKEN)")
+    from trainguard.core.api import ControllerLostError, ProtocolError
+
     # the controller's TLS settings when it serves TLS (TRAINGUARD_TLS_CERT/KEY/CA)
-    print(json.dumps(ControllerClient(args.controller, token, tls=TLS.from_env()).status(), indent=1))
+    client = ControllerClient(args.controller, token, tls=TLS.from_env(), timeout_s=min(10.0, max(2.0, args.interval)))
+    try:
+        if args.watch:
+            from trainguard.report.watch import watch
+
+            return watch(client.status, interval=args.interval, address=args.controller,
+                         lost=(ControllerLostError, ProtocolError))
+        try:
+            print(json.dumps(client.status(), indent=1))
+        except (ControllerLostError, ProtocolError) as e:
+            print(f"trainguard status: {e}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        client.close()
+
+
+def _report(argv: Sequence[str]) -> int:
+    from trainguard.report.timeline import RunDirError, load, summary
+
+    p = argparse.ArgumentParser(prog="trainguard report",
+                                description="Draw a job's timeline (one PNG) and summarise it, from the run "
+                                            "directory `trainguard run --run-dir DIR` (TRAINGUARD_RUN_DIR) wrote.")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the job's run directory (holds events.jsonl)")
+    p.add_argument("--out", type=Path, metavar="PNG", help="where to write the picture (default RUN_DIR/report.png)")
+    p.add_argument("--no-picture", action="store_true", help="only the text summary")
+    args = p.parse_args(argv)
+    try:
+        timeline = load(args.run_dir)
+    except RunDirError as e:
+        print(f"trainguard report: {e}", file=sys.stderr)
+        return 1
+    picture = None
+    if not args.no_picture:
+        out = args.out or args.run_dir / "report.png"
+        try:
+            from trainguard.report.plot import draw
+        except ImportError:
+            print(summary(timeline))
+            print("trainguard report: the picture needs matplotlib (pip install 'trainguard[report]')",
+                  file=sys.stderr)
+            return 2
+        try:
+            picture = draw(timeline, out)
+        except ImportError:
+            print(summary(timeline))
+            print("trainguard report: the picture needs matplotlib (pip install 'trainguard[report]')",
+                  file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(summary(timeline))
+            print(f"trainguard report: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+            return 1
+    print(summary(timeline, picture))
     return 0
 
 
@@ -150,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rehearse_main(rest)
     if command == "status":
         return _status(rest)
+    if command == "report":
+        return _report(rest)
     if command == "ckpt":
         return _ckpt(rest)
     if command == "slow-nodes":

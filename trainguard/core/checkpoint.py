@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Collection, Iterator, Mapping, Sequence
 
+from .events import note
 from . import manifest as manifests
 from .api import CheckpointError
 from .manifest import FORMAT, MANIFEST
@@ -345,6 +346,7 @@ class CheckpointStore:
         except OSError as e:
             raise io_error(f"finalising {final}", e) from None
         log.info("checkpoint %s finalised (%d files)", final, len(files))
+        note("checkpoint", step=step, path=str(final), by=manifest["meta"].get("finalised_by"))  # TRAINGUARD_RUN_DIR
         self._prune(step)
         return final
 

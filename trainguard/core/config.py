@@ -89,6 +89,8 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_REHEARSAL_DIR": "set by `trainguard rehearse` for each run: the guards save checkpoints there and "
                                 "trace each step's fingerprints (do not set by hand)",
     "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
+    "TRAINGUARD_RUN_DIR": "the run directory: the job appends its events (faults, decisions, recoveries, "
+                          "checkpoints, per-rank steps) to <dir>/events.jsonl for `trainguard report` (unset: none)",
     "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",
     "TRAINGUARD_WATCHDOG": "'off' turns the in-process hang watchdog off (default on)",
     "TRAINGUARD_HANG_STEPS": "a rank is hung after this many median step times without progress (default 3)",

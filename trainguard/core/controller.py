@@ -48,6 +48,7 @@ from .api import (
 from .agents import AgentTable
 from .config import ControllerConfig
 from .decide import decide
+from .events import EventLog
 from .episode import Episode, Rank, Starts
 from .protocol import trainguard_pb2 as pb
 from .replicas import Registry, ReplicaGroup
@@ -111,6 +112,12 @@ class ControllerCore(Restarts, Phases):
         #: Live slow-node detection (a :class:`~trainguard.core.profiling.live.LiveDetector`), when profiling is on.
         self.slow_nodes: Any = None
         self.persist_failing: dict[int, dict] = {}  # rank -> its streak of saves that do not reach storage
+        #: The run directory's event log (``TRAINGUARD_RUN_DIR``; ``trainguard report`` draws it), or None.
+        self.events = EventLog.from_env()
+        self._sampled: tuple = ()
+        self._next_sample = 0.0
+        self._note("controller", job_id=config.job_id, world_size=world_size,
+                   strategies=[s.value for s in config.strategies])
 
     # ----------------------------------------------------------------- events
     def on_hello(self, hello: pb.Hello) -> None:
@@ -135,6 +142,7 @@ class ControllerCore(Restarts, Phases):
                   step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock())
         r.update(hello.status)
         self.ranks[rank] = r
+        self._note("rank", rank=rank, pid=hello.pid, host=hello.host, step=r.step, joining=hello.joining)
         log.debug("rank %d registered (pid %d on %s, step %d)", rank, hello.pid, hello.host, r.step)
         if hello.joining:
             self._joined(r)
@@ -242,6 +250,7 @@ class ControllerCore(Restarts, Phases):
         r.update(status)
         r.alive = False
         self._finished.add(rank)
+        self._note("finished", rank=rank, step=r.step)
         log.debug("rank %d finished at step %d", rank, r.step)
         ep = self.episode
         if ep is not None and ep.grow and self.state is ControllerState.ABNORMAL:
@@ -301,6 +310,9 @@ class ControllerCore(Restarts, Phases):
             # nobody's silence during it counts.
             for r in self.ranks.values():
                 r.last_seen += stalled
+        if self.events is not None and now >= self._next_sample:
+            self._next_sample = now + max(self.heartbeat_interval_s / 2, self.world_size / 256)
+            self._sample_steps()
         if self.state is not ControllerState.INIT and now >= self._next_heartbeat_scan:
             self._next_heartbeat_scan = now + self.heartbeat_interval_s / 2
             for r in [r for r in self.ranks.values() if r.alive and now - r.last_seen > self._silence_limit(r)]:
@@ -473,6 +485,7 @@ class ControllerCore(Restarts, Phases):
     def _plan_failed(self, why: str) -> None:
         ep = self.episode
         log.warning("%s; falling back", why)
+        self._note("fallback", strategy=ep.plan.strategy.value, why=why)
         started = set(ep.starts.started) if ep.starts is not None else set()
         for rank in sorted(started | ep.started):
             r = self.ranks.get(rank)
@@ -509,6 +522,7 @@ class ControllerCore(Restarts, Phases):
             detected_at=first.detected_at, message=first.message[:300],
         )
         self.records.append(ep.record)
+        self._note("recovery", **ep.record.to_dict())
         return ep.record
 
     # --------------------------------------------------------------- helpers
@@ -526,3 +540,21 @@ class ControllerCore(Restarts, Phases):
 
     def _to(self, state: ControllerState) -> None:
         self.state = advance(self.state, state, what="controller")
+        self._note("state", state=state.name)
+        self._sample_steps()
+
+    # ------------------------------------------------------------ event log
+    def _note(self, ev: str, **fields: Any) -> None:
+        """One event for the run directory's log (see :mod:`trainguard.core.events`)."""
+        if self.events is not None:
+            self.events.write(ev, t=self._wall(), **fields)
+
+    def _sample_steps(self) -> None:
+        """Every rank's step (-1: not registered) and the ranks lost (not alive, not finished), when they changed."""
+        if self.events is None or not self.ranks:
+            return
+        steps = [self.ranks[r].step if r in self.ranks else -1 for r in range(self.world_size)]
+        down = sorted(r.rank for r in self.ranks.values() if not r.alive and r.rank not in self._finished)
+        if (steps, down) != self._sampled:
+            self._sampled = (steps, down)
+            self._note("steps", steps=steps, down=down)

@@ -143,6 +143,7 @@ class Phases:
     def _start_phase(self) -> None:
         phase = self.episode.phases[0]
         phase.commands = phase.build()
+        self._note("phase", name=phase.name, strategy=self.episode.plan.strategy.value)
         if phase.name == "exit":
             self._exiting.update(phase.commands)
         phase.deadline = self._clock() + phase.timeout_s

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..api import CheckpointError, ConfigError
+from ..events import note
 from ..checkpoint import CheckpointStore, FileInfo
 from .peer import fetch
 from .health import PersistHealth
@@ -172,6 +173,8 @@ class SnapshotRing:
             del self.held[other]
         self.held[index] = step
         self.taken += 1
+        if self.rank == 0:  # one line a snapshot in the run directory's events (TRAINGUARD_RUN_DIR), not one a rank
+            note("snapshot", step=step)
 
     def settle(self) -> None:
         """Wait for a copy :meth:`write` left running, commit its slot and
