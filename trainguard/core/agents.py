@@ -43,10 +43,17 @@ class AgentTable:
         self._agents[node] = _Agent(node, set(hello.ranks), hello.spare)
         log.info("node agent %s runs ranks %s (%d spare)", node, sorted(hello.ranks)[:16], hello.spare)
 
-    def lost(self, node: str) -> None:
-        if self._agents.pop(node, None) is not None:
+    def lost(self, node: str, *, done: set[int] | frozenset[int] = frozenset()) -> None:
+        """``node``'s relay stream ended; ``done``: the ranks that finished
+        or were told to exit (an agent whose ranks are all done leaves as
+        the job ends: no news)."""
+        agent = self._agents.pop(node, None)
+        if agent is not None:
             self.gone.append(node)
-            log.warning("node agent %s is gone: its ranks cannot be restarted on its node", node)
+            if agent.ranks <= done:
+                log.debug("node agent %s left: its ranks are done", node)
+            else:
+                log.warning("node agent %s is gone: its ranks cannot be restarted on its node", node)
 
     def home(self, rank: int) -> str | None:
         return next((a.node for a in self._agents.values() if rank in a.ranks), None)

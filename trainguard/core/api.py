@@ -156,7 +156,7 @@ class Fault:
         what = self.kind.name.lower().replace("_", " ")
         if self.kind is FaultKind.UCE:
             what = f"device memory error ({self.severity.name.lower()})"
-        detail = f": {self.message}" if self.message else ""
+        detail = f": {' '.join(self.message.split())}" if self.message else ""  # one line (gloo's span several)
         return f"rank {self.rank}: {what}{detail}"
 
 

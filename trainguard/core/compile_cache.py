@@ -209,8 +209,9 @@ class CompileCache:
             text = f"compile cache not used, compiling afresh: {reason}"
             log.log(logging.WARNING if self._warn else logging.INFO, "%s%s", f"{self.owner}: " if self.owner else "",
                     text)
-        else:
-            log.info("%scompile cache %s: %s", f"{self.owner}: " if self.owner else "", state.value, reason)
+        else:  # a miss is every first run's: news only to someone debugging
+            log.log(logging.INFO if state is Lookup.HIT else logging.DEBUG, "%scompile cache %s: %s",
+                    f"{self.owner}: " if self.owner else "", state.value, reason)
         return state
 
     # ----------------------------------------------------------- writing
@@ -250,7 +251,7 @@ class CompileCache:
                 files[rel.as_posix()] = _copy_hashed(path, tmp / FILES / rel)
             if not files:
                 shutil.rmtree(tmp, ignore_errors=True)
-                log.info("compile cache: nothing was compiled, nothing to publish")
+                log.debug("compile cache: nothing was compiled, nothing to publish")
                 return False
             manifest = {"format": FORMAT, "key": self.key, "parts": self.parts, "files": files,
                         "created": {"by": self.owner, "host": socket.gethostname(), "pid": os.getpid(),

@@ -416,9 +416,13 @@ class ControllerCore(Restarts, Phases):
         self._check_prelock()
 
     def _fault(self, fault: Fault, stopped: Rank | None = None) -> None:
-        log.warning("fault: %s", fault.describe())
         if self.state in (ControllerState.EXITED, ControllerState.FINISHED):
+            log.info("fault: %s (the job had ended)", fault.describe())
             return
+        log.info("fault: %s", fault.describe())  # one WARNING tells its outcome (Phases._next_phase)
+        self._note("fault", kind=fault.kind.name.lower(), rank=fault.rank, phase=fault.phase,
+                   message=fault.message, occurred_at=fault.occurred_at,
+                   step=self.ranks[fault.rank].step if fault.rank in self.ranks else None)
         ep = self.episode
         if ep is None:
             self._epoch += 1
@@ -475,7 +479,8 @@ class ControllerCore(Restarts, Phases):
                                   agents=self.agents.view(), missing=missing)
         ep.plan = plan
         ep.reason = f"{ep.reason}; then {reason}" if ep.reason else reason  # keep what failed before
-        log.warning("decision: %s", reason)
+        log.info("decision: %s", reason)
+        self._note("decision", strategy=plan.strategy.value, step=plan.step, reason=reason)
         ep.phases = self._phases(plan, layout)
         self._to({Strategy.RETRY: ControllerState.RECOVERING, Strategy.RECOVER_IN_PLACE: ControllerState.RECOVERING,
                   Strategy.RECOVER: ControllerState.RECOVERING, Strategy.ELASTIC_TRAINING: ControllerState.RECOVERING,

@@ -167,7 +167,11 @@ class Phases:
                 r.stopped = False
             self.episode = None
             self._to(ControllerState.NORMAL)
-            log.warning("recovered: training resumed at step %d", ep.plan.step)
+            if ep.faults:  # a handled fault: one line, its cause and outcome
+                log.warning("fault: %s -> %s: training resumed at step %d", _causes(ep), ep.plan.strategy.value,
+                            ep.plan.step)
+            else:
+                log.info("%s: training resumed at step %d", ep.reason, ep.plan.step)
             if ep.grow:
                 self.dropped -= set(ep.plan.replacements)
                 self._grow = None
@@ -176,4 +180,13 @@ class Phases:
         else:
             if self.state is not ControllerState.EXITED:
                 self._to(ControllerState.EXITED)
-            log.warning("job exiting: %s", ep.reason)
+            if ep.faults:
+                log.warning("fault: %s -> %s: job exiting: %s", _causes(ep), ep.plan.strategy.value, ep.reason)
+            else:
+                log.warning("job exiting: %s", ep.reason)
+
+
+def _causes(ep, most: int = 4) -> str:
+    """The episode's faults, for its one log line."""
+    told = "; ".join(fault.describe()[:300] for fault in ep.faults[:most])
+    return told + (f"; and {len(ep.faults) - most} more" if len(ep.faults) > most else "")

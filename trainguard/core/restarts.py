@@ -37,7 +37,8 @@ class Restarts:
         self.agents.hello(node, hello)
 
     def on_agent_lost(self, node: str) -> None:
-        self.agents.lost(node)
+        over = self.state in (ControllerState.EXITED, ControllerState.FINISHED)
+        self.agents.lost(node, done=set(range(self.world_size)) if over else self._finished | self._exiting)
 
     def on_agent_event(self, node: str, event: pb.AgentEvent) -> None:
         """A node agent answered a start order."""

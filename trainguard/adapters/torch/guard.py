@@ -422,9 +422,7 @@ class Guard(Checkpoints):
         """Report why the step was left and carry out the recovery."""
         self.settle_snapshot()  # before a repair or a dump touches the state or the slots
         phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
-        own = report_left_step(self.processor, error, self.classifier, phase=phase)
-        if own:
-            log.error("rank %d fault at step %d", self.rank, self._step, exc_info=error)
+        report_left_step(self.processor, error, self.classifier, phase=phase)  # logs it too
         try:
             outcome = recover(self.processor, self._handlers, injector=self.injector)
         except ControllerLostError as lost:
@@ -434,7 +432,7 @@ class Guard(Checkpoints):
 
     def _leave(self, outcome) -> None:
         """The controller said exit: say so, close, and leave with its code."""
-        log.warning("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
+        log.info("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
         self.close(finished=False)
         self._exit_code = outcome.exit_code
         raise SystemExit(outcome.exit_code)

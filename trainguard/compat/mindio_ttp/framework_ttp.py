@@ -352,8 +352,7 @@ tft_exception_handler = ttp_to_persist
 def _handle(error: Exception) -> None:
     processor = TTP.processor
     phase = "optimizer" if processor.data is DataStatus.UPDATING else "step"
-    if report_left_step(processor, error, TTP.classifier or Classifier(), phase=phase):
-        log.error("rank %d fault at step %d", processor.rank, processor.step, exc_info=error)
+    report_left_step(processor, error, TTP.classifier or Classifier(), phase=phase)  # logs it too
     try:
         outcome = recover(processor, TtpHandlers(TTP))
     except ControllerLostError as lost:
@@ -362,7 +361,7 @@ def _handle(error: Exception) -> None:
         TTP.repair_step, TTP.repair_type = outcome.step, (outcome.record or {}).get("strategy", "")
         return
     TTP.call("exit", optional=True)
-    log.warning("rank %d exits with code %d: %s", processor.rank, outcome.exit_code, outcome.reason)
+    log.info("rank %d exits with code %d: %s", processor.rank, outcome.exit_code, outcome.reason)
     markers.close()
     processor.close(finished=False)
     TTP.exit_code = outcome.exit_code
