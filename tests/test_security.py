@@ -110,8 +110,27 @@ def test_the_rendezvous_store_holds_nothing_that_lets_a_client_in(tmp_path):
         assert tried >= 3, values
         assert ControllerClient(address, SECRET).status()["world_size"] == 2, "the secret itself gets in"
     finally:
-        os.killpg(job.pid, 9)  # the launcher and its workers
+        workers = _descendants(job.pid)  # torchrun starts each in a session of its own
+        os.killpg(job.pid, 9)  # the launcher
+        for pid in workers:  # else one still joining waits for the dead launcher's store for 30 min
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
         job.wait(timeout=30)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from ``/proc/<pid>/task/*/children``."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
 
 
 def _free_port() -> int:
