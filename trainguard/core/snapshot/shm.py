@@ -168,7 +168,7 @@ def sweep(root: str | os.PathLike = DEFAULT_ROOT) -> list[Path]:
         if stale:
             shutil.rmtree(path, ignore_errors=True)  # (refuses a link, and follows none inside)
             removed.append(path)
-            log.warning("removed stale snapshot directory %s (its owner is gone)", path)
+            log.info("removed stale snapshot directory %s (its owner is gone)", path)  # a past job's: housekeeping
     return removed
 
 
