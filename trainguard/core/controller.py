@@ -489,7 +489,7 @@ class ControllerCore(Restarts, Phases):
 
     def _plan_failed(self, why: str) -> None:
         ep = self.episode
-        log.warning("%s; falling back", why)
+        log.info("%s; falling back", why)  # the outcome's one WARNING says it too
         self._note("fallback", strategy=ep.plan.strategy.value, why=why)
         started = set(ep.starts.started) if ep.starts is not None else set()
         for rank in sorted(started | ep.started):

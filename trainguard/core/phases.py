@@ -168,8 +168,8 @@ class Phases:
             self.episode = None
             self._to(ControllerState.NORMAL)
             if ep.faults:  # a handled fault: one line, its cause and outcome
-                log.warning("fault: %s -> %s: training resumed at step %d", _causes(ep), ep.plan.strategy.value,
-                            ep.plan.step)
+                log.warning("fault: %s -> %s: training resumed at step %d%s", _causes(ep), ep.plan.strategy.value,
+                            ep.plan.step, f" (after a fallback: {ep.reason})" if ep.tried else "")
             else:
                 log.info("%s: training resumed at step %d", ep.reason, ep.plan.step)
             if ep.grow:

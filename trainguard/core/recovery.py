@@ -150,8 +150,9 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
                                   own=shards[1])
         except ForceStop as e:
             processor.send_result(cmd, ok=False, message=str(e))
-        except Exception as e:
-            log.exception("rank %d: %s handler failed", processor.rank, action)
+        except Exception as e:  # the controller falls back, and its one WARNING tells why
+            log.info("rank %d: %s handler failed: %s: %s", processor.rank, action, type(e).__name__, e)
+            log.debug("rank %d: %s handler failed", processor.rank, action, exc_info=True)
             processor.send_result(cmd, ok=False, message=f"{type(e).__name__}: {e}")
         processor.run = RunStatus.STOPPED
 
