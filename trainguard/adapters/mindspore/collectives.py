@@ -120,8 +120,8 @@ class Collectives:
         if (self.processor.data is DataStatus.UPDATING and self.comm_broken and not self._graph
                 and not self._update_ran()):
             self.processor.abandon_update()
-            log.warning("rank %d: the update of step %d failed before it changed any state", self.rank,
-                        self._step + 1)
+            log.info("rank %d: the update of step %d failed before it changed any state", self.rank,
+                     self._step + 1)
         phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
         if self._phase == _IN_GRAPH and not self.comm_broken:
             # Which of the graph's collectives ran is unknown: run none again (the controller dumps).
