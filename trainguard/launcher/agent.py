@@ -180,7 +180,9 @@ class TrainguardAgent(LocalElasticAgent):
         # Keyed by this round's id, so a value left by a node of an earlier
         # round (one that was lost) is never read.
         key = f"trainguard/peer/{store.get(_ROUND_KEY).decode()}"
-        store.set(f"{key}/{me}", f"{'127.0.0.1' if loopback else socket.getfqdn()}:{port}")
+        # torchrun's --local-addr, when given, is the address the others reach this host at.
+        here = "127.0.0.1" if loopback else (worker_group.spec.local_addr or socket.getfqdn())
+        store.set(f"{key}/{me}", f"{here}:{port}")
         os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"{key}/{(me + 1) % nodes}").decode()
 
     def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:

@@ -72,7 +72,7 @@ class Replacements:
         self._moved: set[int] = set()  # this node's ranks now run elsewhere
         self._stores: list[dist.TCPStore] = []
         self._starting: dict[int, tuple] = {}  # rank -> (order, handler, store or None, address), not yet ready
-        self._host = group.master_addr if group.group_rank == 0 else socket.getfqdn()
+        self._host = group.master_addr if group.group_rank == 0 else (group.spec.local_addr or socket.getfqdn())
         self._standby: subprocess.Popen | None = None
         self._use_standby = standby and command_for(context.entrypoint, context.args[0]) is not None
         if self._use_standby:

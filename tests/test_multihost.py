@@ -1,0 +1,427 @@
+"""Real multi-host jobs: three hosts built from network namespaces on this
+machine (``tests/netns.py``: a veth pair on a bridge and an address each),
+one ``trainguard run`` node agent per host, torch's c10d rendezvous on host
+0's address, gloo between the hosts' addresses. Faults strike a whole host:
+every process of its namespace killed (host lost) or stopped (frozen host),
+its link cut for a while or for good (partition). (A slow link,
+``Hosts.netem``, is not tested yet: this VM's kernel has no netem.)
+
+Each test asserts outcomes (strategy, exit codes, surviving PIDs, final state
+against a fault-free run of the same topology) and writes what it measured
+(detection, recovery, lost steps, survivors) to ``multihost-<name>.json``
+in its temporary directory and to its captured output; no assertion on time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import WORKERS
+
+import netns
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
+
+RDZV_PORT = 29400  # each host is its own network: no other job binds it
+STEPS = 30
+STEP_SLEEP = "0.2"  # a 6 s job: time for a fault to strike mid-run
+
+
+@pytest.fixture
+def hosts():
+    reason = netns.why_not()
+    if reason:
+        pytest.skip(reason)
+    h = netns.Hosts(3)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+@dataclass
+class HostJob:
+    """A job of one node agent per host, and what happened to it."""
+    hosts: netns.Hosts
+    tmp: Path
+    name: str
+    agents: list = field(default_factory=list)  # Popen per host
+    logs: list = field(default_factory=list)  # lines per host
+    codes: list = field(default_factory=list)
+    report: dict | None = None
+    events: dict = field(default_factory=dict)  # what the test did, with times
+
+    def log(self, i: int) -> str:
+        return "".join(self.logs[i])
+
+    def all_logs(self) -> str:
+        return "\n".join(f"===== host {i} (exit {c}) =====\n{self.log(i)[-5000:]}"
+                         for i, c in zip(range(self.hosts.n), self.codes or [None] * self.hosts.n))
+
+    def seen(self, text: str) -> bool:
+        return any(text in line for log in self.logs for line in list(log))
+
+    def wait_for(self, text: str, timeout: float = 120) -> float:
+        deadline = time.time() + timeout
+        while not self.seen(text):
+            if time.time() > deadline:
+                raise AssertionError(f"no {text!r} within {timeout} s\n{self.all_logs()}")
+            time.sleep(0.02)
+        return time.time()
+
+    def controller_host(self) -> int:
+        (i,) = [i for i in range(self.hosts.n) if any("controller listening" in x for x in list(self.logs[i]))]
+        return i
+
+
+def start_job(hosts: netns.Hosts, tmp: Path, name: str, *, nproc: int = 1, steps: int = STEPS,
+              strategies: str = "recover,dump", fault: str = "", spare: int = 0, max_restarts: int = 3,
+              script: Path | None = None, script_args: list[str] | None = None,
+              env_extra: dict | None = None, only: int | None = None, plain: bool = False) -> HostJob:
+    """Start one node agent on every host: ``--nnodes N``, c10d rendezvous on
+    host 0 (its agent serves the rendezvous store: ``--rdzv-conf is_host=1``,
+    as torch cannot tell its own address here: the hostname resolves to
+    loopback), each agent's controller address and ``--local-addr`` its own
+    host's address (only node 0 starts a controller), gloo on the hosts'
+    interface (``GLOO_SOCKET_IFNAME``), one job secret for all. ``only``:
+    start just that host's agent (a replacement host). ``plain``: torch's own
+    torchrun instead (no trainguard flags)."""
+    job = HostJob(hosts, tmp, name)
+    report, ckpt = tmp / f"{name}.json", tmp / f"{name}-ckpt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env.update(TRAINGUARD_HEARTBEAT_INTERVAL_S="0.5", TRAINGUARD_PRELOCK_TIMEOUT_S="20", PYTHONUNBUFFERED="1",
+               TRAINGUARD_STRATEGIES=strategies, TRAINGUARD_TOKEN=f"multihost-{name}-{hosts.name[0]}",
+               GLOO_SOCKET_IFNAME=netns.IFNAME, TINY_STEP_SLEEP=STEP_SLEEP, **(env_extra or {}))
+    if fault:
+        env["TRAINGUARD_FAULT"] = fault
+    args = script_args if script_args is not None else [str(steps), str(report), str(ckpt)]
+    for i in range(hosts.n) if only is None else [only]:
+        launcher = ["torch.distributed.run"] if plain else [
+            "trainguard.cli", "run", "--controller-host", hosts.addr[i], "--spare-slots", str(spare)]
+        cmd = [sys.executable, "-m", *launcher, "--nnodes", str(hosts.n), "--nproc-per-node",
+               str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr[0]}:{RDZV_PORT}",
+               "--rdzv-id", name, "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", hosts.addr[i],
+               "--monitor-interval", "0.1", "--max-restarts", str(max_restarts),
+               str(script or WORKERS / "tiny_train.py"), *args]
+        agent = hosts.popen(i, cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        threading.Thread(target=lambda a=agent, out=lines: out.extend(a.stdout), daemon=True).start()
+        job.agents.append(agent)
+        job.logs.append(lines)
+        if i == 0 and only is None:
+            time.sleep(1.0)  # host 0 binds the rendezvous endpoint first
+    return job
+
+
+def finish(job: HostJob, timeout: float = 200, skip: tuple = ()) -> HostJob:
+    """Wait for every agent (those in ``skip`` are already dead or are
+    killed here); read rank 0's report."""
+    deadline = time.time() + timeout
+    for i, agent in enumerate(job.agents):
+        if i in skip:
+            continue
+        try:
+            agent.wait(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            job.hosts.close()
+            time.sleep(0.3)
+            pytest.fail(f"{job.name}: host {i}'s agent still running after {timeout} s\n{job.all_logs()}")
+    for i in skip:
+        job.hosts.kill_host(i)
+        job.agents[i].wait(timeout=30)
+    time.sleep(0.3)  # the readers' last lines
+    job.codes = [a.returncode for a in job.agents]
+    path = job.tmp / f"{job.name}.json"
+    job.report = json.loads(path.read_text()) if path.exists() else None
+    return job
+
+
+def run_clean(hosts: netns.Hosts, tmp: Path, name: str, **kwargs) -> HostJob:
+    job = finish(start_job(hosts, tmp, name, **kwargs))
+    assert job.codes == [0] * hosts.n, job.all_logs()
+    return job
+
+
+def record(job: HostJob, **extra) -> dict:
+    """What the test measured: written beside the job and printed (pytest shows it with -s or on failure)."""
+    recs = (job.report or {}).get("recoveries") or dump_records(job)
+    strike = job.events.get("strike")
+    out = {
+        "job": job.name, "exit_codes": job.codes, "events": job.events,
+        "recoveries": [{k: r.get(k) for k in ("fault", "rank", "step", "strategy", "detect_s", "recover_s",
+                                               "lost_steps", "detected_at", "reason")} for r in recs],
+        "detected_after_strike_s": (round(recs[0]["detected_at"] - strike, 3)
+                                    if recs and strike and recs[0].get("detected_at") else None),
+        "steps_completed": (job.report or {}).get("steps_completed"),
+        "lost_steps": (job.report or {}).get("lost_steps"),
+        "pids": (job.report or {}).get("pids"),
+        **extra,
+    }
+    (job.tmp / f"multihost-{job.name}.json").write_text(json.dumps(out, indent=1, default=str))
+    (job.tmp / f"multihost-{job.name}.log").write_text(
+        "".join(f"===== host {i} =====\n{job.log(i)}" for i in range(job.hosts.n)))
+    print(f"multihost {job.name}: {json.dumps(out, default=str)}")
+    return out
+
+
+def checkpoints(job: HostJob) -> list[int]:
+    """The steps of the job's finalised checkpoints."""
+    return sorted(int(p.name.split("_")[1]) for p in (job.tmp / f"{job.name}-ckpt").glob("step_*")
+                  if (p / "manifest.json").exists())
+
+
+def dump_records(job: HostJob) -> list[dict]:
+    """The recovery records of a job that stopped after a dump (no report
+    is written then): the newest checkpoint's manifest carries them."""
+    steps = checkpoints(job)
+    if not steps:
+        return []
+    manifest = json.loads((job.tmp / f"{job.name}-ckpt" / f"step_{steps[-1]:08d}" / "manifest.json").read_text())
+    return manifest["meta"]["history"]["records"]
+
+
+def verify(job: HostJob) -> str:
+    """``trainguard ckpt verify`` of the job's checkpoints (raises when one is broken)."""
+    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "ckpt", "verify", str(job.tmp / f"{job.name}-ckpt")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def victim_rank(job: HostJob, host: int) -> int:
+    """The (single) global rank host ``host``'s agent ran first."""
+    for line in "".join(job.log(i) for i in range(job.hosts.n)).splitlines():
+        if f"node agent {socket.gethostname()}:{job.agents[host].pid} runs ranks [" in line:
+            return int(line.split("runs ranks [")[1].split("]")[0].split(",")[0])
+    raise AssertionError(f"no rank found for host {host}\n{job.all_logs()}")
+
+
+def victim_of(job: HostJob) -> int:
+    """A host that is neither host 0 (the rendezvous store) nor the controller's."""
+    ctl = job.controller_host()
+    return next(i for i in range(job.hosts.n - 1, -1, -1) if i not in (0, ctl))
+
+
+# ---------------------------------------------------------------------------- tests
+def test_hosts_are_separate_networks_and_are_removed(hosts):
+    """Each host reaches the others at their addresses; the fixture's
+    cleanup leaves no namespace, link or process behind."""
+    code = "import socket,sys; s=socket.create_connection((sys.argv[1], 5555), timeout=5); s.sendall(b'x')"
+    server = hosts.popen(1, [sys.executable, "-c", "import socket; s=socket.socket(); s.bind(('0.0.0.0', 5555)); "
+                             "s.listen(); c,_=s.accept(); print(c.recv(1).decode())"],
+                         stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    assert hosts.pids(1) == [server.pid]
+    hosts.exec(0, sys.executable, "-c", code, hosts.addr[1])
+    assert server.communicate(timeout=10)[0].strip() == "x"
+    hosts.link_down(2)
+    with pytest.raises(RuntimeError):
+        hosts.exec(2, sys.executable, "-c", code.replace("timeout=5", "timeout=1"), hosts.addr[1])
+    hosts.link_up(2)
+    sleeper = hosts.popen(2, ["sleep", "600"])
+    hosts.close()
+    assert sleeper.wait(timeout=10) == -9
+    assert netns.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free run of the same topology (3 hosts x 1 rank)."""
+    reason = netns.why_not()
+    if reason:
+        pytest.skip(reason)
+    with netns.Hosts(3) as h:
+        job = run_clean(h, tmp_path_factory.mktemp("reference"), "reference")
+    assert job.report["steps_completed"] == STEPS
+    return job.report
+
+
+def strike_after_start(job: HostJob, after_s: float = 2.0) -> int:
+    """Wait until every rank registered and ``after_s`` more; returns the victim host."""
+    job.wait_for("ranks registered")
+    time.sleep(after_s)
+    return victim_of(job)
+
+
+def test_a_lost_host_s_ranks_resume_on_a_spare_slot_of_another_host_bit_identical(hosts, tmp_path, reference):
+    """Every process of one host SIGKILLed (agent and worker: the host is
+    gone). With ``recover`` and a spare slot on each host, another host's
+    agent starts the lost rank; the survivors keep their PIDs, nothing is
+    lost and training ends bit-identical to the fault-free run."""
+    job = start_job(hosts, tmp_path, "lost", strategies="recover,dump", spare=1)
+    victim = strike_after_start(job)
+    job.events["strike"] = time.time()
+    job.events["killed_pids"] = hosts.kill_host(victim)
+    job.events["victim_host"] = victim
+    finish(job, skip=(victim,))
+    out = record(job)
+    survivors = [c for i, c in enumerate(job.codes) if i != victim]
+    assert survivors == [0, 0], job.all_logs()
+    (rec,) = job.report["recoveries"]
+    lost_rank = victim_rank(job, victim)
+    assert (rec["fault"], rec["rank"], rec["strategy"], rec["lost_steps"]) == (
+        "process_lost", lost_rank, "recover", 0), rec
+    pids = job.report["pids"]
+    assert len(pids[str(lost_rank)]) == 2 and all(len(p) == 1 for r, p in pids.items() if int(r) != lost_rank), pids
+    assert pids[str(lost_rank)][0] in job.events["killed_pids"]
+    assert job.report["steps_completed"] == STEPS
+    assert job.report["final_state_sha256"] == reference["final_state_sha256"]
+    assert out["recoveries"][0]["strategy"] == "recover"
+
+
+def test_a_frozen_host_is_detected_and_the_job_stops_after_a_dying_gasp_checkpoint(hosts, tmp_path):
+    """Every process of one host SIGSTOPped (agent and worker: nobody on it
+    can act, and its connections stay open). The controller misses its
+    rank's heartbeats within seconds; ``dump`` saves the last consistent
+    step from the survivors and both surviving hosts exit 75 (relaunch to
+    resume); nothing newer is written. The frozen processes are still
+    there, stopped, when the survivors have exited."""
+    job = start_job(hosts, tmp_path, "frozen", strategies="dump", max_restarts=0)
+    victim = strike_after_start(job)
+    job.events["strike"] = time.time()
+    job.events["frozen_pids"] = hosts.freeze_host(victim)
+    job.events["victim_host"] = victim
+    for i in range(hosts.n):
+        if i != victim:
+            job.agents[i].wait(timeout=120)
+    job.events["still_stopped"] = [p for p in job.events["frozen_pids"]
+                                   if Path(f"/proc/{p}/stat").read_text().split(")")[1].split()[0] == "T"]
+    finish(job, skip=(victim,))
+    out = record(job, checkpoints=checkpoints(job))
+    assert [c for i, c in enumerate(job.codes) if i != victim] == [75, 75], job.all_logs()
+    assert "relaunch the same command to resume" in job.log(0)
+    (rec,) = dump_records(job)
+    assert (rec["fault"], rec["rank"], rec["strategy"], rec["lost_steps"]) == (
+        "hang", victim_rank(job, victim), "dump", 0), rec
+    assert checkpoints(job) == [rec["step"]] and rec["step"] > 0
+    verify(job)
+    assert sorted(job.events["still_stopped"]) == sorted(job.events["frozen_pids"])
+    assert out["detected_after_strike_s"] is not None
+
+
+def test_a_host_cut_off_for_10_s_is_detected_and_the_job_resumes_bit_identical(hosts, tmp_path, reference):
+    """One host's link down for 10 s, then up. Its rank falls silent: the
+    job dumps at the last consistent step; the survivors' agents wait in
+    torch's next rendezvous round (``--max-restarts 1``) for the cut-off
+    host, whose agent joins once the link is back; the group resumes from
+    the dump and ends bit-identical to the fault-free run."""
+    job = start_job(hosts, tmp_path, "partition", strategies="dump", max_restarts=1)
+    victim = strike_after_start(job)
+    job.events["strike"] = time.time()
+    hosts.link_down(victim)
+    job.events["victim_host"] = victim
+    time.sleep(10)
+    hosts.link_up(victim)
+    job.events["link_up"] = time.time()
+    finish(job)
+    out = record(job, checkpoints=checkpoints(job))
+    assert job.codes == [0, 0, 0], job.all_logs()
+    (rec,) = job.report["recoveries"]
+    assert (rec["fault"], rec["rank"], rec["strategy"], rec["lost_steps"]) == (
+        "hang", victim_rank(job, victim), "dump", 0), rec
+    assert rec["detected_at"] < job.events["link_up"]  # found while the host was cut off
+    assert checkpoints(job) == [rec["step"]]
+    assert all(len(p) == 2 for p in job.report["pids"].values())  # torch restarted the group once
+    assert job.report["steps_completed"] == STEPS
+    assert job.report["final_state_sha256"] == reference["final_state_sha256"]
+    assert out["recoveries"][0]["strategy"] == "dump"
+
+
+@pytest.mark.slow  # CI: the frozen host (the same stop) and the 10 s partition
+def test_a_host_cut_off_for_good_leaves_a_dying_gasp_checkpoint_the_job_resumes_from(hosts, tmp_path, reference):
+    """One host's link down for good: the two others dump and exit 75
+    (nothing newer is written); relaunched on three hosts (the cut-off one
+    replaced), the job resumes from the dump and ends bit-identical."""
+    job = start_job(hosts, tmp_path, "cut", strategies="dump", max_restarts=0)
+    victim = strike_after_start(job)
+    job.events["strike"] = time.time()
+    hosts.link_down(victim)
+    job.events["victim_host"] = victim
+    for i in range(hosts.n):
+        if i != victim:
+            job.agents[i].wait(timeout=120)
+    job.events["cut_off_host_still_running"] = job.agents[victim].poll() is None
+    finish(job, skip=(victim,))
+    out = record(job, checkpoints=checkpoints(job))
+    assert [c for i, c in enumerate(job.codes) if i != victim] == [75, 75], job.all_logs()
+    (rec,) = dump_records(job)
+    assert (rec["fault"], rec["rank"], rec["strategy"]) == ("hang", victim_rank(job, victim), "dump"), rec
+    assert checkpoints(job) == [rec["step"]]
+    verify(job)
+    hosts.link_up(victim)  # the host replaced
+    again = finish(start_job(hosts, tmp_path, "cut", strategies="dump", max_restarts=0))
+    assert again.codes == [0, 0, 0], again.all_logs()
+    assert again.report["final_state_sha256"] == reference["final_state_sha256"]
+    assert out["recoveries"][0]["strategy"] == "dump"
+
+
+def _pushed(job_id: str, rank: int) -> dict:
+    """The inode of each copy of ``rank``'s snapshot held for it by another host (each push renames a new file)."""
+    out = {}
+    for p in Path("/dev/shm").glob(f"trainguard-{job_id}-*/peer/r{rank}"):
+        try:
+            out[str(p)] = p.stat().st_ino
+        except FileNotFoundError:
+            pass
+    return out
+
+
+@pytest.mark.slow  # CI: test_snapshot_peer_node (the same on loopback) and the lost host here
+def test_a_lost_host_s_rank_resumes_from_its_peer_host_s_memory_bit_identical(hosts, tmp_path):
+    """Snapshots every step, each host pushing its copy to the next host
+    over the network. One host is lost (every process killed) just after
+    a push; the others dump from memory and exit; torch restarts the group
+    (``--max-restarts``) with a replacement agent on the lost host's
+    address; the lost rank resumes from the copy held in another host's
+    memory and the job ends bit-identical to a fault-free run."""
+    script = WORKERS / "snapshot_train.py"
+    env = {"SNAPSHOT_PEER": "1", "SNAP_STEP_SLEEP": "0.1"}
+
+    def args(name: str) -> list[str]:
+        return ["30", str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}-ckpt"), "100"]
+
+    run_clean(hosts, tmp_path, "peer-ref", strategies="dump", max_restarts=2, script=script,
+              script_args=args("peer-ref"), env_extra=env)
+    ref_hashes = {int(p.suffix[1:]): json.loads(p.read_text())["final_state_sha256"]
+                  for p in tmp_path.glob("peer-ref.json.[0-9]")}
+    assert len(ref_hashes) == 3
+    name = f"peer-{uuid.uuid4().hex[:6]}"
+    job = start_job(hosts, tmp_path, name, strategies="dump", max_restarts=2, script=script,
+                    script_args=args(name), env_extra=env)
+    victim = strike_after_start(job, 1.5)
+    rank = victim_rank(job, victim)
+    seen, until = _pushed(name, rank), time.time() + 30
+    while _pushed(name, rank) == seen and time.time() < until:  # kill just after a push landed
+        time.sleep(0.002)
+    job.events["strike"] = time.time()
+    job.events["killed_pids"] = hosts.kill_host(victim)
+    job.events["victim_host"] = victim
+    job.agents[victim].wait(timeout=30)
+    replacement = start_job(hosts, tmp_path, name, strategies="dump", max_restarts=2, script=script,
+                            script_args=args(name), env_extra=env, only=victim)
+    job.agents[victim], job.logs[victim] = replacement.agents[0], replacement.logs[0]
+    finish(job)
+    reports = {int(p.suffix[1:]): json.loads(p.read_text()) for p in tmp_path.glob(f"{name}.json.[0-9]")}
+    resumed = {r: rep["snapshots"]["resumed_from"] for r, rep in reports.items()}
+    out = record(job, resumed_from=resumed)
+    assert job.codes == [0, 0, 0], job.all_logs()
+    step = resumed[0]["step"]
+    assert step > 0 and {r["step"] for r in resumed.values()} == {step}, resumed
+    assert resumed[rank]["source"] == "peer memory", resumed
+    assert all(r["source"] == "memory" for k, r in resumed.items() if k != rank), resumed
+    for r in range(3):
+        assert reports[r]["final_state_sha256"] == ref_hashes[r], r
+    assert out["recoveries"][0]["strategy"] == "dump"
+    # The agents that exited removed their snapshots; the killed one's were swept by the replacement.
+    assert list(Path("/dev/shm").glob(f"trainguard-{name}-*")) == []
