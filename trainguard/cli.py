@@ -100,14 +100,9 @@ def _report(argv: Sequence[str]) -> int:
         out = args.out or args.run_dir / "report.png"
         try:
             from trainguard.report.plot import draw
-        except ImportError:
-            print(summary(timeline))
-            print("trainguard report: the picture needs matplotlib (pip install 'trainguard[report]')",
-                  file=sys.stderr)
-            return 2
-        try:
+
             picture = draw(timeline, out)
-        except ImportError:
+        except ImportError:  # matplotlib is imported when drawing
             print(summary(timeline))
             print("trainguard report: the picture needs matplotlib (pip install 'trainguard[report]')",
                   file=sys.stderr)
