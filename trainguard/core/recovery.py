@@ -113,9 +113,12 @@ def report_left_step(processor: Processor, error: BaseException, classifier: Cla
     processor.report_fault(kind, severity, cause, phase=phase, occurred_at=occurred_at)
     # A fault trainguard repairs is the controller's one line; the traceback of
     # anything else (a bug in the script, say) is for the user to read.
-    log.log(logging.INFO if kind.in_process else logging.ERROR, "rank %d left step %d: %s (%s)", processor.rank,
-            processor.step, " ".join(cause.split())[:500], kind.name, exc_info=None if kind.in_process else error)
-    log.debug("rank %d left step %d", processor.rank, processor.step, exc_info=error)
+    text = " ".join(cause.split())[:500]
+    if kind.in_process:
+        log.info("rank %d left step %d: %s (%s)", processor.rank, processor.step, text, kind.name)
+        log.debug("rank %d left step %d", processor.rank, processor.step, exc_info=error)
+    else:
+        log.error("rank %d left step %d: %s (%s)", processor.rank, processor.step, text, kind.name, exc_info=error)
     return True
 
 

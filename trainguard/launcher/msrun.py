@@ -133,13 +133,10 @@ def attach(manager: Any, *, force: bool = False) -> bool:
 class MsrunPlugin:
     """One node's msrun, driven by trainguard (``handler.start()`` in msrun)."""
 
-    def __init__(self, manager: Any, strategies: StrategyChoice | str | None) -> None:
+    def __init__(self, manager: Any, strategies: StrategyChoice) -> None:
         check_env()
         self.manager = manager
         self.nodes = max(1, manager.worker_num // max(1, manager.local_worker_num))
-        if not isinstance(strategies, StrategyChoice):
-            strategies = (StrategyChoice(parse_strategies(strategies), "the caller") if strategies
-                          else resolve_strategies(None, {}))
         self.strategy_choice = strategies
         self.config = ControllerConfig.from_env(strategies=strategies.strategies,
                                                 job_id=os.environ.get("TRAINGUARD_JOB_ID")
