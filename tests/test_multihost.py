@@ -310,6 +310,47 @@ def test_a_frozen_host_is_detected_and_the_job_stops_after_a_dying_gasp_checkpoi
     assert out["detected_after_strike_s"] is not None
 
 
+@pytest.mark.parametrize("fault", ["frozen", pytest.param("cut", marks=pytest.mark.slow)])
+def test_a_frozen_or_cut_off_host_s_rank_resumes_on_a_spare_slot_of_another_host_bit_identical(
+        hosts, tmp_path, reference, fault):
+    """Every process of one host stopped (``frozen``), or its link down for
+    good (``cut``): its processes live on and its connections stay open
+    (or time out slowly), so nothing closes a socket. With ``recover`` and
+    a spare slot on each host, another host starts the lost rank and the
+    survivors meet it; they keep their PIDs, nothing is lost, training
+    ends bit-identical, and both surviving hosts exit 0 without waiting
+    for the unreachable host's agent. (The survivors' old group, its
+    collective with the unreachable peer still pending, used to be
+    destroyed on the training thread, which then waited on that peer for
+    good; CI: ``frozen``.)"""
+    job = start_job(hosts, tmp_path, f"{fault}-recover", strategies="recover,dump", spare=1)
+    victim = strike_after_start(job)
+    job.events["strike"] = time.time()
+    job.events["victim_host"] = victim
+    if fault == "frozen":
+        job.events["frozen_pids"] = hosts.freeze_host(victim)
+    else:
+        hosts.link_down(victim)
+    for i in range(hosts.n):
+        if i != victim:
+            job.agents[i].wait(timeout=120)
+    job.events["victim_still_there"] = job.agents[victim].poll() is None
+    finish(job, skip=(victim,))
+    out = record(job)
+    assert [c for i, c in enumerate(job.codes) if i != victim] == [0, 0], job.all_logs()
+    (rec,) = job.report["recoveries"]
+    lost_rank = victim_rank(job, victim)
+    assert (rec["fault"], rec["rank"], rec["strategy"], rec["lost_steps"]) == ("hang", lost_rank, "recover", 0), rec
+    pids = job.report["pids"]
+    assert len(pids[str(lost_rank)]) == 2 and all(len(p) == 1 for r, p in pids.items() if int(r) != lost_rank), pids
+    if fault == "frozen":
+        assert pids[str(lost_rank)][0] in job.events["frozen_pids"]
+    assert job.events["victim_still_there"]  # the survivors finished without it
+    assert job.report["steps_completed"] == STEPS
+    assert job.report["final_state_sha256"] == reference["final_state_sha256"]
+    assert out["recoveries"][0]["strategy"] == "recover"
+
+
 def test_a_host_cut_off_for_10_s_is_detected_and_the_job_resumes_bit_identical(hosts, tmp_path, reference):
     """One host's link down for 10 s, then up. Its rank falls silent: the
     job dumps at the last consistent step; the survivors' agents wait in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -240,3 +241,46 @@ def test_stop_keeps_a_collective_the_backend_completed_before_its_callback_ran()
         waiting.wait()
     assert not group.busy
     backend.works[0].future.callbacks[0](backend.works[0].future)  # the late callback: no second completion
+
+
+class _BlockingBackend:
+    """A backend whose destructor waits, as gloo's does for a call still
+    pending with a peer that is frozen or cut off (it never closes its end)."""
+
+    def __init__(self, release: threading.Event, destroyed: list) -> None:
+        self.release, self.destroyed = release, destroyed
+
+    def __del__(self) -> None:
+        self.release.wait(30)
+        self.destroyed.append(threading.current_thread().name)
+
+
+@pytest.mark.parametrize("how", ["rebuild", "replace_backend"])
+def test_the_abandoned_backend_is_destroyed_off_the_training_thread(how):
+    """A rebuild (and a regroup's ``replace_backend(None)``) hands the old
+    backend to a thread of its own: the training thread goes on at once
+    even when that backend's destructor waits on an unreachable peer. (A
+    local name still holding it used to run the destructor on the training
+    thread, which then waited on a frozen host for good.)"""
+    release, destroyed = threading.Event(), []
+    built = [_BlockingBackend(release, destroyed), object()]  # handed out, not kept
+    group = AbortableProcessGroup(dist.HashStore(), 0, 1, backend_factory=lambda *_: built.pop(0))
+    returned = threading.Event()
+
+    def replace():
+        group.rebuild(1) if how == "rebuild" else group.replace_backend(None)
+        returned.set()
+
+    trainer = threading.Thread(target=replace, name="training")
+    trainer.start()
+    try:
+        assert returned.wait(10), "the training thread waited on the old backend's destructor"
+        assert destroyed == []
+    finally:
+        release.set()
+        trainer.join(10)
+    for _ in range(1000):
+        if destroyed:
+            break
+        time.sleep(0.01)
+    assert destroyed == ["trainguard-pg-retire"]

@@ -38,6 +38,9 @@ class AgentTable:
         self._agents: dict[str, _Agent] = {}
         self._next_order = 1
         self.gone: list[str] = []  # agents whose relay stream ended while the job ran
+        #: Agents all of whose ranks now run under other agents (their host was
+        #: lost, frozen or cut off, and recover moved them): none may come back.
+        self.vacated: list[str] = []
 
     def hello(self, node: str, hello: pb.AgentHello) -> None:
         self._agents[node] = _Agent(node, set(hello.ranks), hello.spare)
@@ -76,7 +79,10 @@ class AgentTable:
         agent = self._agents.get(node)
         if agent is not None and rank not in agent.ranks:
             for other in self._agents.values():
-                other.ranks.discard(rank)
+                if rank in other.ranks:
+                    other.ranks.discard(rank)
+                    if not other.ranks and other.node not in self.vacated:
+                        self.vacated.append(other.node)
             agent.ranks.add(rank)
             agent.adopted.add(rank)
         return list(self._agents)

@@ -383,7 +383,7 @@ class ControllerCore(Restarts, Phases):
             },
             "pids": {str(k): v for k, v in self._pids.items()},
             "recoveries": [rec.to_dict() for rec in self.records],
-            "agents_gone": list(self.agents.gone),
+            "agents_gone": list(self.agents.gone) + [a for a in self.agents.vacated if a not in self.agents.gone],
             "episode": None if self.episode is None else {
                 "faults": [f.describe() for f in self.episode.faults],
                 "plan": self.episode.plan.strategy.value if self.episode.plan else None,

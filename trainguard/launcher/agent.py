@@ -314,17 +314,18 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _exit_barrier(self) -> None:
         """torch's wait for every node's agent at the end. A node agent the
-        controller saw go away (its node was lost; its ranks were recovered
-        elsewhere) will never arrive: wait briefly instead of 5 minutes."""
-        if self.controller is not None:
-            try:
-                gone = self.controller.snapshot().get("agents_gone", [])
-            except Exception:  # a stopped controller: keep torch's wait
-                gone = []
-            if gone:
-                log.warning("node agents %s are gone; waiting at most %d s for the others at exit",
-                            gone[:8], EXIT_BARRIER_AFTER_LOSS_S)
-                self._exit_barrier_timeout = min(self._exit_barrier_timeout, EXIT_BARRIER_AFTER_LOSS_S)
+        controller saw go away, or whose ranks all run elsewhere now (its
+        host was lost, frozen or cut off and ``recover`` moved them), may
+        never arrive: wait briefly instead of 5 minutes."""
+        try:
+            view = self.controller.snapshot() if self.controller is not None else self._client.status()
+            gone = view.get("agents_gone", [])
+        except Exception:  # noqa: BLE001 - no controller to ask: keep torch's wait
+            gone = []
+        if gone:
+            log.warning("node agents %s are gone; waiting at most %d s for the others at exit",
+                        gone[:8], EXIT_BARRIER_AFTER_LOSS_S)
+            self._exit_barrier_timeout = min(self._exit_barrier_timeout, EXIT_BARRIER_AFTER_LOSS_S)
         super()._exit_barrier()
 
     def _wants_standby(self) -> bool:

@@ -455,8 +455,7 @@ class Guard(Checkpoints):
             namespace=job_namespace(), abort=self.device.abort, generation=generation, members=ranks, build=False)
         new.rebuild(generation, cancelled=cancelled)
         old.stop("replaced by a group of other ranks")
-        old._retire(old._inner)
-        old._inner = None
+        old.replace_backend(None)
         self.process_group = new
         if self.ddp is not None:
             self._hook_group.group = new

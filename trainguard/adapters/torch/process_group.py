@@ -9,7 +9,7 @@ collective is issued asynchronously on the *inner* backend and the caller
 waits on a future that trainguard completes -- with the result when the
 backend finishes, or with :class:`~trainguard.core.ForceStop` when the
 controller says STOP. A fresh backend is then built among the ranks for the
-next generation and the abandoned one destroyed (see :meth:`_retire`).
+next generation and the abandoned one destroyed (see :meth:`replace_backend`).
 
 DDP uses it through a comm hook (:func:`allreduce_hook`), so its reducer
 waits on trainguard's future rather than in C++ on the backend.
@@ -220,18 +220,16 @@ class AbortableProcessGroup(dist.ProcessGroup):
         self._black_hole = False
         if store is not None:
             self._store = store
-        built = run_cancellable(lambda: self._build(generation), cancelled,
-                                f"rebuild of process group generation {generation}")
-        old, self._inner = self._inner, built
-        if old is not None:
-            self._retire(old)
+        self.replace_backend(run_cancellable(lambda: self._build(generation), cancelled,
+                                             f"rebuild of process group generation {generation}"))
         self.generation = generation
         self._halted = False
         log.log(logging.DEBUG if quiet else logging.INFO, "rank %d: process group rebuilt (generation %d)",
                 self._rank, generation)
 
-    def _retire(self, backend: Any) -> None:
-        """Destroy an abandoned backend off the training thread.
+    def replace_backend(self, backend: Any) -> None:
+        """Put ``backend`` (None: nothing) in place of the inner one, and
+        destroy the one it replaces off the calling (training) thread.
 
         Its calls may still be pending (issued before the STOP, never matched
         by a faulty peer). ``abort()`` does not release them under gloo, and
@@ -240,11 +238,16 @@ class AbortableProcessGroup(dist.ProcessGroup):
         it runs without the GIL, waits for in-flight calls and closes the
         sockets, so every rank destroying its copy at the same rebuild frees
         all of them within milliseconds (the rank that issued fewest calls
-        has none pending and closes first).
+        has none pending and closes first). A peer that is frozen or cut off
+        never closes its end: that destructor waits for gloo's own timeout.
+
+        So the retiring thread must hold the only reference: a local variable
+        still naming the old backend when that thread lets go would run its
+        destructor here instead, and block recovery on the frozen peer.
         """
-        holder = [backend]
-        del backend
-        threading.Thread(target=holder.clear, name="trainguard-pg-retire", daemon=True).start()
+        holder, self._inner = [self._inner], backend
+        if holder[0] is not None:
+            threading.Thread(target=holder.clear, name="trainguard-pg-retire", daemon=True).start()
 
     # ------------------------------------------------------------ collectives
     def black_hole(self) -> None:
