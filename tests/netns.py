@@ -179,6 +179,11 @@ class Hosts:
         self.exec(i, "tc", "qdisc", "replace", "dev", IFNAME, "root", *args)
         return " ".join(args)
 
+    def unlimit(self, i: int) -> None:
+        """Take :meth:`rate_limit` (or :meth:`netem`) off host ``i``'s link."""
+        subprocess.run(["tc", "qdisc", "del", "dev", self.veth[i], "root"], check=True, capture_output=True, text=True)
+        self.exec(i, "tc", "qdisc", "del", "dev", IFNAME, "root")
+
     # ------------------------------------------------------------- cleanup
     def close(self) -> None:
         """Kill every process of every host, then remove namespaces, veths

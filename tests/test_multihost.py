@@ -3,8 +3,8 @@ machine (``tests/netns.py``: a veth pair on a bridge and an address each),
 one ``trainguard run`` node agent per host, torch's c10d rendezvous on host
 0's address, gloo between the hosts' addresses. Faults strike a whole host:
 every process of its namespace killed (host lost) or stopped (frozen host),
-its link cut for a while or for good (partition). (A slow link,
-``Hosts.netem``, is not tested yet: this VM's kernel has no netem.)
+its link cut for a while or for good (partition), or slowed (a token
+bucket, ``Hosts.rate_limit``: this VM's kernel has no netem).
 
 Each test asserts outcomes (strategy, exit codes, surviving PIDs, final state
 against a fault-free run of the same topology) and writes what it measured
@@ -102,7 +102,8 @@ def start_job(hosts: netns.Hosts, tmp: Path, name: str, *, nproc: int = 1, steps
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env.update(TRAINGUARD_HEARTBEAT_INTERVAL_S="0.5", TRAINGUARD_PRELOCK_TIMEOUT_S="20", PYTHONUNBUFFERED="1",
                TRAINGUARD_STRATEGIES=strategies, TRAINGUARD_TOKEN=f"multihost-{name}-{hosts.name[0]}",
-               GLOO_SOCKET_IFNAME=netns.IFNAME, TINY_STEP_SLEEP=STEP_SLEEP, **(env_extra or {}))
+               GLOO_SOCKET_IFNAME=netns.IFNAME, TINY_STEP_SLEEP=STEP_SLEEP)
+    env.update(env_extra or {})
     if fault:
         env["TRAINGUARD_FAULT"] = fault
     args = script_args if script_args is not None else [str(steps), str(report), str(ckpt)]
@@ -405,6 +406,43 @@ def test_a_host_cut_off_for_good_leaves_a_dying_gasp_checkpoint_the_job_resumes_
     assert again.codes == [0, 0, 0], again.all_logs()
     assert again.report["final_state_sha256"] == reference["final_state_sha256"]
     assert out["recoveries"][0]["strategy"] == "dump"
+
+
+ALL_ON = '{"CommunicationOperator":"on","Step":"on","SaveCheckpoint":"on","FP":"on","DataLoader":"on"}'
+
+
+def test_a_slow_link_is_named_by_its_host_and_the_job_goes_on(hosts, tmp_path):
+    """One host's link limited to 2 Mbit/s (both ways) once the job runs,
+    with every profiling marker on. Every rank's step slows alike (they all
+    wait for the same all-reduce), so no rank's compute stands out: the
+    live detection sees a job-wide slowdown of communication, the
+    controller has the node agents probe their links to each other, and
+    names the slowed host and its rank. The job goes on (no fault, no
+    recovery) and ends when the link is freed again."""
+    prof = tmp_path / "prof"
+    prof.mkdir()
+    (prof / "profilingSwitch").write_text(ALL_ON)
+    steps = 300
+    job = start_job(hosts, tmp_path, "slowlink", strategies="recover,dump", spare=1, steps=steps,
+                    env_extra={"TRAINGUARD_PROFILING_DIR": str(prof), "TINY_STEP_SLEEP": "0.05"})
+    victim = strike_after_start(job, 12.0)  # a baseline of fast steps first
+    job.events["limited"] = time.time()
+    job.events["qdisc"] = hosts.rate_limit(victim, "2mbit")
+    job.events["victim_host"] = victim
+    named = job.wait_for("slow node: ranks [", timeout=150)
+    job.events["named_after_s"] = round(named - job.events["limited"], 2)
+    hosts.unlimit(victim)
+    finish(job)
+    out = record(job)
+    rank = victim_rank(job, victim)
+    (line,) = [x for x in job.log(job.controller_host()).splitlines() if "slow node: ranks [" in x]
+    assert f"slow node: ranks [{rank}]: the link of {socket.gethostname()}:{job.agents[victim].pid} is slow" in line, line
+    assert "job-wide slowdown" in job.log(job.controller_host())  # what started the survey
+    assert job.codes == [0, 0, 0], job.all_logs()
+    assert job.report["recoveries"] == [] and job.report["steps_completed"] == steps
+    named = [v for v in json.loads((prof / "slowlink" / "slow_nodes.json").read_text())["links"] if v["slow_node"]]
+    assert [(v["slow_node"], v["ranks"]) for v in named] == [(f"{socket.gethostname()}:{job.agents[victim].pid}", [rank])]
+    assert out["events"]["named_after_s"] > 0
 
 
 def _pushed(job_id: str, rank: int) -> dict:

@@ -27,6 +27,7 @@ class _Agent:
     ranks: set[int]
     spare: int
     adopted: set[int] = field(default_factory=set)  # other nodes' ranks it now runs
+    probe: str = ""  # its link-probe sink (host:port), when it serves one
 
 
 class AgentTable:
@@ -43,7 +44,7 @@ class AgentTable:
         self.vacated: list[str] = []
 
     def hello(self, node: str, hello: pb.AgentHello) -> None:
-        self._agents[node] = _Agent(node, set(hello.ranks), hello.spare)
+        self._agents[node] = _Agent(node, set(hello.ranks), hello.spare, probe=hello.probe)
         log.info("node agent %s runs ranks %s (%d spare)", node, sorted(hello.ranks)[:16], hello.spare)
 
     def lost(self, node: str, *, done: set[int] | frozenset[int] = frozenset()) -> None:
@@ -57,6 +58,14 @@ class AgentTable:
                 log.debug("node agent %s left: its ranks are done", node)
             else:
                 log.warning("node agent %s is gone: its ranks cannot be restarted on its node", node)
+
+    def sinks(self) -> dict[str, str]:
+        """The link-probe sinks of the agents still here, by node."""
+        return {a.node: a.probe for a in self._agents.values() if a.probe and a.node not in self.vacated}
+
+    def ranks_of(self, node: str) -> list[int]:
+        agent = self._agents.get(node)
+        return sorted(agent.ranks) if agent is not None else []
 
     def home(self, rank: int) -> str | None:
         return next((a.node for a in self._agents.values() if rank in a.ranks), None)

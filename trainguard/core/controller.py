@@ -49,6 +49,7 @@ from .agents import AgentTable
 from .config import ControllerConfig
 from .decide import decide
 from .events import EventLog
+from .links import Surveyor
 from .episode import Episode, Rank, Starts
 from .protocol import trainguard_pb2 as pb
 from .replicas import Registry, ReplicaGroup
@@ -92,6 +93,8 @@ class ControllerCore(Restarts, Phases):
         self._send_agent = send_agent or (lambda node, order: None)
         self.agents = AgentTable(config.max_restarts)
         self._clock, self._wall = clock, wall
+        #: Surveys of the node agents' links, when the job slows down as a whole.
+        self.links = Surveyor(self.agents.order, self._send_agent, clock, on_verdict=self._link_verdict)
         self.state = ControllerState.INIT
         self.ranks: dict[int, Rank] = {}
         self.registry = Registry(world_size)
@@ -303,6 +306,7 @@ class ControllerCore(Restarts, Phases):
     def tick(self) -> None:
         """Check heartbeats and deadlines; call a few times a second."""
         now = self._clock()
+        self.links.tick()
         stalled = now - self._last_tick - 0.5
         self._last_tick = now
         if stalled > 0:
@@ -390,6 +394,7 @@ class ControllerCore(Restarts, Phases):
                 "reason": self.episode.reason,
             },
             "slow_nodes": None if self.slow_nodes is None else self.slow_nodes.status(),
+            "links": self.links.last,
             "persist": self._persist_view(),
         }
 
@@ -549,6 +554,18 @@ class ControllerCore(Restarts, Phases):
         self._sample_steps()
 
     # ------------------------------------------------------------ event log
+    def _link_verdict(self, verdict: dict) -> None:
+        """A link survey ended: name the slow host and its ranks (a WARNING), or say none stood out."""
+        ranks = self.agents.ranks_of(verdict["slow_node"]) if verdict["slow_node"] else []
+        verdict["ranks"] = ranks
+        if ranks:
+            log.warning("slow node: ranks %s: %s", ranks[:16], verdict["reason"])
+        else:
+            log.info("link survey: %s", verdict["reason"])
+        if self.slow_nodes is not None:
+            self.slow_nodes.note_links(verdict)
+        self._note("links", **{k: v for k, v in verdict.items() if k != "at"})
+
     def _note(self, ev: str, **fields: Any) -> None:
         """One event for the run directory's log (see :mod:`trainguard.core.events`)."""
         if self.events is not None:

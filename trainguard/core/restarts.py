@@ -40,8 +40,14 @@ class Restarts:
         over = self.state in (ControllerState.EXITED, ControllerState.FINISHED)
         self.agents.lost(node, done=set(range(self.world_size)) if over else self._finished | self._exiting)
 
+    def survey_links(self, why: str) -> None:
+        """Ask the node agents to measure their links (the job slowed down as a whole)."""
+        self.links.start(self.agents.sinks(), why)
+
     def on_agent_event(self, node: str, event: pb.AgentEvent) -> None:
-        """A node agent answered a start order."""
+        """A node agent answered an order: a start, or a link survey."""
+        if self.links.answer(event.order, node, [(r.node, r.bytes_per_s, r.error) for r in event.rates]):
+            return
         ep = self.episode
         phase = self._current_phase()
         if phase is not None and phase.name == "respawn" and ep.starts is not None:

@@ -376,6 +376,9 @@ class Controller(LoopThread):
         log.info("controller listening on %s for %d ranks", self.address, self.world_size)
         self._live = LiveDetector.from_env(self.config.job_id, self.world_size)
         if self._live is not None:
+            core, loop = self._core, self._loop
+            self._live.on_job_wide = lambda finding: loop.call_soon_threadsafe(
+                core.survey_links, f"step {finding.step}: {finding.reason}")
             self._core.slow_nodes = self._live.start()
             log.info("live slow-node detection follows %s", self._live.job_dir)
         return self.address

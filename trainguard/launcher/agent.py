@@ -37,6 +37,7 @@ import os
 import queue
 import secrets
 import socket
+import threading
 import time
 from typing import Any
 
@@ -47,6 +48,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.client import ControllerClient
+from trainguard.core.links import LinkSink, probe_peers
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.secret import TLS
@@ -103,6 +105,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.last_status: dict | None = None
         self.snapshot_dir: SnapshotDir | None = None
         self.peer_server: PeerServer | None = None
+        self.link_sink: LinkSink | None = None
 
     # ----------------------------------------------------------- controller
     def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec) -> list:
@@ -148,7 +151,7 @@ class TrainguardAgent(LocalElasticAgent):
         # one stream per node instead of one per rank; it carries the
         # agent's orders too.
         hello = pb.AgentHello(ranks=[w.global_rank for w in worker_group.workers], spare=self._spare,
-                              key=self._key)
+                              key=self._key, probe=self._link_sink(worker_group))
         self.relay = Relay(address, token, max_message_bytes=self._config.max_message_bytes, agent=hello,
                            on_order=self._orders.put, tls=self._tls)
         os.environ.update(TRAINGUARD_CONTROLLER=self.relay.start(), TRAINGUARD_TOKEN=token,
@@ -184,6 +187,26 @@ class TrainguardAgent(LocalElasticAgent):
         here = "127.0.0.1" if loopback else (worker_group.spec.local_addr or socket.getfqdn())
         store.set(f"{key}/{me}", f"{here}:{port}")
         os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"{key}/{(me + 1) % nodes}").decode()
+
+    def _link_sink(self, worker_group: WorkerGroup) -> str:
+        """With several nodes, this node's end of the controller's link
+        surveys (:mod:`trainguard.core.links`); its address, or ""."""
+        if worker_group.group_world_size < 2:
+            return ""
+        loopback = self._config.host in ("127.0.0.1", "localhost", "::1")
+        if self.link_sink is None:
+            self.link_sink = LinkSink("127.0.0.1" if loopback else "0.0.0.0", self._secret)
+            self._sink_port = self.link_sink.start().rsplit(":", 1)[1]
+        here = "127.0.0.1" if loopback else (worker_group.spec.local_addr or socket.getfqdn())
+        return f"{here}:{self._sink_port}"
+
+    def _probe_links(self, order: pb.AgentOrder) -> None:
+        """A link survey's order, on a thread of its own: measure, answer."""
+        rates = probe_peers(list(order.probe.nodes), list(order.probe.addrs), self._secret, order.probe.bytes)
+        relay = self.relay
+        if relay is not None:
+            relay.report(pb.AgentEvent(order=order.id, ok=True, rates=[
+                pb.LinkRate(node=n, bytes_per_s=bps, error=err) for n, bps, err in rates]))
 
     def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:
         """Give each round's workers a store of their own.
@@ -229,6 +252,9 @@ class TrainguardAgent(LocalElasticAgent):
         if self.peer_server is not None:
             self.peer_server.stop()
             self.peer_server = None
+        if self.link_sink is not None:
+            self.link_sink.stop()
+            self.link_sink = None
         if self.snapshot_dir is not None:
             self.snapshot_dir.remove()
             self.snapshot_dir = None
@@ -351,6 +377,9 @@ class TrainguardAgent(LocalElasticAgent):
                 self.replacements.release(order.moved)
             elif action == "dropped":
                 self.replacements.release(order.dropped)
+            elif action == "probe":
+                threading.Thread(target=self._probe_links, args=(order,), name="trainguard-link-probe",
+                                 daemon=True).start()
             elif action == "restarts_left":
                 self._remaining_restarts = min(self._remaining_restarts, order.restarts_left)
 

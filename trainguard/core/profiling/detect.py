@@ -19,7 +19,10 @@ check beside the controller (files as they grow):
   ``baseline_steps`` steps after warm-up: above ``max(mean * (1 +
   excess_ratio), mean + sigmas * std)`` for ``consecutive`` steps is a
   degradation. On more than half of the ranks at once it is a job-wide
-  slowdown (network, storage), which no one rank explains; on fewer, it
+  slowdown (network, storage), which no one rank explains (reported again
+  when one comes back after ``long_window`` steps without); with
+  Communication on, the steps' own series counts for this too (a slow link
+  lengthens every rank's waits, not its compute); on fewer, it
   names a rank only while that rank is also slower than the others now --
   a rank's own history cannot tell a slow node from a machine that got
   busier for everyone.
@@ -85,6 +88,31 @@ class Finding:
 
 
 @dataclass
+class _Series:
+    """One rank's time series of one metric against its own baseline."""
+
+    baseline: list = field(default_factory=list)
+    recent: deque = field(default_factory=lambda: deque(maxlen=5))
+    bound: float | None = None
+    run: int = 0
+
+    def exceeds(self, value: float, c: DetectorConfig) -> bool:
+        """Add a step's value; whether the smoothed value has stayed above the bound ``consecutive`` steps."""
+        self.recent.append(value)
+        if len(self.recent) < self.recent.maxlen:
+            return False
+        value = statistics.median(self.recent)  # one late step is noise, a run of them is not
+        if self.bound is None:
+            self.baseline.append(value)
+            if len(self.baseline) == c.baseline_steps:
+                mean = statistics.fmean(self.baseline)
+                self.bound = max(mean * (1 + c.excess_ratio), mean + c.sigmas * statistics.pstdev(self.baseline))
+            return False
+        self.run = self.run + 1 if value > self.bound else 0
+        return self.run >= c.consecutive
+
+
+@dataclass
 class _RankTrack:
     """One rank's recent history (windows of ``window`` steps)."""
 
@@ -93,10 +121,7 @@ class _RankTrack:
     shares: dict = field(init=False)
     waits: deque = field(init=False)
     runs: dict = field(default_factory=lambda: {m: 0 for m in METRICS})
-    baseline: list = field(default_factory=list)
-    recent: deque = field(default_factory=lambda: deque(maxlen=5))
-    bound: float | None = None
-    ts_run: int = 0
+    series: dict = field(default_factory=lambda: {"compute": _Series(), "step": _Series()})
 
     def __post_init__(self) -> None:
         self.ratios = {m: deque(maxlen=self.window) for m in METRICS}
@@ -120,7 +145,8 @@ class Detector:
         self.steps_seen = 0
         self.communication = False
         self._tracks = {r: _RankTrack(config.long_window) for r in self.ranks}
-        self._job_wide_at: int | None = None
+        self._job_wide_at: int | None = None  # the job-wide slowdown going on, by its first step
+        self._job_wide_clear = 0  # steps since it last held: after long_window of them, a new one counts
 
     def feed(self, step: int, rows: dict[int, StepRow]) -> list[Finding]:
         """One step's rows (rank -> row; ranks missing from it are skipped
@@ -202,30 +228,26 @@ class Detector:
     def _time_series(self, step: int, rows: dict[int, StepRow], comm: bool) -> list[Finding]:
         c = self.config
         metric = "compute" if comm else "step"
-        exceeding = []
-        for r, row in rows.items():
-            t = self._tracks[r]
-            t.recent.append(_VALUE[metric](row))
-            if len(t.recent) < t.recent.maxlen:
-                continue
-            value = statistics.median(t.recent)  # one late step is noise, a run of them is not
-            if t.bound is None:
-                t.baseline.append(value)
-                if len(t.baseline) == c.baseline_steps:
-                    mean = statistics.fmean(t.baseline)
-                    t.bound = max(mean * (1 + c.excess_ratio), mean + c.sigmas * statistics.pstdev(t.baseline))
-                continue
-            t.ts_run = t.ts_run + 1 if value > t.bound else 0
-            if t.ts_run >= c.consecutive:
-                exceeding.append(r)
+        exceeding = [r for r, row in rows.items() if self._tracks[r].series[metric].exceeds(_VALUE[metric](row), c)]
+        # With Communication on, the steps' own series too: a slow link
+        # leaves every rank's compute as it was and lengthens its waits.
+        waiting = [r for r, row in rows.items() if self._tracks[r].series["step"].exceeds(row.step_s, c)] if comm else []
         out = []
-        if len(exceeding) * 2 > len(self.ranks):
-            if self._job_wide_at is None:
-                self._job_wide_at = step
-                out.append(Finding(None, "job-wide", metric, step, 0.0,
-                                   f"{len(exceeding)} of {len(self.ranks)} ranks exceed their {metric} baseline "
-                                   f"together: a job-wide slowdown, not one slow rank"))
-            return out
+        if self._job_wide_at is not None and not any(len(r) * 2 > len(self.ranks) for r in (exceeding, waiting)):
+            self._job_wide_clear += 1
+            if self._job_wide_clear >= c.long_window:  # over: the next one is news again
+                self._job_wide_at, self._job_wide_clear = None, 0
+        for series, ranks in ((metric, exceeding), ("step", waiting)):
+            if len(ranks) * 2 > len(self.ranks):
+                self._job_wide_clear = 0
+                if self._job_wide_at is None:
+                    self._job_wide_at = step
+                    out.append(Finding(None, "job-wide", series, step, 0.0, (
+                        f"{len(ranks)} of {len(self.ranks)} ranks exceed their {series} baseline together: a "
+                        f"job-wide slowdown, not one slow rank" + (
+                            "; their compute did not slow: communication did (a slow link?)"
+                            if series == "step" and comm else ""))))
+                return out
         for r in exceeding:
             t = self._tracks[r]
             # A rank's own history alone cannot tell a slow node from a busy
@@ -233,11 +255,12 @@ class Detector:
             ratios = list(t.ratios["compute" if comm else "fp"])[-c.short_window:]
             if r in self.slow or not ratios or statistics.median(ratios) < c.long_ratio:
                 continue
-            mean = statistics.fmean(t.baseline)
-            value = statistics.median(t.recent)
+            s = t.series[metric]
+            mean = statistics.fmean(s.baseline)
+            value = statistics.median(s.recent)
             finding = Finding(r, "time-series", metric, step, round(value / mean, 3),
                               f"rank {r}'s {metric} time ({value * 1e3:.1f} ms) stayed above its baseline bound "
-                              f"{t.bound * 1e3:.1f} ms (mean {mean * 1e3:.1f} ms over {c.baseline_steps} steps) for "
+                              f"{s.bound * 1e3:.1f} ms (mean {mean * 1e3:.1f} ms over {c.baseline_steps} steps) for "
                               f"{c.consecutive} steps, while the other ranks are faster")
             self.slow[r] = finding
             out.append(finding)

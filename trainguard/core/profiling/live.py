@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .detect import Detector, DetectorConfig, Finding
 from .records import RowBuilder, Tail, rank_dirs
@@ -44,7 +44,8 @@ class LiveDetector:
     """
 
     def __init__(self, job_dir: str | os.PathLike, world_size: int, *, config: DetectorConfig = DetectorConfig(),
-                 poll_s: float = 2.0, lag_steps: int = 20) -> None:
+                 poll_s: float = 2.0, lag_steps: int = 20, on_job_wide: Callable[[Finding], None] | None = None
+                 ) -> None:
         self.job_dir = Path(job_dir)
         self.world_size = world_size
         self.detector = Detector(list(range(world_size)), config)
@@ -53,8 +54,13 @@ class LiveDetector:
         self._builders = {r: RowBuilder() for r in range(world_size)}
         self._next_step = 0
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # the watch and the controller's loop both write the report
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Told of a job-wide slowdown of the steps, not of compute (from the
+        #: watch's thread): the controller then surveys the links.
+        self.on_job_wide = on_job_wide
+        self.links: list[dict] = []  # the link surveys' verdicts, newest last
 
     @classmethod
     def from_env(cls, job_id: str, world_size: int,
@@ -109,6 +115,8 @@ class LiveDetector:
             self._next_step += 1
         for finding in new:
             log.warning("slow node: step %d: %s (%s)", finding.step, finding.reason, finding.how)
+            if finding.how == "job-wide" and finding.metric == "step" and self.on_job_wide is not None:
+                self.on_job_wide(finding)
         if new:
             self._write()
         return new
@@ -118,13 +126,20 @@ class LiveDetector:
         with self._lock:
             return {"job_dir": str(self.job_dir), "steps_compared": self.detector.steps_seen,
                     "slow_ranks": sorted(self.detector.slow),
-                    "findings": [f.to_dict() for f in self.detector.findings]}
+                    "findings": [f.to_dict() for f in self.detector.findings], "links": list(self.links)}
+
+    def note_links(self, verdict: dict) -> None:
+        """A link survey's verdict: kept (the last 20) with the findings and written."""
+        with self._lock:
+            self.links = [*self.links[-19:], verdict]
+        self._write()
 
     def _write(self) -> None:
         path = self.job_dir / REPORT_FILE
         tmp = self.job_dir / f".{REPORT_FILE}.tmp"
         try:
-            tmp.write_text(json.dumps(self.status(), indent=1))
-            os.replace(tmp, path)
+            with self._write_lock:
+                tmp.write_text(json.dumps(self.status(), indent=1))
+                os.replace(tmp, path)
         except OSError as e:
             log.warning("cannot write %s: %s", path, e)

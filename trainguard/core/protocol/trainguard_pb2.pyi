@@ -384,30 +384,44 @@ class RankEnvelope(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., message: _Optional[_Union[RankMessage, _Mapping]] = ..., disconnected: _Optional[bool] = ...) -> None: ...
 
 class AgentHello(_message.Message):
-    __slots__ = ("ranks", "spare", "key")
+    __slots__ = ("ranks", "spare", "key", "probe")
     RANKS_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedScalarFieldContainer[int]
     spare: int
     key: bytes
-    def __init__(self, ranks: _Optional[_Iterable[int]] = ..., spare: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+    probe: str
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ..., spare: _Optional[int] = ..., key: _Optional[bytes] = ..., probe: _Optional[str] = ...) -> None: ...
 
 class AgentEvent(_message.Message):
-    __slots__ = ("rank", "order", "ok", "pid", "join_store", "message")
+    __slots__ = ("rank", "order", "ok", "pid", "join_store", "message", "rates")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     JOIN_STORE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RATES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     order: int
     ok: bool
     pid: int
     join_store: str
     message: str
-    def __init__(self, rank: _Optional[int] = ..., order: _Optional[int] = ..., ok: _Optional[bool] = ..., pid: _Optional[int] = ..., join_store: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    rates: _containers.RepeatedCompositeFieldContainer[LinkRate]
+    def __init__(self, rank: _Optional[int] = ..., order: _Optional[int] = ..., ok: _Optional[bool] = ..., pid: _Optional[int] = ..., join_store: _Optional[str] = ..., message: _Optional[str] = ..., rates: _Optional[_Iterable[_Union[LinkRate, _Mapping]]] = ...) -> None: ...
+
+class LinkRate(_message.Message):
+    __slots__ = ("node", "bytes_per_s", "error")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    bytes_per_s: float
+    error: str
+    def __init__(self, node: _Optional[str] = ..., bytes_per_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class NodeMessage(_message.Message):
     __slots__ = ("node", "items", "agent", "events", "exits")
@@ -434,20 +448,32 @@ class NodeDelivery(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ..., message: _Optional[_Union[ControllerMessage, _Mapping]] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class AgentOrder(_message.Message):
-    __slots__ = ("id", "start", "kill", "restarts_left", "moved", "dropped")
+    __slots__ = ("id", "start", "kill", "restarts_left", "moved", "dropped", "probe")
     ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     KILL_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_LEFT_FIELD_NUMBER: _ClassVar[int]
     MOVED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     id: int
     start: StartReplacement
     kill: int
     restarts_left: int
     moved: int
     dropped: int
-    def __init__(self, id: _Optional[int] = ..., start: _Optional[_Union[StartReplacement, _Mapping]] = ..., kill: _Optional[int] = ..., restarts_left: _Optional[int] = ..., moved: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+    probe: LinkProbe
+    def __init__(self, id: _Optional[int] = ..., start: _Optional[_Union[StartReplacement, _Mapping]] = ..., kill: _Optional[int] = ..., restarts_left: _Optional[int] = ..., moved: _Optional[int] = ..., dropped: _Optional[int] = ..., probe: _Optional[_Union[LinkProbe, _Mapping]] = ...) -> None: ...
+
+class LinkProbe(_message.Message):
+    __slots__ = ("nodes", "addrs", "bytes")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    ADDRS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    addrs: _containers.RepeatedScalarFieldContainer[str]
+    bytes: int
+    def __init__(self, nodes: _Optional[_Iterable[str]] = ..., addrs: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StartReplacement(_message.Message):
     __slots__ = ("rank", "generation", "step", "join_store")
