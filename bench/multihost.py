@@ -24,11 +24,18 @@ the baseline's saves) (the host struck is neither host
   operator replaces the host (kills them, starts a new agent there).
   trainguard: ``dump`` then torch's restart of the group; baseline: gloo
   waits (its timeout is 30 min) until the host is replaced;
+* **frozen host, recover**: the same fault, trainguard with ``recover`` and
+  one spare slot per host: the frozen rank starts on another host and the
+  frozen host is never replaced (its baseline is the frozen host's);
 * **partition 10 s**: the host's link down for 10 s, then up. trainguard:
   ``dump``, and the group restarts when the host is back; baseline: gloo
   waits.
-* **slow link**: ``tc netem delay 50ms rate 10mbit`` on the host's link;
-  not run where the kernel has no netem (recorded so).
+* **slow link**: the host's link limited to 2 Mbit/s both ways (``tc tbf``;
+  this VM's kernel has no netem) for 20 s, once 40 of 120 steps are done,
+  every profiling marker on (trainguard). *detected*: trainguard's log names
+  the slowed host's rank (``slow node: ranks [...]``); the baseline names
+  nothing. *regained*: the first step after the link is freed; final state
+  against a fault-free 120-step run.
 
 Measured from every rank's own log of completed steps: *detected*: the
 fault's record (trainguard), or the first new worker process after the
@@ -55,6 +62,8 @@ STEPS = 40
 SAVE_EVERY = 10
 STEP_SLEEP = 0.2
 REPLACE_FROZEN_AFTER_S = 15.0
+SLOW_STEPS, SLOW_AFTER_STEP, SLOW_FOR_S, SLOW_RATE = 120, 40, 20.0, "2mbit"
+ALL_ON = '{"CommunicationOperator":"on","Step":"on","SaveCheckpoint":"on","FP":"on","DataLoader":"on"}'
 STRIKE_AFTER_S = 3.0  # after the first step: ~step 15, half-way between two of the baseline's saves
 LIMIT_S = 240.0
 
@@ -88,6 +97,7 @@ def worker(out: Path, mode: str) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    steps = int(os.environ.get("BENCH_STEPS", STEPS))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     progress = open(out / f"progress.r{rank}.jsonl", "a", buffering=1)
@@ -113,7 +123,7 @@ def worker(out: Path, mode: str) -> None:
         from trainguard.torch import Guard
 
         guard = Guard(model, opt, checkpoint_dir=str(out / "ckpt"))
-        for step in guard.steps(STEPS):
+        for step in guard.steps(steps):
             with guard.protect():
                 train(step, guard.optimizer)
             note(step + 1)
@@ -127,7 +137,7 @@ def worker(out: Path, mode: str) -> None:
             net.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
             start = saved["step"]
-        for step in range(start, STEPS):
+        for step in range(start, steps):
             train(step, opt)
             note(step + 1)
             if (step + 1) % SAVE_EVERY == 0 and rank == 0:
@@ -148,16 +158,22 @@ def progress(out: Path) -> list[dict]:
     return sorted(lines, key=lambda x: x["t"])
 
 
-def run(tm, netns, tmp: Path, mode: str, fault: str | None) -> dict:
+def run(tm, netns, tmp: Path, mode: str, fault: str | None, steps: int = STEPS) -> dict:
     """One job on three fresh hosts; returns its row."""
-    name = f"{mode}-{fault or 'none'}".replace(" ", "-")
+    name = f"{mode}-{fault or 'none'}-{steps}".replace(" ", "-").replace(",", "")
     out = tmp / name
     out.mkdir(parents=True)
     plain = mode == "baseline"
-    strategies = {"host lost": "recover,dump"}.get(fault, "dump")
-    kw = dict(strategies=strategies, spare=1 if fault == "host lost" else 0, max_restarts=3, plain=plain,
+    recover = fault in ("host lost", "frozen host, recover")
+    strategies = "recover,dump" if recover else "dump"
+    env = {"OMP_NUM_THREADS": "1", "BENCH_STEPS": str(steps)}
+    if fault == "slow link" and not plain:
+        (out / "prof").mkdir()
+        (out / "prof" / "profilingSwitch").write_text(ALL_ON)
+        env["TRAINGUARD_PROFILING_DIR"] = str(out / "prof")
+    kw = dict(strategies=strategies, spare=1 if recover else 0, max_restarts=3, plain=plain,
               script=Path(__file__), script_args=["--worker", str(out), "trainguard" if not plain else "plain"],
-              env_extra={"OMP_NUM_THREADS": "1"})
+              env_extra=env)
     row = {"fault": fault or "none", "mode": mode, "strategy": None if plain else strategies}
     with netns.Hosts(3) as hosts:
         job = tm.start_job(hosts, out, name, **kw)
@@ -165,12 +181,17 @@ def run(tm, netns, tmp: Path, mode: str, fault: str | None) -> dict:
         if fault:
             job.wait_for("ranks registered" if not plain else "", timeout=120)
             deadline = time.time() + 120
-            while not any(x["step"] >= 1 for x in progress(out)) and time.time() < deadline:
+            first = 1 if fault != "slow link" else SLOW_AFTER_STEP
+            while not any(x["step"] >= first for x in progress(out)) and time.time() < deadline:
                 time.sleep(0.02)
-            time.sleep(STRIKE_AFTER_S)
+            if fault != "slow link":
+                time.sleep(STRIKE_AFTER_S)
             victim = tm.victim_of(job) if not plain else 2
             strike = time.time()
-            if fault in ("host lost", "frozen host"):
+            if fault == "frozen host, recover":
+                hosts.freeze_host(victim)
+                skip = (victim,)  # stays frozen until the others are done
+            elif fault in ("host lost", "frozen host"):
                 if fault == "frozen host":
                     hosts.freeze_host(victim)
                     time.sleep(REPLACE_FROZEN_AFTER_S)
@@ -194,7 +215,15 @@ def run(tm, netns, tmp: Path, mode: str, fault: str | None) -> dict:
                 time.sleep(10)
                 hosts.link_up(victim)
             elif fault == "slow link":
-                hosts.netem(victim, "50ms", "10mbit")
+                hosts.rate_limit(victim, SLOW_RATE)
+                until = time.time() + SLOW_FOR_S
+                while time.time() < until and "named_at" not in row:
+                    if job.seen("slow node: ranks ["):
+                        row["named_at"] = time.time()
+                    time.sleep(0.05)
+                time.sleep(max(0.0, until - time.time()))
+                hosts.unlimit(victim)
+                row["freed_at"] = time.time()
         try:
             try:
                 tm.finish(job, timeout=LIMIT_S, skip=skip)
@@ -208,6 +237,16 @@ def run(tm, netns, tmp: Path, mode: str, fault: str | None) -> dict:
         result = json.loads(final.read_text()) if final.exists() else {}
         row["final_state_sha256"] = result.get("final_state_sha256")
         lines = progress(out)
+        if fault == "slow link":
+            named, freed = row.pop("named_at", None), row.pop("freed_at")
+            line = next((x for i in range(hosts.n) for x in job.log(i).splitlines() if "slow node: ranks [" in x), "")
+            row["detected_s"] = None if named is None else round(named - strike, 2)
+            row["how"] = ("named " + line.split("slow node: ")[1].split(":")[0] + f" (host {victim}'s)"
+                          if line else "nothing noticed")
+            row["regained_s"] = round(min((x["t"] for x in lines if x["t"] >= freed), default=freed) - strike, 2)
+            row["step_s_before_during"] = [_median_step(lines, strike - 5, strike), _median_step(lines, strike, freed)]
+            row["lost_steps"], row["step_at_fault"], row["victim_host"] = 0, None, victim
+            return row
         if strike is not None:
             before = [x for x in lines if x["t"] < strike and x["step"] >= 0]
             after = [x for x in lines if x["t"] >= strike and x["step"] >= 0]
@@ -231,6 +270,13 @@ def run(tm, netns, tmp: Path, mode: str, fault: str | None) -> dict:
     return row
 
 
+def _median_step(lines: list[dict], t0: float, t1: float) -> float | None:
+    """Rank 0's median step time between ``t0`` and ``t1``."""
+    ts = [x["t"] for x in lines if x["rank"] == 0 and t0 <= x["t"] <= t1 and x["step"] >= 1]
+    gaps = sorted(b - a for a, b in zip(ts, ts[1:]))
+    return round(gaps[len(gaps) // 2], 3) if gaps else None
+
+
 def main() -> int:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent / "tests"))
@@ -248,41 +294,47 @@ def main() -> int:
     if reason:
         print(f"multihost: {reason}", file=sys.stderr)
         return 1
-    faults = ["host lost"] if args.quick else ["host lost", "frozen host", "partition 10 s", "slow link"]
+    faults = ["host lost"] if args.quick else ["host lost", "frozen host", "frozen host, recover", "partition 10 s",
+                                               "slow link"]
     faults = [args.only] if args.only else faults
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-multihost-") as d:
         tmp = args.keep or Path(d)
-        clean = {m: run(tm, netns, tmp, m, None) for m in ("baseline", "trainguard")}
+        clean = {(m, STEPS): run(tm, netns, tmp, m, None) for m in ("baseline", "trainguard")}
+        if "slow link" in faults:
+            clean.update({(m, SLOW_STEPS): run(tm, netns, tmp, m, None, SLOW_STEPS) for m in ("baseline", "trainguard")})
         for fault in faults:
-            if fault == "slow link" and not netns.netem_available():
-                rows.append({"fault": fault, "mode": "both", "how": "not run: this kernel has no netem qdisc "
-                             "(CONFIG_NET_SCH_NETEM is not set)"})
-                continue
-            for mode in ("baseline", "trainguard"):
-                row = run(tm, netns, tmp, mode, fault)
+            steps = SLOW_STEPS if fault == "slow link" else STEPS
+            # The frozen host's baseline under recover is the frozen host's (nothing there differs).
+            for mode in ("trainguard",) if fault == "frozen host, recover" else ("baseline", "trainguard"):
+                row = run(tm, netns, tmp, mode, fault, steps)
                 row["final_ok"] = (row["final_state_sha256"] is not None
-                                   and row["final_state_sha256"] == clean[mode]["final_state_sha256"])
+                                   and row["final_state_sha256"] == clean[(mode, steps)]["final_state_sha256"])
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "final_state_sha256"}, file=sys.stderr, flush=True)
     ours = [r for r in rows if r["mode"] == "trainguard"]
-    detected = [r["detected_s"] for r in ours if r.get("detected_s") is not None]
+    detected = [r["detected_s"] for r in ours if r.get("detected_s") is not None and r["fault"] != "slow link"]
+    named = [r for r in ours if r["fault"] == "slow link" and r["how"].startswith("named ranks [")]
     goals = [
-        common.Goal("host faults trainguard detected (of those run)", len(detected), len(ours), "faults",
-                    higher_is_better=True),
+        common.Goal("host faults trainguard detected (of those run)", len(detected),
+                    len([r for r in ours if r["fault"] != "slow link"]), "faults", higher_is_better=True),
+        *([common.Goal("slow links named by their host", len(named), 1, "links", higher_is_better=True)]
+          if "slow link" in faults else []),
         common.Goal("slowest trainguard detection of a host fault", max(detected) if detected else None, 10.0, "s"),
         common.Goal("steps lost by trainguard, all host faults", sum(r.get("lost_steps") or 0 for r in ours)
                     if all(r.get("lost_steps") is not None for r in ours) else None, 0, "steps"),
         common.Goal("trainguard runs ending bit-identical to a fault-free run", sum(bool(r.get("final_ok"))
                     for r in ours), len(ours), "runs", higher_is_better=True),
     ]
-    columns = ["fault", "mode", "how", "detected_s", "regained_s", "lost_steps", "final_ok", "exit_codes"]
+    columns = ["fault", "mode", "how", "detected_s", "regained_s", "lost_steps", "final_ok", "exit_codes",
+               "step_s_before_during"]
     common.report("multihost", [{k: v for k, v in r.items() if k != "final_state_sha256"} for r in rows], columns,
                   goals, quick=args.quick, out=args.out, extra={
                       "hosts": 3, "ranks_per_host": 1, "steps": STEPS, "baseline_save_every": SAVE_EVERY,
                       "step_sleep_s": STEP_SLEEP, "replace_frozen_after_s": REPLACE_FROZEN_AFTER_S,
-                      "strike_after_first_step_s": STRIKE_AFTER_S,
-                      "netem": netns.netem_available()})
+                      "strike_after_first_step_s": STRIKE_AFTER_S, "slow_link": {
+                          "steps": SLOW_STEPS, "after_step": SLOW_AFTER_STEP, "for_s": SLOW_FOR_S, "rate": SLOW_RATE,
+                          "qdisc": "tbf"}})
     return 0
 
 

@@ -160,3 +160,21 @@ def test_a_job_wide_slowdown_that_comes_back_is_reported_again():
         found += det.feed(step, {r: _row(step, 0.1 + wait, wait) for r in range(3)})
     assert [(f.how, f.metric) for f in found] == [("job-wide", "step")] * 2
     assert 40 <= found[0].step < 60 and found[1].step >= 150
+
+
+def test_an_agent_s_answer_or_hello_cannot_bend_the_survey():
+    """Rates for links it was not asked about, non-finite or negative ones
+    are no evidence; a hello naming a sink that is no host:port leaves that
+    agent out of the survey (and says so)."""
+    survey = LinkSurvey({"a": "a:1", "b": "b:1", "c": "c:1"})
+    survey.add("a", [("b", float("nan"), ""), ("c", -5.0, ""), ("z", 1e12, ""), ("a", 1e12, "")])
+    assert survey.rates == {} and set(survey.errors) == {("a", "b"), ("a", "c")}
+    from trainguard.core.agents import AgentTable
+    from trainguard.core.protocol import trainguard_pb2 as pb
+
+    table = AgentTable(0)
+    table.hello("good", pb.AgentHello(ranks=[0], probe="10.0.0.1:4000"))
+    table.hello("v6", pb.AgentHello(ranks=[1], probe="[fd00::1]:4000"))
+    table.hello("bad", pb.AgentHello(ranks=[2], probe="10.0.0.3:4000/../x"))
+    table.hello("none", pb.AgentHello(ranks=[3]))
+    assert table.sinks() == {"good": "10.0.0.1:4000", "v6": "[fd00::1]:4000"}

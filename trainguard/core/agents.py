@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from .decide import Agents
+from .links import sink_address
 from .protocol import trainguard_pb2 as pb
 
 __all__ = ["AgentTable"]
@@ -44,7 +45,11 @@ class AgentTable:
         self.vacated: list[str] = []
 
     def hello(self, node: str, hello: pb.AgentHello) -> None:
-        self._agents[node] = _Agent(node, set(hello.ranks), hello.spare, probe=hello.probe)
+        probe = sink_address(hello.probe)
+        if hello.probe and not probe:
+            log.warning("node agent %s: its link-probe sink %r is no host:port; its links are not surveyed",
+                        node, hello.probe[:80])
+        self._agents[node] = _Agent(node, set(hello.ranks), hello.spare, probe=probe)
         log.info("node agent %s runs ranks %s (%d spare)", node, sorted(hello.ranks)[:16], hello.spare)
 
     def lost(self, node: str, *, done: set[int] | frozenset[int] = frozenset()) -> None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
+import re
 import socket
 import statistics
 import struct
@@ -49,6 +51,14 @@ _HEADER = struct.Struct("!8s32sQ")
 _TIMEOUT_S = 30.0
 _MAX_CONNECTIONS = 8
 _CHUNK = 1 << 16
+
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5}$")
+
+
+def sink_address(text: str) -> str:
+    """``text`` when it is a plain ``host:port`` (an agent's hello names its sink), else ""."""
+    return text if len(text) <= 300 and _ADDRESS.match(text) else ""
 
 
 def probe_key(secret: str) -> bytes:
@@ -186,8 +196,10 @@ class LinkSurvey:
     def add(self, node: str, rates: list[tuple[str, float, str]]) -> None:
         """``node``'s answer: (peer, bytes/s, error) per peer probed."""
         for peer, bps, error in rates:
-            if error:
-                self.errors[(node, peer)] = error
+            if peer not in self.sinks or peer == node:
+                continue  # not asked of it: an answer cannot add links
+            if error or not math.isfinite(bps) or bps < 0:
+                self.errors[(node, peer)] = error[:200] or f"not a rate: {bps}"
             else:
                 self.rates[(node, peer)] = bps
         self.answered.add(node)
