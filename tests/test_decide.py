@@ -226,3 +226,25 @@ def test_elastic_training_refuses_sharded_state():
                           layout=sharded)
     assert plan.strategy is not Strategy.ELASTIC_TRAINING
     assert "hold part of the state (sharded)" in reason
+
+
+def test_a_dump_saves_the_step_every_live_rank_has_when_one_is_a_step_behind():
+    """A fault cut an all-reduce that finished on some ranks only: rank 1
+    committed step 6, rank 0 is still at 5 (it never began step 6's update,
+    so it has no random streams or data position of step 6). The dump saves
+    step 5: rank 0 holds it committed, rank 1 its node's record of it (CI
+    saw the dump of step 6 fail on rank 0 and the job exit with nothing)."""
+    state = ranks(5, overrides={1: {"step": 6}, 2: {"alive": False}, 3: {"alive": False}})
+    plan, reason = decide(state, [lost(2), lost(3)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.DUMP and plan.step == 5
+    assert plan.savers == {0: 0} and plan.participants == (0, 1)
+    assert "dump at step 5" in reason
+
+
+def test_a_dump_keeps_the_locked_step_when_the_rank_behind_is_not_consistent():
+    """A rank behind that is inside its update (UPDATING) has no consistent
+    step at all: the locked step is saved by the ranks at it, as before."""
+    state = ranks(5, overrides={0: {"data": DataStatus.UPDATING}, 1: {"step": 6}, 2: {"step": 6},
+                                3: {"alive": False}})
+    plan, _ = decide(state, [lost(3)], CONFIG, 0.0, layout=FULL)
+    assert plan.strategy is Strategy.DUMP and plan.step == 6 and plan.savers == {0: 1}

@@ -255,6 +255,12 @@ def strike_after_start(job: HostJob, after_s: float = 2.0) -> int:
     return victim_of(job)
 
 
+# A dump saves the newest step every surviving rank has: 1 step is done
+# again when the host went away in the middle of an all-reduce that some
+# survivors finished and others did not (decide.py: _dump_step).
+_DUMP_LOST = (0, 1)
+
+
 def test_a_lost_host_s_ranks_resume_on_a_spare_slot_of_another_host_bit_identical(hosts, tmp_path, reference):
     """Every process of one host SIGKILLed (agent and worker: the host is
     gone). With ``recover`` and a spare slot on each host, another host's
@@ -303,8 +309,8 @@ def test_a_frozen_host_is_detected_and_the_job_stops_after_a_dying_gasp_checkpoi
     assert [c for i, c in enumerate(job.codes) if i != victim] == [75, 75], job.all_logs()
     assert "relaunch the same command to resume" in job.log(0)
     (rec,) = dump_records(job)
-    assert (rec["fault"], rec["rank"], rec["strategy"], rec["lost_steps"]) == (
-        "hang", victim_rank(job, victim), "dump", 0), rec
+    assert (rec["fault"], rec["rank"], rec["strategy"]) == ("hang", victim_rank(job, victim), "dump"), rec
+    assert rec["lost_steps"] in _DUMP_LOST, rec
     assert checkpoints(job) == [rec["step"]] and rec["step"] > 0
     verify(job)
     assert sorted(job.events["still_stopped"]) == sorted(job.events["frozen_pids"])
@@ -370,8 +376,8 @@ def test_a_host_cut_off_for_10_s_is_detected_and_the_job_resumes_bit_identical(h
     out = record(job, checkpoints=checkpoints(job))
     assert job.codes == [0, 0, 0], job.all_logs()
     (rec,) = job.report["recoveries"]
-    assert (rec["fault"], rec["rank"], rec["strategy"], rec["lost_steps"]) == (
-        "hang", victim_rank(job, victim), "dump", 0), rec
+    assert (rec["fault"], rec["rank"], rec["strategy"]) == ("hang", victim_rank(job, victim), "dump"), rec
+    assert rec["lost_steps"] in _DUMP_LOST, rec
     assert rec["detected_at"] < job.events["link_up"]  # found while the host was cut off
     assert checkpoints(job) == [rec["step"]]
     assert all(len(p) == 2 for p in job.report["pids"].values())  # torch restarted the group once

@@ -155,3 +155,23 @@ def test_a_load_puts_only_model_and_optimizer_tensors_on_the_device(tmp_path):
     assert on_device(".state.optimizer.state.0.exp_avg") and on_device(".state.shards[0].w")
     assert not on_device(".state.rng.1.torch") and not on_device(".state.host.data.model")
     assert not on_device(".state.rank.rng_state[0].cuda_rng_state") and not on_device(".state.modelx")
+
+
+def test_a_rank_a_step_ahead_saves_its_own_part_of_the_dumped_step_from_its_node_s_record():
+    """A dump of the step before this rank's (another rank was a step
+    behind): its own part comes from its node's record of that step; with
+    no record the save fails and names why (the job falls back)."""
+    from types import SimpleNamespace
+
+    from trainguard.adapters.torch.handlers import TorchHandlers
+
+    written = []
+    records = {(1, 6): b"rank 1 at step 6"}
+    guard = SimpleNamespace(
+        rank=1, store=object(), state=SimpleNamespace(snapshot_step=7, committed_own=lambda: {"rng": {}}),
+        recorded_own=lambda rank, step: records.get((rank, step)),
+        write_own=lambda step, rank, data: written.append((step, rank, data)) or f"own-{rank}")
+    assert TorchHandlers(guard).save_own(6, []) == ["own-1"]
+    assert written == [(6, 1, b"rank 1 at step 6")]
+    with pytest.raises(CheckpointError, match="committed step 7, not 5, and its node holds no record of step 5"):
+        TorchHandlers(guard).save_own(5, [])

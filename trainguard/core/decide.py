@@ -145,17 +145,35 @@ def plan_retry(view: JobView) -> Plan | str:
     return Plan(strategy=Strategy.RETRY, step=view.lock, participants=view.live, transfers=transfers)
 
 
+def _dump_step(view: JobView) -> tuple[int, frozenset[int]]:
+    """The step a dump saves, and the ranks that can save its shards.
+
+    Every live rank writes its own part (random streams, data position) of
+    that step. A rank stopped one step behind the locked one (a fault cut
+    an all-reduce that finished on some ranks only) has no own part of the
+    locked step, so the step before is saved instead: the ranks behind hold
+    it committed, the ranks ahead as their node's record of it. (A rank
+    ahead without that record fails its save, and the job falls back, as a
+    dump at the locked step would have.)"""
+    live = [view.ranks[r] for r in view.live]
+    behind = [s for s in live if s.step < view.lock]
+    if behind and all(s.stopped and s.data is DataStatus.UPDATED and s.step == view.lock - 1 for s in behind):
+        return view.lock - 1, _usable(view.ranks, view.bad, view.lock - 1)
+    return view.lock, view.usable
+
+
 def plan_dump(view: JobView) -> Plan | str:
     why = _corrupted(view) or _nothing_to_recover(view, "save")
     if why:
         return why
-    savers, missing = choose_savers(view.layout, view.usable)
+    step, usable = _dump_step(view)
+    savers, missing = choose_savers(view.layout, usable)
     if missing:
         return (f"no consistent copy of shard {list(missing[0].copies)} (state kind {missing[0].kind}) "
-                f"at step {view.lock}")
+                f"at step {step}")
     return Plan(
         strategy=Strategy.DUMP,
-        step=view.lock,
+        step=step,
         participants=view.live,
         savers=savers,
         finaliser=min(savers.values()),

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 from .protocol import trainguard_pb2 as pb
 
-__all__ = ["LinkSink", "LinkSurvey", "Surveyor", "measure", "probe_peers", "PROBE_BYTES", "MAX_BYTES"]
+__all__ = ["LinkSink", "LinkSurvey", "Surveyor", "answer_probe", "measure", "probe_peers", "PROBE_BYTES",
+           "MAX_BYTES"]
 
 log = logging.getLogger("trainguard.links")
 
@@ -247,6 +248,13 @@ def probe_peers(nodes: list[str], addrs: list[str], secret: str, nbytes: int) ->
         except (OSError, ValueError) as e:
             out.append((node, 0.0, f"{type(e).__name__}: {e}"[:200]))
     return out
+
+
+def answer_probe(order: pb.AgentOrder, secret: str) -> pb.AgentEvent:
+    """A node agent's answer to a survey order (``order.probe``): each link measured in turn."""
+    rates = probe_peers(list(order.probe.nodes), list(order.probe.addrs), secret, order.probe.bytes)
+    return pb.AgentEvent(order=order.id, ok=True, rates=[pb.LinkRate(node=n, bytes_per_s=bps, error=err)
+                                                         for n, bps, err in rates])
 
 
 class Surveyor:

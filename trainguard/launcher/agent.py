@@ -1,7 +1,6 @@
 """torchrun's local elastic agent, with a controller and a dying gasp.
 
-:class:`TrainguardAgent` subclasses torch's ``LocalElasticAgent`` and changes
-two things:
+:class:`TrainguardAgent` subclasses torch's ``LocalElasticAgent``:
 
 * after each rendezvous, the agent of node 0 starts the job's controller
   and publishes its address in the rendezvous store (never the job secret:
@@ -24,9 +23,9 @@ two things:
   tells its workers where the next node's is;
 * it takes the controller's orders (:mod:`.restart`): start a new process
   for one rank while the others keep running (recover-in-place for its own
-  ranks, recover for another node's), kill one, or lower the restart budget.
-  Every process restart counts against ``--max-restarts``, as torch's
-  restarts of the whole group do.
+  ranks, recover for another node's), kill one, lower the restart budget, or
+  probe its links to other nodes (:mod:`trainguard.core.links`). Every
+  restart counts against ``--max-restarts``, as torch's restarts do.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.client import ControllerClient
-from trainguard.core.links import LinkSink, probe_peers
+from trainguard.core.links import LinkSink, answer_probe
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.secret import TLS
@@ -174,39 +173,40 @@ class TrainguardAgent(LocalElasticAgent):
         if nodes < 2:
             os.environ.pop("TRAINGUARD_SNAPSHOT_PEER", None)
             return
-        loopback = self._config.host in ("127.0.0.1", "localhost", "::1")
+        bind, here = self._addresses(worker_group)
         if self.peer_server is None:
-            self.peer_server = PeerServer(self.snapshot_dir, token, "127.0.0.1" if loopback else "0.0.0.0")
+            self.peer_server = PeerServer(self.snapshot_dir, token, bind)
             self.peer_server.start()
         self.peer_server.token = token
         port = self.peer_server.address.rsplit(":", 1)[1]
         # Keyed by this round's id, so a value left by a node of an earlier
         # round (one that was lost) is never read.
         key = f"trainguard/peer/{store.get(_ROUND_KEY).decode()}"
-        # torchrun's --local-addr, when given, is the address the others reach this host at.
-        here = "127.0.0.1" if loopback else (worker_group.spec.local_addr or socket.getfqdn())
         store.set(f"{key}/{me}", f"{here}:{port}")
         os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"{key}/{(me + 1) % nodes}").decode()
 
     def _link_sink(self, worker_group: WorkerGroup) -> str:
-        """With several nodes, this node's end of the controller's link
-        surveys (:mod:`trainguard.core.links`); its address, or ""."""
+        """With several nodes, this node's link-probe sink (:mod:`trainguard.core.links`): its address, or ""."""
         if worker_group.group_world_size < 2:
             return ""
-        loopback = self._config.host in ("127.0.0.1", "localhost", "::1")
+        bind, here = self._addresses(worker_group)
         if self.link_sink is None:
-            self.link_sink = LinkSink("127.0.0.1" if loopback else "0.0.0.0", self._secret)
+            self.link_sink = LinkSink(bind, self._secret)
             self._sink_port = self.link_sink.start().rsplit(":", 1)[1]
-        here = "127.0.0.1" if loopback else (worker_group.spec.local_addr or socket.getfqdn())
         return f"{here}:{self._sink_port}"
+
+    def _addresses(self, worker_group: WorkerGroup) -> tuple[str, str]:
+        """Where this node's servers listen, and the address the others
+        reach this host at (torchrun's --local-addr, when given)."""
+        if self._config.host in ("127.0.0.1", "localhost", "::1"):
+            return "127.0.0.1", "127.0.0.1"
+        return "0.0.0.0", worker_group.spec.local_addr or socket.getfqdn()
 
     def _probe_links(self, order: pb.AgentOrder) -> None:
         """A link survey's order, on a thread of its own: measure, answer."""
-        rates = probe_peers(list(order.probe.nodes), list(order.probe.addrs), self._secret, order.probe.bytes)
-        relay = self.relay
+        event, relay = answer_probe(order, self._secret), self.relay
         if relay is not None:
-            relay.report(pb.AgentEvent(order=order.id, ok=True, rates=[
-                pb.LinkRate(node=n, bytes_per_s=bps, error=err) for n, bps, err in rates]))
+            relay.report(event)
 
     def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:
         """Give each round's workers a store of their own.
@@ -342,17 +342,25 @@ class TrainguardAgent(LocalElasticAgent):
         """torch's wait for every node's agent at the end. A node agent the
         controller saw go away, or whose ranks all run elsewhere now (its
         host was lost, frozen or cut off and ``recover`` moved them), may
-        never arrive: wait briefly instead of 5 minutes."""
+        never arrive: wait briefly instead of 5 minutes, and say so in one
+        line instead of torch's traceback (the fault's WARNING told the story)."""
         try:
-            view = self.controller.snapshot() if self.controller is not None else self._client.status()
-            gone = view.get("agents_gone", [])
+            gone = (self.controller.snapshot() if self.controller is not None else self._client.status()
+                    ).get("agents_gone", [])
         except Exception:  # noqa: BLE001 - no controller to ask: keep torch's wait
             gone = []
-        if gone:
-            log.warning("node agents %s are gone; waiting at most %d s for the others at exit",
-                        gone[:8], EXIT_BARRIER_AFTER_LOSS_S)
-            self._exit_barrier_timeout = min(self._exit_barrier_timeout, EXIT_BARRIER_AFTER_LOSS_S)
-        super()._exit_barrier()
+        if not gone:
+            return super()._exit_barrier()
+        self._exit_barrier_timeout = min(self._exit_barrier_timeout, EXIT_BARRIER_AFTER_LOSS_S)
+        torch_log, start = logging.getLogger(LocalElasticAgent._exit_barrier.__module__), time.monotonic()
+        level = torch_log.level
+        torch_log.setLevel(logging.CRITICAL)
+        try:
+            super()._exit_barrier()
+        finally:
+            torch_log.setLevel(level)
+        if time.monotonic() - start >= self._exit_barrier_timeout - 0.5:
+            log.info("node agents %s are gone: the end-of-job barrier gave up on them", gone[:8])
 
     def _wants_standby(self) -> bool:
         restarts = {Strategy.RECOVER_IN_PLACE, Strategy.RECOVER} & set(self._config.strategies)

@@ -117,9 +117,14 @@ class TorchHandlers(Handlers):
         g = self.guard
         if g.store is None:
             raise CheckpointError("no checkpoint_dir was given to the Guard, so there is nowhere to save")
-        if g.state.snapshot_step != step:
-            raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}")
-        files = [g.write_own(step, g.rank, pack(g.state.committed_own()))]
+        if g.state.snapshot_step == step:
+            mine = pack(g.state.committed_own())
+        else:  # a step behind the others' (a dump of the step before): its node's record of that step
+            mine = g.recorded_own(g.rank, step)
+            if mine is None:
+                raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}, and "
+                                      f"its node holds no record of step {step}")
+        files = [g.write_own(step, g.rank, mine)]
         for rank in carry:
             recorded = g.recorded_own(rank, step)
             what = f"rank {rank}'s record of step {step} on this node"
