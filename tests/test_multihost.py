@@ -287,6 +287,7 @@ def test_a_lost_host_s_ranks_resume_on_a_spare_slot_of_another_host_bit_identica
     assert out["recoveries"][0]["strategy"] == "recover"
 
 
+@pytest.mark.slow  # CI: the frozen host under recover, and the 10 s partition's dump
 def test_a_frozen_host_is_detected_and_the_job_stops_after_a_dying_gasp_checkpoint(hosts, tmp_path):
     """Every process of one host SIGSTOPped (agent and worker: nobody on it
     can act, and its connections stay open). The controller misses its
