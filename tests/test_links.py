@@ -178,3 +178,18 @@ def test_an_agent_s_answer_or_hello_cannot_bend_the_survey():
     table.hello("bad", pb.AgentHello(ranks=[2], probe="10.0.0.3:4000/../x"))
     table.hello("none", pb.AgentHello(ranks=[3]))
     assert table.sinks() == {"good": "10.0.0.1:4000", "v6": "[fd00::1]:4000"}
+
+
+def test_a_slowdown_of_compute_does_not_hide_one_of_communication_that_follows():
+    """CI saw a job-wide slowdown of compute (a busy machine) just before
+    the link slowed: one shared "going on" flag then kept the communication
+    slowdown from being reported, and no link survey ran."""
+    c = DetectorConfig(warmup_steps=2, baseline_steps=10, consecutive=3)
+    det = Detector([0, 1, 2], c)
+    found = []
+    for step in range(120):
+        busy = 0.035 if step >= 40 else 0.0  # compute 35% slower for good (a busy machine; steps 29%) ...
+        wait = 0.5 if step >= 60 else 0.02  # ... then communication much slower
+        found += det.feed(step, {r: _row(step, 0.1 + busy + wait, wait) for r in range(3)})
+    assert [(f.how, f.metric) for f in found] == [("job-wide", "compute"), ("job-wide", "step")]
+    assert 40 <= found[0].step < 60 <= found[1].step

@@ -418,6 +418,7 @@ def test_a_host_cut_off_for_good_leaves_a_dying_gasp_checkpoint_the_job_resumes_
 ALL_ON = '{"CommunicationOperator":"on","Step":"on","SaveCheckpoint":"on","FP":"on","DataLoader":"on"}'
 
 
+@pytest.mark.slow  # CI: tests/test_links.py (the survey, the detection that starts it) and bench/multihost.py
 def test_a_slow_link_is_named_by_its_host_and_the_job_goes_on(hosts, tmp_path):
     """One host's link limited to 2 Mbit/s (both ways) once the job runs,
     with every profiling marker on. Every rank's step slows alike (they all

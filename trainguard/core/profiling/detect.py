@@ -145,8 +145,12 @@ class Detector:
         self.steps_seen = 0
         self.communication = False
         self._tracks = {r: _RankTrack(config.long_window) for r in self.ranks}
-        self._job_wide_at: int | None = None  # the job-wide slowdown going on, by its first step
-        self._job_wide_clear = 0  # steps since it last held: after long_window of them, a new one counts
+        # Per series (compute, step): the job-wide slowdown going on, by its
+        # first step, and the steps since it last held (after long_window of
+        # them, a new one is news). Apart, so that a slowdown of compute does
+        # not hide one of communication that follows.
+        self._job_wide_at: dict[str, int] = {}
+        self._job_wide_clear: dict[str, int] = {}
 
     def feed(self, step: int, rows: dict[int, StepRow]) -> list[Finding]:
         """One step's rows (rank -> row; ranks missing from it are skipped
@@ -232,22 +236,25 @@ class Detector:
         # With Communication on, the steps' own series too: a slow link
         # leaves every rank's compute as it was and lengthens its waits.
         waiting = [r for r, row in rows.items() if self._tracks[r].series["step"].exceeds(row.step_s, c)] if comm else []
-        out = []
-        if self._job_wide_at is not None and not any(len(r) * 2 > len(self.ranks) for r in (exceeding, waiting)):
-            self._job_wide_clear += 1
-            if self._job_wide_clear >= c.long_window:  # over: the next one is news again
-                self._job_wide_at, self._job_wide_clear = None, 0
-        for series, ranks in ((metric, exceeding), ("step", waiting)):
-            if len(ranks) * 2 > len(self.ranks):
-                self._job_wide_clear = 0
-                if self._job_wide_at is None:
-                    self._job_wide_at = step
-                    out.append(Finding(None, "job-wide", series, step, 0.0, (
-                        f"{len(ranks)} of {len(self.ranks)} ranks exceed their {series} baseline together: a "
-                        f"job-wide slowdown, not one slow rank" + (
-                            "; their compute did not slow: communication did (a slow link?)"
-                            if series == "step" and comm else ""))))
-                return out
+        out, job_wide = [], False
+        compute_too = len(exceeding) * 2 > len(self.ranks)
+        for series, ranks in [(metric, exceeding)] + ([("step", waiting)] if comm else []):
+            if len(ranks) * 2 <= len(self.ranks):
+                if series in self._job_wide_at:
+                    self._job_wide_clear[series] = self._job_wide_clear.get(series, 0) + 1
+                    if self._job_wide_clear[series] >= c.long_window:  # over: the next one is news again
+                        del self._job_wide_at[series]
+                continue
+            job_wide, self._job_wide_clear[series] = True, 0
+            if series not in self._job_wide_at:
+                self._job_wide_at[series] = step
+                out.append(Finding(None, "job-wide", series, step, 0.0, (
+                    f"{len(ranks)} of {len(self.ranks)} ranks exceed their {series} baseline together: a "
+                    f"job-wide slowdown, not one slow rank" + (
+                        "; their compute did not slow: communication did (a slow link?)"
+                        if series == "step" and comm and not compute_too else ""))))
+        if job_wide:
+            return out
         for r in exceeding:
             t = self._tracks[r]
             # A rank's own history alone cannot tell a slow node from a busy
