@@ -128,7 +128,7 @@ def test_ddp_keeps_its_initial_bucket_layout_when_summation_order_matters(world)
     # order. (This world has one rank: pretend it has three.)
     model, opt = make()
     guard = Guard(model, opt)
-    guard.world_size = 3
+    guard.comm.world_size = 3
     train(guard, model, 4)
     assert model._get_ddp_logging_data().get("has_rebuilt_buckets", 0) == 0
     guard.close()

@@ -3,7 +3,7 @@ stops them all, and the controller never lets a job that has not started go
 on with fewer ranks (issue: a rank whose data position failed to load left
 its peer training alone into a "complete" one-file checkpoint).
 
-Units here: :func:`trainguard.core.resume.resume` with ranks as threads, the
+Units here: :func:`trainguard.core.rank.resume.resume` with ranks as threads, the
 decision for a job some rank never joined, the controller driven by hand.
 The real processes are in ``test_fault_matrix.py``."""
 
@@ -20,7 +20,7 @@ from trainguard.core.controller import ControllerCore
 from trainguard.core.processor import _pb_group
 from trainguard.core import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
-from trainguard.core.resume import resume
+from trainguard.core.rank.resume import resume
 
 
 @dataclass

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from trainguard.core import CheckpointError, CheckpointStore
 from trainguard.core.checkpoint import MEGATRON, FileInfo, SavedShard, Verified
-from trainguard.core.resume import resume
+from trainguard.core.rank.resume import resume
 
 from .kinds import DENSE, EXPERT, shard_of, shard_state, sharded_kinds
 from .layout import FILE, ParallelRank, parallel_rank
@@ -162,7 +162,7 @@ def save(store: CheckpointStore, step: int, model: Any, optimizer: Any, schedule
 def load(store: CheckpointStore, model: Any, optimizer: Any, scheduler: Any, *,
          device: torch.device | str = "cpu") -> tuple[int, dict]:
     """Load the newest complete checkpoint every rank can load into the
-    objects (a collective, :func:`trainguard.core.resume.resume`: one whose
+    objects (a collective, :func:`trainguard.core.rank.resume.resume`: one whose
     file of some rank does not load gives way to an older one). Returns
     ``(iteration, history)``, ``(0, {})`` when there is none.
 

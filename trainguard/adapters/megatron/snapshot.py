@@ -36,7 +36,7 @@ import torch.distributed as dist
 from trainguard.adapters.torch.snapshot import Snapshots, destinations, filled, read_payload_into
 from trainguard.core import CheckpointError, CheckpointStore
 from trainguard.core.checkpoint import FileInfo
-from trainguard.core.resume import resume
+from trainguard.core.rank.resume import resume
 from trainguard.core.snapshot import SnapshotDir
 from trainguard.core.snapshot.ring import load_verified
 

@@ -28,9 +28,9 @@ import numpy as np
 
 from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import Verified
-from trainguard.core.history import JobHistory
+from trainguard.core.rank.history import JobHistory
 from trainguard.core.snapshot import Entry, SnapshotDir, SnapshotRing, payload_header
-from trainguard.core.resume import resume
+from trainguard.core.rank.resume import resume
 from trainguard.core.snapshot.ring import FORMAT, check_settings, directory_for, load_verified
 from trainguard.core.snapshot.shared import Sharing, with_holders
 
@@ -162,7 +162,7 @@ class Checkpoints(JobHistory):
         unless memory holds it already)."""
         index = self.snapshots.holding(step) if self.sharing.whole(step) else None
         if index is None:
-            index = self.take_snapshot(step, wait_s=_save_timeout_s(), whole=True)
+            index = self.take_snapshot(step, wait_s=self.save_timeout_s, whole=True)
         else:
             self.snapshots.reused.append(step)
             log.info("rank %d: the save of step %d reuses its snapshot in memory", self.rank, step)
@@ -187,11 +187,11 @@ class Checkpoints(JobHistory):
             step, saver = self._step, self.rank == min(copies)
             index = self.snapshots.holding(step) if not saver or self.sharing.whole(step) else None
             if index is None:
-                index = self.take_snapshot(step, wait_s=_save_timeout_s(), whole=saver)
+                index = self.take_snapshot(step, wait_s=self.save_timeout_s, whole=saver)
             if saver:
                 name = _snapshot_name(self, step)
                 self.snapshots.persist(index, step, root=str(self.store.root), name=name, finalize={
-                    "expected": [name], "timeout_s": _save_timeout_s(), "keep": self.store.keep,
+                    "expected": [name], "timeout_s": self.save_timeout_s, "keep": self.store.keep,
                     "layout": {"world_size": self.world_size, "shards": [
                         {"kind": 0, "copies": list(copies), "full": len(copies) == self.world_size,
                          "saved_by": self.rank, "files": [name]}]},
@@ -266,10 +266,6 @@ class Checkpoints(JobHistory):
 
 def _snapshot_name(guard, step: int) -> str:
     return shard_name(guard.rank, step, guard.steps_per_epoch).removesuffix(".ckpt") + ".safetensors"
-
-
-def _save_timeout_s() -> float:
-    return float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800"))
 
 
 def _gather_lists(guard, values: list[int], width: int = 64) -> list[list[int]]:

@@ -17,8 +17,7 @@ from typing import Sequence
 import numpy as np
 from mindspore import Tensor, ops
 
-from trainguard.core import ControllerLostError, DataStatus, recover, report_left_step
-from trainguard.core import logs
+from trainguard.core import DataStatus, report_left_step
 
 from . import context
 
@@ -133,12 +132,7 @@ class Collectives:
                 self._drain()
             except CommunicationBroken as e:
                 log.error("rank %d could not release its peers: %s", self.rank, e)
-        try:
-            outcome = recover(self.processor, self._handlers, injector=self.injector)
-        except ControllerLostError as lost:
-            raise error from lost
-        if not outcome.resume:
-            self._leave(outcome)
+        self._recover(error)
 
     def _update_ran(self) -> bool:
         """Whether the update's last kernel ran (see :meth:`update`); asked
@@ -147,8 +141,3 @@ class Collectives:
             return int(self._update_mark.asnumpy()[0]) == self._step + 1
         except Exception:  # the runtime cannot say: assume the worst
             return True
-
-    def _leave(self, outcome) -> None:
-        log.info("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
-        self.close(finished=False)
-        logs.exit_now(outcome.exit_code)  # MindSpore's communicator may hold a peer's half collective

@@ -44,8 +44,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from contextlib import nullcontext
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import mindspore as ms
 import numpy as np
@@ -56,16 +55,14 @@ from trainguard.core import (
     CheckpointStore,
     Classifier,
     ConfigError,
-    DataStatus,
     FaultInjector,
     ForceStop,
     Processor,
-    ProcessorConfig,
     ReplicaGroup,
 )
 from trainguard.core import logs
 from trainguard.core.compile_cache import resolve_root
-from trainguard.core.history import Protected
+from trainguard.core.rank import RankRuntime
 from trainguard.core.preflight import check_checkpoint_dir
 from trainguard.core.rehearsal import Rehearsal
 from trainguard.core.profiling import recorder_from_env
@@ -83,7 +80,7 @@ __all__ = ["Guard"]
 
 log = logging.getLogger("trainguard.mindspore")
 
-class Guard(Collectives, Checkpoints):
+class Guard(Collectives, Checkpoints, RankRuntime):
     """Fault tolerance for one MindSpore training loop.
 
     Args:
@@ -230,60 +227,13 @@ class Guard(Collectives, Checkpoints):
                 lambda cell, inputs: self.injector.strike("forward", self._step)))
         self.optimizer.guard = self
 
-    # --------------------------------------------------------------- setup
-    def _connect(self) -> Processor:
-        config = ProcessorConfig.from_env(rank=self.rank, world_size=self.world_size)
-        if config is None:
-            if self.rank == 0:
-                log.warning("no trainguard controller in this job (TRAINGUARD_CONTROLLER unset): checkpoints "
-                            "work, but faults will not be recovered; launch with msrun after "
-                            "`adapters-patch msrun`, or `trainguard run --framework mindspore`")
-            processor = Processor(None, rank=self.rank)
-            processor.step = self._step
-            return processor
-        processor = Processor(config)
-        processor.connect(step=self._step, replicas=self.groups, device=ms.get_context("device_target").lower(),
-                          device_repairable=True)
-        return processor
+    stops_at_step_boundary = False  # a stop is voted on inside the next update: every replica leaves one step
+    launch_hint = "launch with msrun after `adapters-patch msrun`, or `trainguard run --framework mindspore`"
 
-    def section(self, name: str):
-        """Mark a stretch that may take much longer than a step (evaluation,
-        a save of your own) so the hang watchdog does not count it; see the
-        torch Guard's ``section``."""
-        return self.processor.watchdog.section(name)
+    def _connect_details(self) -> dict:
+        return {"device": ms.get_context("device_target").lower(), "device_repairable": True}
 
     # ----------------------------------------------------------- the loop
-    @property
-    def step(self) -> int:
-        """Completed steps."""
-        return self._step
-
-    def steps(self, total: int) -> Iterator[int]:
-        """Yield the number of completed steps until ``total`` are done.
-
-        There is no stop at the step boundary: a stop requested by the
-        controller is voted on inside the next update, so every replica
-        leaves the same step."""
-        while self._step < total:
-            self._entered = False
-            if self._markers is not None:
-                self._markers.iteration_start()
-            yield self._step
-            if not self._entered:
-                raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
-
-    def protect(self) -> Protected:
-        """Context manager around one step's body; see the module docstring."""
-        return Protected(self)
-
-    def loader(self, iterable: Iterable) -> Iterator:
-        """Iterate ``iterable`` timing each fetch as the DataLoader marker (see the torch Guard)."""
-        return self._markers.loader(iterable) if self._markers is not None else iter(iterable)
-
-    def loading(self):
-        """Time a batch fetch that is a function of the step (see the torch Guard)."""
-        return self._markers.loading() if self._markers is not None else nullcontext()
-
     def _begin(self) -> None:
         self._entered = True
         self._updated = self._skipped = False
@@ -373,49 +323,19 @@ class Guard(Collectives, Checkpoints):
         self.state.commit(self._step)
         if self.rehearsal is not None:  # MindSpore's replicas share their streams: the model tells all
             self.rehearsal.step(self._step, {"model": self.state.sha256()})
-        self.compile_cache.after_step()
-        self.injector.after_step(self._step, time.perf_counter() - self._step_started)
-        if self.save_every and self._step % self.save_every == 0:
-            with self._markers.save() if self._markers is not None else nullcontext():
-                self.save()
-        elif self.snapshot_every and self._step % self.snapshot_every == 0:
-            self.take_snapshot(self._step)
-        if self._markers is not None:
-            self._markers.step_end()
+        self._after_commit()
 
-    def rolled_back(self, step: int) -> None:
-        self._step = step
+    def _reset_step(self) -> None:
         self._updated = self._skipped = False
         self._phase = _COMPUTE
-        self.processor.step = step
-        if self.processor.data is not DataStatus.UPDATED:
-            self.processor.end_update(step)
-        self.state.commit(step)
 
-    # ------------------------------------------------------------- report
-    def report(self) -> dict:
-        """Steps, lost steps, PIDs per rank, recoveries and a hash of the state."""
-        return {"steps_completed": self._step, **self.history_report(), "final_state_sha256": self.state.sha256(),
-                **self.snapshot_report(), **({"profiling": self.recorder.report()} if self.recorder else {}),
-                "compile_cache": self.compile_cache.report()}
+    def _state_sha256(self) -> str:
+        return self.state.sha256()
 
-    def close(self, *, finished: bool = True) -> None:
-        """Say goodbye to the controller and detach from the optimizer."""
-        if self.rehearsal is not None:
-            if finished:
-                self.rehearsal.final({**self.report(), "data_given": False})
-            self.rehearsal.close()
-            self.rehearsal = None
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+    def _detach(self) -> None:
         if self._graph:
             self.optimizer.set_health(True)  # the vote stays compiled in: without a Guard every step updates
         self.optimizer.guard = None
-        if self._markers is not None:
-            self._markers.close()
-            self._markers = None
-        self.processor.watchdog.disarm()  # waiting for the last persists is not a hung step
-        self.close_snapshots(wait_s=float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800")) if finished else 0.0)
-        self.processor.close(finished=finished)
-        self.compile_cache.close()
+
+    def _exit(self, code: int) -> None:
+        logs.exit_now(code)  # MindSpore's communicator may hold a peer's half collective

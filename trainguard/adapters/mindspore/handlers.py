@@ -24,22 +24,19 @@ import logging
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from trainguard.core import CheckpointError, ConfigError, RecoveryError, Transfer
+from trainguard.core import CheckpointError, ConfigError, Processor, RecoveryError, Transfer
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified
 from trainguard.core.recovery import Handlers
 
 from .state import ModelState
 
-if TYPE_CHECKING:
-    from .guard import Guard
-
-__all__ = ["MindSporeHandlers", "load_checkpoint", "shard_name"]
+__all__ = ["MindSporeHandlers", "MindSporeRank", "load_checkpoint", "shard_name"]
 
 log = logging.getLogger("trainguard.mindspore")
 SHM = "/dev/shm"
@@ -59,10 +56,38 @@ def shard_name(rank: int, step: int, steps_per_epoch: int) -> str:
     return f"rank_{rank}/ttp_rank_{rank}-{epoch}_{in_epoch}.ckpt"
 
 
+class MindSporeRank(Protocol):
+    """What the handlers take from the MindSpore :class:`~.guard.Guard`."""
+
+    rank: int
+    world_size: int
+    state: ModelState
+    processor: Processor
+    store: Any  # a CheckpointStore, or None
+    snapshots: Any  # its ParamSnapshots, or None
+    save_fn: Callable[[int], None] | None
+    steps_per_epoch: int
+    pids: dict[int, int]
+    hosts: dict[int, int]  # rank -> its machine
+    comm_broken: str  # why this process must not run collectives any more
+
+    def _collective(self, fn: Callable[[], Any], op: str = "collective") -> Any: ...
+
+    def barrier(self) -> None: ...
+
+    def write_snapshot_file(self, step: int) -> FileInfo: ...
+
+    def merged_history(self, controller: dict) -> dict: ...
+
+    def record_resume(self, record: dict, pids: dict | None) -> None: ...
+
+    def rolled_back(self, step: int) -> None: ...
+
+
 class MindSporeHandlers(Handlers):
     """Recovery commands carried out on one :class:`~.guard.Guard`'s objects."""
 
-    def __init__(self, guard: "Guard") -> None:
+    def __init__(self, guard: MindSporeRank) -> None:
         self.guard = guard
         self.shm = _shm_repair()
         self._repaired = False
@@ -164,7 +189,7 @@ class MindSporeHandlers(Handlers):
         self.guard.record_resume(record, pids)
 
 
-def shm_copy(guard: "Guard", state: ModelState, root: int, receivers: Sequence[int],
+def shm_copy(guard: MindSporeRank, state: ModelState, root: int, receivers: Sequence[int],
              step: int) -> dict[str, np.ndarray] | None:
     """``root``'s state for the ``receivers``, on the same machine, through
     a file in shared memory; every rank takes part in the two barriers.
@@ -240,7 +265,7 @@ def _remove_stale(directory: Path) -> None:
             continue
 
 
-def broadcast_state(guard: "Guard", state: ModelState, root: int) -> dict[str, np.ndarray]:
+def broadcast_state(guard: MindSporeRank, state: ModelState, root: int) -> dict[str, np.ndarray]:
     """Every parameter of ``root``'s state, on every rank, in one broadcast.
 
     The arrays' bytes travel as one float32 buffer (MindSpore's CPU

@@ -22,15 +22,19 @@ Outside a :class:`~.guard.Guard` the wrapper simply calls the optimizer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-if TYPE_CHECKING:
-    from .guard import Guard
+__all__ = ["OptTFTWrapper", "Updater"]
 
-__all__ = ["OptTFTWrapper"]
+
+class Updater(Protocol):
+    """Where the wrapper hands the gradients (its :class:`~.guard.Guard`)."""
+
+    def update(self, gradients: Any) -> Any:
+        """Vote and reduce unless done, then update; ``False`` when skipped."""
 
 
 class OptTFTWrapper(nn.Optimizer):
@@ -48,7 +52,7 @@ class OptTFTWrapper(nn.Optimizer):
         self.parameters = opt.parameters
         self.learning_rate = opt.learning_rate
         self.global_step = opt.global_step
-        self.guard: Guard | None = None
+        self.guard: Updater | None = None
         self.voting = False  # a compile-time constant of construct: the vote is in the graph
         self.world_size = 1.0
 

@@ -13,7 +13,7 @@ update) and periodic saves become asynchronous: the persist worker writes
 the snapshot of a save step while training goes on. At start, every rank
 lists the steps it can load (its verified snapshots in this node's memory,
 the newest complete checkpoint on storage); all resume at the newest step
-every rank has, from memory where they can (:mod:`trainguard.core.resume`:
+every rank has, from memory where they can (:mod:`trainguard.core.rank.resume`:
 a rank that cannot load stops every rank). Each rank's own part -- random
 streams and data position, which replicas do not share -- travels with its
 snapshot and, in every checkpoint, as ``own_r<rank>.bin``; it is also
@@ -36,8 +36,8 @@ import torch
 
 from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified, shard_file
-from trainguard.core.history import JobHistory
-from trainguard.core.resume import resume
+from trainguard.core.rank.history import JobHistory
+from trainguard.core.rank.resume import resume
 from trainguard.core.snapshot.health import PersistHealth
 from trainguard.core.snapshot.ring import check_settings, directory_for, load_verified
 from trainguard.core.snapshot.own import OwnRecords, read_own
@@ -55,10 +55,6 @@ log = logging.getLogger("trainguard.torch")
 
 class Checkpoints(JobHistory):
     """Saving and loading checkpoints for a :class:`~.guard.Guard` (a mix-in)."""
-
-    @property
-    def save_timeout_s(self) -> float:
-        return float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800"))
 
     # ------------------------------------------------------------ snapshots
     def setup_snapshots(self, every: int, count: int, peer: bool, shared: bool = False) -> None:

@@ -31,10 +31,9 @@ import os
 import sys
 import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,24 +43,22 @@ from trainguard.core import (
     CheckpointStore,
     Classifier,
     ConfigError,
-    ControllerLostError,
     DataStatus,
     FaultInjector,
-    ForceStop,
     Processor,
-    ProcessorConfig,
     ReplicaGroup,
     recover,
     report_left_step,
 )
 from trainguard.core import logs
 from trainguard.core.compile_cache import resolve_root
-from trainguard.core.history import Protected
+from trainguard.core.rank import RankRuntime
 from trainguard.core.preflight import check_checkpoint_dir
 from trainguard.core.profiling import recorder_from_env
 from trainguard.core.rehearsal import Rehearsal
 
 from .checkpoints import Checkpoints
+from .comm import TorchComm
 from .compile_cache import TorchCompileCache, key_parts
 from .device import for_module
 from .handlers import TorchHandlers
@@ -69,7 +66,7 @@ from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .own import fingerprints
-from .process_group import AbortableProcessGroup, GroupRef, allreduce_hook, job_namespace
+from .process_group import AbortableProcessGroup
 from .state import state_sha256
 from .trainstate import TrainState
 
@@ -78,7 +75,7 @@ __all__ = ["Guard"]
 log = logging.getLogger("trainguard.torch")
 
 
-class Guard(Checkpoints):
+class Guard(Checkpoints, RankRuntime):
     """Fault tolerance for one training loop.
 
     Args:
@@ -190,7 +187,6 @@ class Guard(Checkpoints):
         self._entered = False
         self._step_started = 0.0
         self._hooks: list[Any] = []
-        self.joined_default_group: Any = None  # kept alive after survivors met a new process
         join = joining()
         self.replacement = join is not None  # until its history came from a replica
         cache_root = resolve_root(compile_cache, checkpoint_dir)
@@ -206,17 +202,8 @@ class Guard(Checkpoints):
                              "phase=backward)", phases=("reduce",))
         if checkpoint_dir is not None:
             check_checkpoint_dir(checkpoint_dir)
-        self.process_group = AbortableProcessGroup(
-            dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
-            backend_factory=self.device.backend, timeout=comm_timeout, namespace=job_namespace(),
-            abort=self.device.abort, generation=join["generation"] if join else 0)
-        if self.ddp is not None:
-            try:
-                self._hook_group = GroupRef(self.process_group)
-                self.ddp.register_comm_hook(self._hook_group, allreduce_hook)
-            except RuntimeError as e:
-                raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
-            self.attach_ddp()
+        self.comm = TorchComm(self.rank, self.world_size, self.device, self.ddp, timeout=comm_timeout,
+                              generation=join["generation"] if join else 0)
         self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer, snapshot_shared)
         self.setup_own_records()
         started_at = time.time()
@@ -256,46 +243,14 @@ class Guard(Checkpoints):
             self._leave(outcome)
 
     # --------------------------------------------------------------- setup
-    def _connect(self, *, joining: bool = False) -> Processor:
-        config = ProcessorConfig.from_env(rank=self.rank, world_size=self.world_size)
-        if config is None:
-            if joining:
-                raise ConfigError("a replacement process (TRAINGUARD_JOIN set) needs the controller's address")
-            if self.rank == 0:
-                log.warning("no trainguard controller in this job (TRAINGUARD_CONTROLLER unset): checkpoints "
-                            "work, but faults will not be recovered; launch with `trainguard run`")
-            processor = Processor(None, rank=self.rank)
-            processor.step = self._step
-            return processor
-        processor = Processor(config)
-        processor.connect(step=self._step, replicas=self.groups, device=self.device.name,
-                          device_repairable=self.device.repairable,
-                          restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), joining=joining)
-        return processor
+    def _connect_details(self) -> dict:
+        return {"device": self.device.name, "device_repairable": self.device.repairable,
+                "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
 
-    def attach_ddp(self) -> None:
-        """Point DDP at the (possibly rebuilt) process group, with the
-        reducer's per-step state reset after an abandoned step."""
-        self.ddp._update_process_group(self.process_group)
-        self.keep_bucket_layout()
-
-    def keep_bucket_layout(self) -> None:
-        """Keep DDP's initial gradient-bucket layout for the whole job.
-
-        DDP runs its first iteration with buckets in reverse registration
-        order, then rebuilds them in the order gradients became ready. Where
-        an element sits in a bucket decides the order in which the ranks'
-        values are summed, so a process that starts at step n (a relaunch)
-        would round its first step differently from one that never stopped.
-        Dropping the parameters the reducer collected for a rebuild (before
-        the next forward, which would rebuild) keeps one layout -- DDP's own
-        initial guess -- in every process. The same holds for a replacement
-        process that joins a running job: were the survivors on a rebuilt
-        layout, its buckets would hold other parameters than theirs. It costs
-        some overlap of communication with the backward pass.
-        """
-        if self.world_size > 1:
-            self.ddp.reducer._reset_state()
+    @property
+    def process_group(self) -> AbortableProcessGroup:
+        """The group the step's collectives run on now (see :class:`.comm.TorchComm`)."""
+        return self.comm.process_group
 
     def _install_fault_hooks(self) -> None:
         module = self.state.module
@@ -323,55 +278,7 @@ class Guard(Checkpoints):
         frame = sys._current_frames().get(self._thread)
         return frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
 
-    def section(self, name: str) -> AbstractContextManager:
-        """Mark a stretch that may take much longer than a step (evaluation,
-        a save of your own) so neither hang check (watchdog, heartbeats) counts
-        it; its limit is three times its longest run so far (600 s the first time)::
-
-            with guard.section("evaluation"):
-                evaluate(model)
-        """
-        return self.processor.watchdog.section(name)
-
     # ----------------------------------------------------------- the loop
-    @property
-    def step(self) -> int:
-        """Completed steps."""
-        return self._step
-
-    def steps(self, total: int) -> Iterator[int]:
-        """Yield the number of completed steps until ``total`` are done."""
-        while self._step < total:
-            if self.processor.stop_event.is_set():
-                self._handle(ForceStop("stopped at a step boundary"))
-                continue
-            self._entered = False
-            if self._markers is not None:
-                self._markers.iteration_start()
-            yield self._step
-            if not self._entered:
-                raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
-
-    def loader(self, iterable: Iterable) -> Iterator:
-        """Iterate ``iterable`` (a DataLoader), timing each batch fetch as the
-        DataLoader marker when profiling is on::
-
-            batches = guard.loader(train_loader)
-            for step in guard.steps(total):
-                with guard.protect():
-                    x, y = next(batches)
-        """
-        return self._markers.loader(iterable) if self._markers is not None else iter(iterable)
-
-    def loading(self) -> AbstractContextManager:
-        """Time a batch fetch made by a function of the step as the
-        DataLoader marker (``with guard.loading(): x, y = batch(step)``)."""
-        return self._markers.loading() if self._markers is not None else nullcontext()
-
-    def protect(self) -> Protected:
-        """Context manager around one step's body; see the module docstring."""
-        return Protected(self)
-
     def _begin(self) -> None:
         self.injector.strike("gc", self._step)
         self._entered = True
@@ -401,41 +308,26 @@ class Guard(Checkpoints):
         self.state.commit(self._step)
         if self.own_records is not None and self.state.streams_moved():  # drawn after the update began
             self.record_own(self._step, self.state.committed_own())
-        if self.rehearsal is not None:
-            self.rehearsal.step(self._step, fingerprints(self.state.module, self.state.committed_own(), self.rank))
         if self.ddp is not None:
-            self.keep_bucket_layout()
-        self.compile_cache.after_step()
-        self.injector.after_step(self._step, time.perf_counter() - self._step_started)
-        if self.save_every and self._step % self.save_every == 0:
-            if self._markers is not None:
-                with self._markers.save():
-                    self.save()
-            else:
-                self.save()
-        elif self.snapshot_every and self._step % self.snapshot_every == 0:
-            self.take_snapshot(self._step, background=True)  # settled at the next update
-        if self._markers is not None:
-            self._markers.step_end()
+            self.comm.keep_bucket_layout()
+        self._after_commit()
+
+    def _snapshot_after_step(self) -> None:
+        self.take_snapshot(self._step, background=True)  # settled at the next update
+
+    def _fingerprints(self) -> dict:
+        return fingerprints(self.state.module, self.state.committed_own(), self.rank)
 
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left and carry out the recovery."""
         self.settle_snapshot()  # before a repair or a dump touches the state or the slots
         phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
         report_left_step(self.processor, error, self.classifier, phase=phase)  # logs it too
-        try:
-            outcome = recover(self.processor, self._handlers, injector=self.injector)
-        except ControllerLostError as lost:
-            raise error from lost
-        if not outcome.resume:
-            self._leave(outcome)
+        self._recover(error)
 
-    def _leave(self, outcome) -> None:
-        """The controller said exit: say so, close, and leave with its code."""
-        log.info("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
-        self.close(finished=False)
-        self._exit_code = outcome.exit_code
-        raise SystemExit(outcome.exit_code)
+    def _exit(self, code: int) -> None:
+        self._exit_code = code
+        raise SystemExit(code)
 
     def _exit_now(self) -> None:
         """At interpreter exit after the controller's exit command (the
@@ -446,22 +338,6 @@ class Guard(Checkpoints):
         if self._exit_code is not None:
             logs.exit_now(self._exit_code)
 
-    def regroup(self, ranks: Sequence[int], generation: int, cancelled, store: Any = None) -> None:
-        """Go on with ``ranks`` (elastic training: fewer, or all again): a
-        new group over them, on ``store`` when given, with DDP moved onto it."""
-        old = self.process_group
-        new = AbortableProcessGroup(
-            store if store is not None else old._store, self.rank, self.world_size, backend_factory=self.device.backend, timeout=old.timeout,
-            namespace=job_namespace(), abort=self.device.abort, generation=generation, members=ranks, build=False)
-        new.rebuild(generation, cancelled=cancelled)
-        old.stop("replaced by a group of other ranks")
-        old.replace_backend(None)
-        self.process_group = new
-        if self.ddp is not None:
-            self._hook_group.group = new
-            self.attach_ddp()
-        log.warning("rank %d goes on with ranks %s", self.rank, list(ranks)[:16])
-
     def replicas_changed(self, step: int, replicas: int) -> None:
         """Training continues at ``step`` with ``replicas`` data-parallel replicas."""
         if replicas != self.replicas[-1]["replicas"]:
@@ -469,49 +345,24 @@ class Guard(Checkpoints):
         if self.elastic_lr == "linear":
             self.optimizer.lr_factor = replicas / self.world_size
 
-    def rolled_back(self, step: int) -> None:
-        """Called by the rollback handler: training continues at ``step``."""
-        self._step = step
+    def _reset_step(self) -> None:
         self._updated = False
-        self.processor.step = step
-        if self.processor.data is not DataStatus.UPDATED:
-            self.processor.end_update(step)
-        self.state.commit(step)
 
     # ------------------------------------------------------------- report
-    def report(self) -> dict:
-        """What happened so far: steps, lost steps, PIDs per rank, recoveries,
-        and a hash of model + optimizer state (equal on every replica)."""
-        return {
-            "steps_completed": self._step,
-            **self.history_report(),
-            "final_state_sha256": state_sha256(self.state.model_and_optimizer()),
-            "replicas": list(self.replicas),
-            **self.snapshot_report(),
-            **({"profiling": self.recorder.report()} if self.recorder else {}),
-            "compile_cache": self.compile_cache.report(),
-        }
+    def _state_sha256(self) -> str:
+        return state_sha256(self.state.model_and_optimizer())
 
-    def close(self, *, finished: bool = True) -> None:
-        """Say goodbye to the controller and remove trainguard's hooks."""
-        if self.rehearsal is not None:
-            if finished:
-                self.rehearsal.final({**self.report(), "data_given": "data" in self.state.host,
-                                      **fingerprints(self.state.module, self.state.own_part(), self.rank)})
-            self.rehearsal.close()
-            self.rehearsal = None
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        if self._markers is not None:
-            self._markers.close()
-            self._markers = None
-        self.processor.watchdog.disarm()  # waiting for the last persists is not a hung step
-        self.close_snapshots(wait_s=self.save_timeout_s if finished else 0.0)
+    def _report_extras(self) -> dict:
+        return {"replicas": list(self.replicas)}
+
+    def _final_extras(self) -> dict:
+        return {"data_given": "data" in self.state.host,
+                **fingerprints(self.state.module, self.state.own_part(), self.rank)}
+
+    def _close_snapshots(self, finished: bool) -> None:
+        super()._close_snapshots(finished)
         if self.own_records is not None:
             self.own_records.close()
-        self.processor.close(finished=finished)
-        self.compile_cache.close()
 
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))

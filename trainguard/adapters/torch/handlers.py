@@ -5,30 +5,67 @@ save, finalise), executed on the training thread by
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from trainguard.core import CheckpointError, RecoveryError, Transfer
 from trainguard.core.checkpoint import FileInfo, SavedShard, shard_file
+from trainguard.core import Processor
 from trainguard.core.recovery import Handlers
 
+from .comm import TorchComm
+from .device import Device
 from .join import meet
 from .own import pack, unpack
+from .process_group import AbortableProcessGroup
 from .state import recv_state, send_state
+from .trainstate import TrainState
 
-if TYPE_CHECKING:
-    from .guard import Guard
-
-__all__ = ["TorchHandlers"]
+__all__ = ["TorchHandlers", "TorchRank"]
 
 log = logging.getLogger("trainguard.torch")
+
+
+class TorchRank(Protocol):
+    """What the handlers take from the torch :class:`~.guard.Guard`."""
+
+    rank: int
+    state: TrainState
+    optimizer: Any  # the GuardedOptimizer
+    device: Device
+    comm: TorchComm
+    ddp: Any
+    processor: Processor
+    store: Any  # a CheckpointStore, or None
+    history: dict
+    replacement: bool  # a new process, until its history came from a replica
+
+    @property
+    def process_group(self) -> AbortableProcessGroup: ...
+
+    def merged_history(self, controller: dict) -> dict: ...
+
+    def record_resume(self, record: dict, pids: dict | None) -> None: ...
+
+    def recorded_own(self, rank: int, step: int) -> bytes | None: ...
+
+    def write_shard(self, step: int) -> FileInfo: ...
+
+    def write_own(self, step: int, rank: int, data: bytes) -> FileInfo: ...
+
+    def finalize_checkpoint(self, step: int, shards: Sequence[SavedShard], history: dict,
+                            extra: Sequence[FileInfo] = ()) -> None: ...
+
+    def replicas_changed(self, step: int, replicas: int) -> None: ...
+
+    def rolled_back(self, step: int) -> None: ...
 
 
 class TorchHandlers(Handlers):
     """Recovery commands carried out on one :class:`~.guard.Guard`'s objects."""
 
-    def __init__(self, guard: "Guard") -> None:
+    def __init__(self, guard: TorchRank) -> None:
         self.guard = guard
         self._repaired = False
 
@@ -44,13 +81,13 @@ class TorchHandlers(Handlers):
         stops = g.processor.stops
         cancelled = lambda: g.processor.stops != stops  # noqa: E731 - a new STOP abandons the rebuild
         if join_store:
-            meet(g, generation, join_store, cancelled, sorted(ranks))
+            meet(g.comm, generation, join_store, cancelled, sorted(ranks))
         elif tuple(sorted(ranks)) != g.process_group.members:
-            g.regroup(sorted(ranks), generation, cancelled)  # elastic: the job goes on with these ranks
+            g.comm.regroup(sorted(ranks), generation, cancelled)  # elastic: the job goes on with these ranks
         else:
             g.process_group.rebuild(generation, cancelled=cancelled)
         if g.ddp is not None:
-            g.attach_ddp()  # resets the reducer after the abandoned step
+            g.comm.attach_ddp()  # resets the reducer after the abandoned step
 
     def repair(self, step: int, transfers: Sequence[Transfer]) -> None:
         g = self.guard

@@ -33,7 +33,7 @@ from trainguard.core import ForceStop, RecoveryError
 from .process_group import run_cancellable
 
 if TYPE_CHECKING:
-    from .guard import Guard
+    from .comm import TorchComm
 
 __all__ = ["JOIN_ENV", "joining", "meet"]
 
@@ -76,7 +76,7 @@ def _mirror_ddp(ddp: torch.nn.parallel.DistributedDataParallel, group: dist.Proc
     _sync_params_and_buffers(group, states, ddp.broadcast_bucket_size, 0)
 
 
-def meet(guard: "Guard", generation: int, address: str, cancelled: Callable[[], bool],
+def meet(comm: "TorchComm", generation: int, address: str, cancelled: Callable[[], bool],
          ranks: Sequence[int]) -> None:
     """Survivor side of a join: meet the new processes on ``address``
     (``host:port``) and rebuild trainguard's group over ``ranks`` at
@@ -91,16 +91,16 @@ def meet(guard: "Guard", generation: int, address: str, cancelled: Callable[[], 
             cannot be joined.
     """
     host, _, port = address.rpartition(":")
-    timeout = guard.process_group.timeout
+    timeout = comm.process_group.timeout
 
     def build() -> tuple[Any, dist.ProcessGroup]:
         client = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         # What init_process_group keeps as the default group's store, and
         # the Guard builds its own group on.
         store = dist.PrefixStore("0/", dist.PrefixStore("default_pg", client))
-        default = _default_group(store, guard.rank, guard.world_size, timeout, guard.device.torch_device)
-        if guard.ddp is not None:
-            _mirror_ddp(guard.ddp, default)
+        default = _default_group(store, comm.rank, comm.world_size, timeout, comm.device.torch_device)
+        if comm.ddp is not None:
+            _mirror_ddp(comm.ddp, default)
         return store, default
 
     try:
@@ -110,8 +110,8 @@ def meet(guard: "Guard", generation: int, address: str, cancelled: Callable[[], 
     except Exception as e:
         raise RecoveryError(f"could not meet the new process on {address}: {e}") from e
     # Kept alive: the new process's default group talks to it.
-    guard.joined_default_group = default
-    if tuple(ranks) != guard.process_group.members:
-        guard.regroup(ranks, generation, cancelled, store=store)
+    comm.joined_default_group = default
+    if tuple(ranks) != comm.process_group.members:
+        comm.regroup(ranks, generation, cancelled, store=store)
     else:
-        guard.process_group.rebuild(generation, cancelled=cancelled, store=store)
+        comm.process_group.rebuild(generation, cancelled=cancelled, store=store)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from trainguard.core import ConfigError, Processor, RecoveryError, ReplicaGroup
 from trainguard.core import logs
 from trainguard.core.classify import Classifier
-from trainguard.core.history import JobHistory
+from trainguard.core.rank.history import JobHistory
 
 __all__ = ["TTP", "checked_int"]
 

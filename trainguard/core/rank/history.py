@@ -1,5 +1,5 @@
-"""What every adapter's guard shares: the job's history as one rank knows
-it, and the context manager around one step's body.
+"""The job's history as one rank knows it, and the context manager around
+one step's body.
 
 A job's history is the list of recoveries and the PIDs each rank had, over
 every launch. It travels inside checkpoints (a relaunch continues it) and
@@ -8,7 +8,10 @@ with a replica's state (a new process takes it over), and ends in the report.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from .contract import StepBody
 
 __all__ = ["JobHistory", "Protected"]
 
@@ -59,7 +62,7 @@ class Protected:
     it (a failing commit is handled like a failing step); an ``Exception``
     from the body is handled (recovered) and swallowed."""
 
-    def __init__(self, guard: Any) -> None:
+    def __init__(self, guard: "StepBody") -> None:
         self.guard = guard
 
     def __enter__(self) -> "Protected":

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Protocol
 
-from .api import CheckpointError, ResumeError
+from ..api import CheckpointError, ResumeError
 
 __all__ = ["FAILED", "LOADED", "UNUSABLE", "UNUSABLE_STORED", "resume"]
 

@@ -1,0 +1,99 @@
+"""The torch Guard's communication: trainguard's abortable process group,
+and DDP kept on it.
+
+:class:`TorchComm` owns the group the training step's collectives run on.
+A recovery rebuilds it in place, replaces it by one over other ranks
+(elastic training, :meth:`TorchComm.regroup`) or, after survivors met a new
+process (:func:`.join.meet`), rebuilds it on the join's store; DDP's comm
+hook follows the group in use through a :class:`~.process_group.GroupRef`.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+from trainguard.core import ConfigError
+
+from .device import Device
+from .process_group import AbortableProcessGroup, GroupRef, allreduce_hook, job_namespace
+
+__all__ = ["TorchComm"]
+
+log = logging.getLogger("trainguard.torch")
+
+
+class TorchComm:
+    """The Guard's process group and DDP on it.
+
+    Args:
+        rank, world_size: this process's place in the job.
+        device: where the model lives (it builds and aborts the backend).
+        ddp: the ``DistributedDataParallel`` being trained, or ``None``.
+        timeout: the inner backend's own timeout.
+        generation: the group's generation (a joining process's is the
+            recovery's that started it).
+
+    Raises:
+        ConfigError: ``ddp`` has a comm hook of its own already.
+    """
+
+    def __init__(self, rank: int, world_size: int, device: Device, ddp: Any, *, timeout: timedelta,
+                 generation: int = 0) -> None:
+        self.rank, self.world_size, self.device, self.ddp = rank, world_size, device, ddp
+        self.joined_default_group: Any = None  # kept alive after survivors met a new process
+        self.process_group = AbortableProcessGroup(
+            dist.distributed_c10d._get_default_store(), rank, world_size, backend_factory=device.backend,
+            timeout=timeout, namespace=job_namespace(), abort=device.abort, generation=generation)
+        if ddp is not None:
+            try:
+                self._hook_group = GroupRef(self.process_group)
+                ddp.register_comm_hook(self._hook_group, allreduce_hook)
+            except RuntimeError as e:
+                raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
+            self.attach_ddp()
+
+    def attach_ddp(self) -> None:
+        """Point DDP at the (possibly rebuilt) process group, with the
+        reducer's per-step state reset after an abandoned step."""
+        self.ddp._update_process_group(self.process_group)
+        self.keep_bucket_layout()
+
+    def keep_bucket_layout(self) -> None:
+        """Keep DDP's initial gradient-bucket layout for the whole job.
+
+        DDP runs its first iteration with buckets in reverse registration
+        order, then rebuilds them in the order gradients became ready. Where
+        an element sits in a bucket decides the order in which the ranks'
+        values are summed, so a process that starts at step n (a relaunch)
+        would round its first step differently from one that never stopped.
+        Dropping the parameters the reducer collected for a rebuild (before
+        the next forward, which would rebuild) keeps one layout -- DDP's own
+        initial guess -- in every process. The same holds for a replacement
+        process that joins a running job: were the survivors on a rebuilt
+        layout, its buckets would hold other parameters than theirs. It costs
+        some overlap of communication with the backward pass.
+        """
+        if self.world_size > 1:
+            self.ddp.reducer._reset_state()
+
+    def regroup(self, ranks: Sequence[int], generation: int, cancelled: Callable[[], bool],
+                store: Any = None) -> None:
+        """Go on with ``ranks`` (elastic training: fewer, or all again): a
+        new group over them, on ``store`` when given, with DDP moved onto it."""
+        old = self.process_group
+        new = AbortableProcessGroup(
+            store if store is not None else old._store, self.rank, self.world_size,
+            backend_factory=self.device.backend, timeout=old.timeout, namespace=job_namespace(),
+            abort=self.device.abort, generation=generation, members=ranks, build=False)
+        new.rebuild(generation, cancelled=cancelled)
+        old.stop("replaced by a group of other ranks")
+        old.replace_backend(None)
+        self.process_group = new
+        if self.ddp is not None:
+            self._hook_group.group = new
+            self.attach_ddp()
+        log.warning("rank %d goes on with ranks %s", self.rank, list(ranks)[:16])

@@ -1,0 +1,108 @@
+"""What an adapter supplies to the rank runtime, and what a Guard offers.
+
+A framework's ``Guard`` is a :class:`~.runtime.RankRuntime`. The runtime
+writes the loop once (:mod:`.runtime`); an adapter supplies the rest:
+
+**Its abstract methods** (each documented on :class:`~.runtime.RankRuntime`):
+``_begin`` and ``_commit`` (a step's body starts; it ended cleanly: finish
+the update, count the step, then ``_after_commit``), ``_handle`` (the body
+raised: report it, release the peers where the framework needs it, then
+``_recover``), ``_reset_step``, ``_state_sha256`` and ``_connect_details``.
+Overridable with defaults: ``_fingerprints``, ``_final_extras``,
+``_report_extras``, ``_snapshot_after_step``, ``_detach``,
+``_close_snapshots`` and ``_exit``.
+
+**Its collaborators**, set in its ``__init__`` before the first step:
+
+===================  ==========================================================
+``rank``,            this process's place in the job
+``world_size``
+``groups``           its replica groups (:class:`~trainguard.core.ReplicaGroup`)
+``state``            the framework's state, with ``commit(step)``: what a
+                     replica serves and a rollback returns to
+``processor``        the rank's :class:`~trainguard.core.Processor` (from
+                     ``_connect``)
+``injector``         the :class:`~trainguard.core.FaultInjector`
+``_handlers``        the framework's :class:`~trainguard.core.Handlers`: its
+                     collectives on the abortable group, its state I/O
+                     (repair, rollback, save, finalise)
+``store``,           where checkpoints go and how often (``None``/0: none);
+``save_every``       ``save()`` writes one
+``snapshot_every``   in-memory snapshots (``take_snapshot``,
+                     ``close_snapshots``, ``snapshot_report``)
+``rehearsal``        a ``trainguard rehearse`` run's recorder, or ``None``
+``compile_cache``    the framework's compile cache (``after_step``,
+                     ``report``, ``close``)
+``recorder``,        profiling (``None`` when off)
+``_markers``
+``_step``,           completed steps; whether the body ran inside
+``_entered``,        ``protect``; when the step began; hooks that ``close``
+``_step_started``,   removes (each with ``remove()``)
+``_hooks``
+``history``,         the job's history (:class:`~.history.JobHistory`)
+``records``,
+``pids``
+===================  ==========================================================
+
+:class:`Guard` is what every adapter's Guard offers a training script; the
+contract tests (``tests/test_rank_contract.py``) run one suite against each.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Iterable, Iterator, Protocol, runtime_checkable
+
+__all__ = ["Guard", "StepBody"]
+
+
+class StepBody(Protocol):
+    """What ``with guard.protect():`` calls (:class:`~.history.Protected`)."""
+
+    def _begin(self) -> None: ...
+
+    def _commit(self) -> None: ...
+
+    def _handle(self, error: BaseException) -> None: ...
+
+
+@runtime_checkable
+class Guard(Protocol):
+    """A training loop under trainguard, whatever the framework::
+
+        for step in guard.steps(total):
+            with guard.protect():
+                ...                      # one step: forward, backward, update
+        guard.close()
+    """
+
+    rank: int
+    world_size: int
+
+    @property
+    def step(self) -> int:
+        """Completed steps."""
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The completed steps, until ``total``; a recovered step comes again."""
+
+    def protect(self) -> AbstractContextManager:
+        """Around one step's body: a fault in it is recovered, not raised."""
+
+    def section(self, name: str) -> AbstractContextManager:
+        """A stretch the hang checks do not count (evaluation, a save)."""
+
+    def loader(self, iterable: Iterable) -> Iterator:
+        """``iterable``, its fetches timed when profiling is on."""
+
+    def loading(self) -> AbstractContextManager:
+        """A fetch made by a function of the step, timed likewise."""
+
+    def save(self) -> None:
+        """Write a checkpoint of the current step."""
+
+    def report(self) -> dict:
+        """Steps, lost steps, PIDs per rank, recoveries, the state's hash."""
+
+    def close(self, *, finished: bool = True) -> None:
+        """Say goodbye to the controller and remove trainguard's hooks."""
