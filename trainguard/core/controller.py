@@ -22,40 +22,32 @@ An *episode* begins with the first fault while training runs normally:
 Costs stay linear in the number of ranks: groups are interned at
 registration, a phase's command is built when the phase starts and shared by
 every rank it goes to, and the prelock counts the ranks still to stop.
+
+Parts it owns and calls: :mod:`.roster` (the ranks), :mod:`.liveness`
+(silence limits), :mod:`.prelock` (stage 1), :mod:`.planning` (stage 2) and
+:mod:`.status` (event log, records, the status view).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Callable
 
-from .api import (
-    EXIT_HUNG,
-    EXIT_UNRECOVERABLE,
-    ConfigError,
-    ControllerState,
-    DataStatus,
-    Fault,
-    FaultKind,
-    ProtocolError,
-    RankState,
-    RecoveryRecord,
-    RunStatus,
-    Strategy,
-)
+from .api import EXIT_HUNG, EXIT_UNRECOVERABLE, ControllerState, Fault, FaultKind, RecoveryRecord, Strategy
 from .agents import AgentTable
 from .config import ControllerConfig
-from .decide import decide
-from .events import EventLog
 from .links import Surveyor
 from .episode import Episode, Rank, Starts
+from .liveness import Liveness
 from .protocol import trainguard_pb2 as pb
-from .replicas import Registry, ReplicaGroup
 from .rpc import fault_fields
 from .phases import Phases
+from .planning import STATE_OF, next_plan
+from .prelock import Prelock
 from .restarts import Restarts
+from .roster import Roster
+from .status import Journal, status_view
 from .transitions import advance
 
 __all__ = ["ControllerCore"]
@@ -93,32 +85,27 @@ class ControllerCore(Restarts, Phases):
         self._send_agent = send_agent or (lambda node, order: None)
         self.agents = AgentTable(config.max_restarts)
         self._clock, self._wall = clock, wall
+        #: What the controller reports: the run directory's event log, link verdicts, live slow-node detection.
+        self.journal = Journal(world_size, wall, self.agents.ranks_of)
+        self.records = self.journal.records  # every episode's record, oldest first (the journal keeps them)
         #: Surveys of the node agents' links, when the job slows down as a whole.
-        self.links = Surveyor(self.agents.order, self._send_agent, clock, on_verdict=self._link_verdict)
+        self.links = Surveyor(self.agents.order, self._send_agent, clock, on_verdict=self.journal.link_verdict)
         self.state = ControllerState.INIT
-        self.ranks: dict[int, Rank] = {}
-        self.registry = Registry(world_size)
-        self.records: list[RecoveryRecord] = []
+        #: The ranks, their pids and groups (see :mod:`.roster`); the mix-ins use its containers by these names.
+        self.roster = roster = Roster(world_size, clock)
+        self.ranks, self.registry, self._pids, self._parsed = roster.ranks, roster.registry, roster.pids, roster.parsed
+        self._exiting, self._finished, self.dropped = roster.exiting, roster.finished, roster.dropped
+        self.persist_failing = roster.persist_failing
         self.episode: Episode | None = None
         self.generation = 0
         self._epoch = 0
         self._next_id = 1
-        self._exiting: set[int] = set()
-        self._finished: set[int] = set()
-        self.dropped: set[int] = set()  # ranks elastic-training went on without
         self._grow: Starts | None = None  # new processes for them, starting while the others train
         self._unwanted: set[int] = set()  # start orders given up before their agent answered
-        self._pids: dict[int, list[int]] = {}
-        self._parsed: dict[tuple, ReplicaGroup] = {}
-        self._last_tick = clock()
-        self._next_heartbeat_scan = 0.0
-        #: Live slow-node detection (a :class:`~trainguard.core.profiling.live.LiveDetector`), when profiling is on.
-        self.slow_nodes: Any = None
-        self.persist_failing: dict[int, dict] = {}  # rank -> its streak of saves that do not reach storage
-        #: The run directory's event log (``TRAINGUARD_RUN_DIR``; ``trainguard report`` draws it), or None.
-        self.events = EventLog.from_env()
-        self._sampled: tuple = ()
-        self._next_sample = 0.0
+        #: Which ranks went silent too long (see :mod:`.liveness`).
+        self.liveness = Liveness(config, self.heartbeat_interval_s, clock())
+        #: Stops every live rank when an episode begins (see :mod:`.prelock`).
+        self.prelock = Prelock(self.ranks, send, self._command, clock, config.prelock_timeout_s)
         self._note("controller", job_id=config.job_id, world_size=world_size,
                    strategies=[s.value for s in config.strategies])
 
@@ -130,23 +117,9 @@ class ControllerCore(Restarts, Phases):
             ProtocolError: the rank is already connected, or its replica
                 groups are malformed or disagree with its peers'.
         """
-        rank = hello.rank
-        old = self.ranks.get(rank)
-        if old is not None and old.alive:
-            raise ProtocolError(f"rank {rank} is already registered by pid {old.pid} on {old.host}")
-        try:
-            groups = self.registry.register(rank, [self._group(g) for g in hello.replicas]
-                                            or [ReplicaGroup.full([rank])])
-        except ConfigError as e:
-            raise ProtocolError(f"rank {rank}: {e}") from None
-        self._pids.setdefault(rank, []).append(hello.pid)
-        self._exiting.discard(rank)
-        r = Rank(rank=rank, pid=hello.pid, host=hello.host, repairable=hello.device_repairable, groups=groups,
-                  step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock())
-        r.update(hello.status)
-        self.ranks[rank] = r
-        self._note("rank", rank=rank, pid=hello.pid, host=hello.host, step=r.step, joining=hello.joining)
-        log.debug("rank %d registered (pid %d on %s, step %d)", rank, hello.pid, hello.host, r.step)
+        r = self.roster.register(hello)
+        self._note("rank", rank=r.rank, pid=hello.pid, host=hello.host, step=r.step, joining=hello.joining)
+        log.debug("rank %d registered (pid %d on %s, step %d)", r.rank, hello.pid, hello.host, r.step)
         if hello.joining:
             self._joined(r)
             return
@@ -169,47 +142,25 @@ class ControllerCore(Restarts, Phases):
             self._send(r.rank, self._command(exit=pb.Exit(code=EXIT_UNRECOVERABLE,
                                                           reason="no recovery is waiting for this process")))
 
-    def _group(self, g: pb.ReplicaGroup) -> ReplicaGroup:
-        """Parse a group, reusing the object when many ranks send the same one."""
-        if g.range_count:
-            key = ("range", g.range_start, g.range_step, g.range_count, g.replica_cnt, g.replica_shift)
-        else:
-            key = ("list", tuple(g.rank_list), g.replica_cnt, g.replica_shift)
-        group = self._parsed.get(key)
-        if group is None:
-            if g.range_count and (g.range_step == 0 or not 0 < g.range_count <= self.world_size):
-                raise ProtocolError(f"replica group range of {g.range_count} ranks in steps of {g.range_step}: "
-                                    f"needs a step and at most {self.world_size} ranks")
-            ranks = (tuple(range(g.range_start, g.range_start + g.range_step * g.range_count, g.range_step))
-                     if g.range_count else key[1])
-            group = self._parsed[key] = ReplicaGroup(ranks, g.replica_cnt, g.replica_shift)
-        return group
-
     def on_heartbeat(self, rank: int, status: pb.Status) -> None:
-        r = self._known(rank)
-        r.last_seen = self._clock()
-        r.update(status)
+        self.roster.heard(rank, status)
 
     def on_stopped(self, rank: int, status: pb.Status) -> None:
-        r = self._known(rank)
-        r.last_seen = self._clock()
-        r.update(status)
+        r = self.roster.heard(rank, status)
         if self.episode is not None:
-            self._mark_stopped(r)
+            r.stopped = True
+            self.episode.unstopped.discard(r.rank)
+            self._check_prelock()
 
     def on_fault(self, rank: int, report: pb.FaultReport) -> None:
-        r = self._known(rank)
-        r.last_seen = self._clock()
-        r.update(report.status)
+        r = self.roster.heard(rank, report.status)
         kind, severity = fault_fields(report)
         fault = Fault(kind=kind, rank=rank, severity=severity, message=report.message, phase=report.phase,
                       occurred_at=report.occurred_at or None, detected_at=self._wall())
         if kind is FaultKind.HANG:
             # Its loop is stuck: it cannot take part in a recovery. End the
             # process (its processor forces the exit) and treat it as lost.
-            self._lose(r)
-            self._exiting.add(rank)
-            self._send(rank, self._command(exit=pb.Exit(code=EXIT_HUNG, reason=report.message)))
+            self._end_hung(r, report.message)
             self._fault(fault)
             return
         # A watchdog report comes from the processor's thread while the
@@ -217,9 +168,7 @@ class ControllerCore(Restarts, Phases):
         self._fault(fault, stopped=None if report.phase == "watchdog" else r)
 
     def on_result(self, rank: int, result: pb.CommandResult) -> None:
-        r = self._known(rank)
-        r.last_seen = self._clock()
-        r.update(result.status)
+        self.roster.heard(rank, result.status)
         phase = self._current_phase()
         if phase is None or rank not in phase.waiting or rank not in phase.commands \
                 or phase.commands[rank].id != result.command_id:
@@ -241,15 +190,10 @@ class ControllerCore(Restarts, Phases):
     def on_persist(self, rank: int, health: pb.PersistHealth) -> None:
         """A rank's periodic saves stopped reaching storage, or reach it again:
         only shown (``trainguard status``); training goes on."""
-        self._known(rank)
-        if health.failing:
-            self.persist_failing[rank] = {"since_step": health.since_step, "reason": health.reason,
-                                          "last_complete": health.last_complete if health.last_complete >= 0 else None}
-        else:
-            self.persist_failing.pop(rank, None)
+        self.roster.persist(rank, health)
 
     def on_goodbye(self, rank: int, status: pb.Status) -> None:
-        r = self._known(rank)
+        r = self.roster.known(rank)
         r.update(status)
         r.alive = False
         self._finished.add(rank)
@@ -259,7 +203,7 @@ class ControllerCore(Restarts, Phases):
         if ep is not None and ep.grow and self.state is ControllerState.ABNORMAL:
             ep.unstopped.discard(rank)  # it passed its last step before the pause: no scaling up now
             self._check_prelock()
-        if len(self._finished | self.dropped) == self.world_size and self.state is ControllerState.NORMAL:
+        if self.roster.all_done() and self.state is ControllerState.NORMAL:
             self._to(ControllerState.FINISHED)
             log.info("all %d ranks finished", self.world_size)
             if self._grow is not None:
@@ -307,45 +251,26 @@ class ControllerCore(Restarts, Phases):
         """Check heartbeats and deadlines; call a few times a second."""
         now = self._clock()
         self.links.tick()
-        stalled = now - self._last_tick - 0.5
-        self._last_tick = now
-        if stalled > 0:
-            # The event loop itself was held up: that is no rank's fault, so
-            # nobody's silence during it counts.
-            for r in self.ranks.values():
-                r.last_seen += stalled
-        if self.events is not None and now >= self._next_sample:
-            self._next_sample = now + max(self.heartbeat_interval_s / 2, self.world_size / 256)
-            self._sample_steps()
-        if self.state is not ControllerState.INIT and now >= self._next_heartbeat_scan:
-            self._next_heartbeat_scan = now + self.heartbeat_interval_s / 2
-            for r in [r for r in self.ranks.values() if r.alive and now - r.last_seen > self._silence_limit(r)]:
+        self.liveness.forgive_stall(now, self.ranks.values())
+        self.journal.tick(now, self.heartbeat_interval_s, self.ranks, self._finished)
+        if self.state is not ControllerState.INIT:
+            for r in self.liveness.silent(now, self.ranks.values()):
                 if r.rank in self._exiting:
                     continue
-                self._lose(r)
-                self._exiting.add(r.rank)
                 why = f"no heartbeat for {now - r.last_seen:.1f} s"
-                # Should it wake up, it must not rejoin a job that went on without it.
-                self._send(r.rank, self._command(exit=pb.Exit(code=EXIT_HUNG, reason=why)))
+                self._end_hung(r, why)  # should it wake up, it must not rejoin a job that went on without it
                 self._fault(Fault(kind=FaultKind.HANG, rank=r.rank, detected_at=self._wall(), message=why))
         ep = self.episode
         if ep is None:
             return
-        if ep.grow and self.state is ControllerState.ABNORMAL and ep.unstopped and 0 < ep.escalate_at < now:
-            # Ranks that began the next step wait in it for the ones that
-            # stopped: release them (they stop mid-step, still consistent).
-            ep.escalate_at = 0.0
-            stop = self._command(stop=pb.Stop(reason="scaling back up"))
-            for rank in sorted(ep.unstopped):
-                self._send(rank, stop)
-        if self.state is ControllerState.ABNORMAL and ep.unstopped and now > ep.stop_deadline:
+        if self.state is ControllerState.ABNORMAL:
+            self.prelock.release(ep, now)
+        if self.state is ControllerState.ABNORMAL and (late := self.prelock.late(ep, now)):
             why = f"did not stop within {self.config.prelock_timeout_s:g} s"
-            for rank in sorted(ep.unstopped):
-                self._lose(self.ranks[rank])
+            for rank in late:
                 # Stuck in a collective with a peer that left it, it still
                 # talks: tell it to go, or it waits for commands forever.
-                self._exiting.add(rank)
-                self._send(rank, self._command(exit=pb.Exit(code=EXIT_HUNG, reason=why)))
+                self._end_hung(self.ranks[rank], why)
                 ep.faults.append(Fault(kind=FaultKind.HANG, rank=rank, detected_at=self._wall(), message=why))
             self._check_prelock()
         phase = self._current_phase()
@@ -353,72 +278,26 @@ class ControllerCore(Restarts, Phases):
             late = sorted(phase.waiting)
             self._plan_failed(f"{phase.name} did not finish within {phase.timeout_s:g} s on ranks {late[:16]}")
 
-    def _silence_limit(self, r: Rank) -> float:
-        """How long a rank may go without a message: the missed-heartbeat
-        limit, stretched so that a pause of the whole process up to five of
-        its steps (a long garbage collection holds every thread) is not
-        taken for a loss; before the rank reported a step time, the first
-        step's limit (a graph compile holds the GIL, and with it the
-        heartbeat thread, for seconds); while a section is open on it (an
-        evaluation may compile too), that section's limit. A dead process
-        is found sooner by its ended session, a stopped or frozen one by its
-        node agent."""
-        beats = self.heartbeat_interval_s * self.config.heartbeat_misses
-        if r.step_time_s <= 0:
-            return max(beats, self.config.first_step_silence_s, r.silence_s)
-        return max(beats, 5 * r.step_time_s + 2 * self.heartbeat_interval_s, r.silence_s)
-
     # ------------------------------------------------------------- snapshots
     def pids(self, rank: int) -> list[int]:
         """Every pid that registered as ``rank`` (its processes, oldest first)."""
         return self._pids.get(rank, [])
 
     def snapshot(self) -> dict:
-        """A JSON-able view for ``trainguard status`` and agents."""
-        return {
-            "state": self.state.name,
-            "job_id": self.config.job_id,
-            "world_size": self.world_size,
-            "heartbeat_interval_s": self.heartbeat_interval_s,
-            "ranks": {
-                r.rank: {"pid": r.pid, "host": r.host, "step": r.step, "run": r.run.name,
-                         "data": r.data.name, "alive": r.alive}
-                for r in self.ranks.values()
-            },
-            "pids": {str(k): v for k, v in self._pids.items()},
-            "recoveries": [rec.to_dict() for rec in self.records],
-            "agents_gone": list(self.agents.gone) + [a for a in self.agents.vacated if a not in self.agents.gone],
-            "episode": None if self.episode is None else {
-                "faults": [f.describe() for f in self.episode.faults],
-                "plan": self.episode.plan.strategy.value if self.episode.plan else None,
-                "reason": self.episode.reason,
-            },
-            "slow_nodes": None if self.slow_nodes is None else self.slow_nodes.status(),
-            "links": self.links.last,
-            "persist": self._persist_view(),
-        }
-
-    def _persist_view(self) -> dict | None:
-        """The ranks whose saves fail, and one line for the job (the earliest streak's)."""
-        if not self.persist_failing:
-            return None
-        rank, first = min(self.persist_failing.items(), key=lambda item: (item[1]["since_step"], item[0]))
-        complete = "none" if first["last_complete"] is None else f"step {first['last_complete']}"
-        return {"failing": f"persist failing since step {first['since_step']} on ranks "
-                           f"{sorted(self.persist_failing)[:16]}: {first['reason']}; last complete checkpoint: "
-                           f"{complete}",
-                "ranks": {str(r): v for r, v in sorted(self.persist_failing.items())}}
+        """A JSON-able view for ``trainguard status`` and agents (see :func:`.status.status_view`)."""
+        return status_view(self, self._pids)
 
     # --------------------------------------------------------------- faults
+    def _end_hung(self, r: Rank, why: str) -> None:
+        """A rank that cannot take part any more: lost, and told to exit (its processor forces it)."""
+        self._lose(r)
+        self._exiting.add(r.rank)
+        self._send(r.rank, self._command(exit=pb.Exit(code=EXIT_HUNG, reason=why)))
+
     def _lose(self, r: Rank) -> None:
         r.alive = False
         if self.episode is not None:
             self.episode.unstopped.discard(r.rank)
-
-    def _mark_stopped(self, r: Rank) -> None:
-        r.stopped = True
-        self.episode.unstopped.discard(r.rank)
-        self._check_prelock()
 
     def _fault(self, fault: Fault, stopped: Rank | None = None) -> None:
         if self.state in (ControllerState.EXITED, ControllerState.FINISHED):
@@ -448,12 +327,7 @@ class ControllerCore(Restarts, Phases):
             self._check_prelock()
 
     def _stop_all(self, reason: str, at_boundary: bool = False) -> None:
-        ep = self.episode
-        ep.stop_deadline = self._clock() + self.config.prelock_timeout_s
-        ep.unstopped = {r.rank for r in self.ranks.values() if r.alive and not r.stopped}
-        stop = self._command(stop=pb.Stop(reason=reason, at_boundary=at_boundary))
-        for rank in sorted(ep.unstopped):
-            self._send(rank, stop)
+        self.prelock.stop_all(self.episode, reason, at_boundary)
         self._check_prelock()
 
     def _check_prelock(self) -> None:
@@ -466,30 +340,14 @@ class ControllerCore(Restarts, Phases):
         if ep.grow and plan is None and ep.starts is not None:  # cannot take them in: end them
             self._give_up(ep.starts)
             ep.started, ep.starts, self._grow = set(), None, None
-        view = {
-            r.rank: RankState(rank=r.rank, step=r.step, data=r.data, run=r.run, alive=r.alive,
-                              stopped=r.stopped, device_repairable=r.repairable)
-            for r in self.ranks.values()
-        }
-        layout = {r.rank: r.groups for r in self.ranks.values()}
-        if plan is not None:
-            reason = f"scaling back up at step {plan.step}: ranks {sorted(plan.replacements)[:16]} rejoin"
-        elif ep.grow:  # go on as before
-            plan, reason = decide(view, [], dataclasses.replace(self.config, strategies=(Strategy.RETRY,)),
-                                  self._wall(), layout=layout, tried=ep.tried)
-            reason = f"scaling back up abandoned; {reason}"
-        else:
-            missing = set(range(self.world_size)) - set(self.ranks) - self.dropped
-            plan, reason = decide(view, ep.faults, self.config, self._wall(), layout=layout, tried=ep.tried,
-                                  agents=self.agents.view(), missing=missing)
+        view, layout = self.roster.view(), self.roster.layout()
+        plan, reason = next_plan(ep, plan, view, layout, self.config, self._wall, self.agents.view, self.roster.missing)
         ep.plan = plan
         ep.reason = f"{ep.reason}; then {reason}" if ep.reason else reason  # keep what failed before
         log.info("decision: %s", reason)
         self._note("decision", strategy=plan.strategy.value, step=plan.step, reason=reason)
         ep.phases = self._phases(plan, layout)
-        self._to({Strategy.RETRY: ControllerState.RECOVERING, Strategy.RECOVER_IN_PLACE: ControllerState.RECOVERING,
-                  Strategy.RECOVER: ControllerState.RECOVERING, Strategy.ELASTIC_TRAINING: ControllerState.RECOVERING,
-                  Strategy.DUMP: ControllerState.DUMPING}.get(plan.strategy, ControllerState.EXITED))
+        self._to(STATE_OF.get(plan.strategy, ControllerState.EXITED))
         self._start_phase()
 
     def _plan_failed(self, why: str) -> None:
@@ -517,23 +375,7 @@ class ControllerCore(Restarts, Phases):
 
     def _record(self) -> RecoveryRecord:
         """The record of this episode (created once, when the plan succeeds)."""
-        ep = self.episode
-        if ep.record is not None:
-            return ep.record
-        # A peer's broken collective is the symptom; the record names the
-        # cause (a lost, hung or failing rank) whichever was detected first.
-        first = next((f for f in ep.faults if f.kind is not FaultKind.COMM), ep.faults[0])
-        ep.record = RecoveryRecord(
-            fault=first.kind.name.lower(), rank=first.rank, step=ep.plan.step,
-            strategy=ep.plan.strategy.value, reason=ep.reason,
-            detect_s=(round(first.detected_at - first.occurred_at, 3) if first.occurred_at else None),
-            recover_s=round(self._wall() - ep.detected_at, 3),
-            lost_steps=max(0, ep.reached - ep.plan.step) if ep.plan.step >= 0 else -1,
-            detected_at=first.detected_at, message=first.message[:300],
-        )
-        self.records.append(ep.record)
-        self._note("recovery", **ep.record.to_dict())
-        return ep.record
+        return self.journal.record(self.episode)
 
     # --------------------------------------------------------------- helpers
     def _command(self, **action) -> pb.Command:
@@ -542,41 +384,13 @@ class ControllerCore(Restarts, Phases):
         self._next_id += 1
         return cmd
 
-    def _known(self, rank: int) -> Rank:
-        r = self.ranks.get(rank)
-        if r is None:
-            raise ProtocolError(f"message from unregistered rank {rank}")
-        return r
-
     def _to(self, state: ControllerState) -> None:
         self.state = advance(self.state, state, what="controller")
         self._note("state", state=state.name)
-        self._sample_steps()
+        self.journal.sample_steps(self.ranks, self._finished)
 
     # ------------------------------------------------------------ event log
-    def _link_verdict(self, verdict: dict) -> None:
-        """A link survey ended: name the slow host and its ranks (a WARNING), or say none stood out."""
-        ranks = self.agents.ranks_of(verdict["slow_node"]) if verdict["slow_node"] else []
-        verdict["ranks"] = ranks
-        if ranks:
-            log.warning("slow node: ranks %s: %s", ranks[:16], verdict["reason"])
-        else:
-            log.info("link survey: %s", verdict["reason"])
-        if self.slow_nodes is not None:
-            self.slow_nodes.note_links(verdict)
-        self._note("links", **{k: v for k, v in verdict.items() if k != "at"})
-
     def _note(self, ev: str, **fields: Any) -> None:
-        """One event for the run directory's log (see :mod:`trainguard.core.events`)."""
-        if self.events is not None:
-            self.events.write(ev, t=self._wall(), **fields)
+        """One event for the run directory's log (see :meth:`.status.Journal.note`)."""
+        self.journal.note(ev, **fields)
 
-    def _sample_steps(self) -> None:
-        """Every rank's step (-1: not registered) and the ranks lost (not alive, not finished), when they changed."""
-        if self.events is None or not self.ranks:
-            return
-        steps = [self.ranks[r].step if r in self.ranks else -1 for r in range(self.world_size)]
-        down = sorted(r.rank for r in self.ranks.values() if not r.alive and r.rank not in self._finished)
-        if (steps, down) != self._sampled:
-            self._sampled = (steps, down)
-            self._note("steps", steps=steps, down=down)

@@ -3,13 +3,14 @@
 One asyncio loop serves every session (a rank's own, or a node relay's
 carrying all of that node's ranks; see :mod:`trainguard.core.relay`) and is
 the only thread that touches :class:`~trainguard.core.controller.ControllerCore`. Launchers use
-:class:`Controller`, whose methods are safe to call from any thread.
+:class:`Controller`, whose methods are safe to call from any thread. The ways
+back to ranks and nodes, and the checks on what node agents send, are in
+:mod:`trainguard.core.routing`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from concurrent.futures import Future
@@ -24,6 +25,7 @@ from .config import ControllerConfig
 from .controller import ControllerCore
 from .profiling.live import LiveDetector
 from .protocol import trainguard_pb2 as pb
+from .routing import END, Abort, NodeLink, call_exit_refusal, check_agent, dispatch, exit_refusal
 from .rpc import SERVICE, Authenticate, Refusals, Refused, check_token, decoder, empty_stream, validate_rank_message
 from .secret import TLS, new_token
 
@@ -32,43 +34,6 @@ __all__ = ["Controller"]
 log = logging.getLogger("trainguard.controller")
 
 _TICK_S = 0.05
-_END = object()
-
-
-class _Abort:
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
-        self.code, self.reason = code, reason
-
-
-class _NodeLink:
-    """The way back to one node's relay. Commands sent to several of its ranks
-    in one burst (a phase's shared command) leave as one delivery."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self._pending: dict[int, tuple[object, list[int]]] = {}
-
-    def send(self, rank: int, message: pb.Command | pb.ControllerMessage) -> None:
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
-        entry = self._pending.get(id(message))
-        if entry is None:
-            self._pending[id(message)] = (message, [rank])
-        else:
-            entry[1].append(rank)
-
-    def refuse(self, rank: int, reason: str) -> None:
-        self.queue.put_nowait(pb.NodeCommands(items=[pb.NodeDelivery(ranks=[rank], refused=reason)]))
-
-    def _flush(self) -> None:
-        items = []
-        for message, ranks in self._pending.values():
-            if isinstance(message, pb.Command):
-                message = pb.ControllerMessage(command=message)
-            items.append(pb.NodeDelivery(ranks=ranks, message=message))
-        self._pending = {}
-        self.queue.put_nowait(pb.NodeCommands(items=items))
-
 
 class _Service:
     """The ``Control`` service; every method runs on the controller's loop.
@@ -81,7 +46,7 @@ class _Service:
         self.core = core
         self.token = token
         self.routes: dict[int, Callable[[pb.Command], None]] = {}
-        self.agents: dict[str, _NodeLink] = {}  # node agents, by the node name of their relay
+        self.agents: dict[str, NodeLink] = {}  # node agents, by the node name of their relay
         self.agent_keys: dict[str, bytes] = {}  # the key each name was first announced with
         self.stopping = False  # set while the server shuts down: ended sessions are not lost ranks
         self.refusals = Refusals(log, "controller")
@@ -159,9 +124,9 @@ class _Service:
             yield self.welcome
             while True:
                 item = await queue.get()
-                if item is _END:
+                if item is END:
                     break
-                if isinstance(item, _Abort):
+                if isinstance(item, Abort):
                     await self._refuse(context, item.code, f"rank {rank}: {item.reason}")
                 yield pb.ControllerMessage(command=item)
         finally:
@@ -169,20 +134,20 @@ class _Service:
             self._ended(rank, route, goodbye=state["goodbye"])
 
     async def _read(self, rank: int, stream, queue: asyncio.Queue, state: dict) -> None:
-        """Feed the rank's messages to the core; end the session (``_END``)
+        """Feed the rank's messages to the core; end the session (``END``)
         after Goodbye, when the stream breaks, or on a controller bug."""
         try:
             async for msg in stream:
                 if isinstance(msg, Refused):
-                    queue.put_nowait(_Abort(msg.code, msg.reason))
+                    queue.put_nowait(Abort(msg.code, msg.reason))
                     return
                 body = validate_rank_message(msg, world_size=self.core.world_size, first=False)
-                self._dispatch(rank, body, msg)
+                dispatch(self.core, rank, body, msg)
                 if body == "goodbye":
                     state["goodbye"] = True
                     break
         except ProtocolError as e:
-            queue.put_nowait(_Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            queue.put_nowait(Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
             return
         except asyncio.CancelledError:
             raise
@@ -190,19 +155,19 @@ class _Service:
             pass  # the stream broke: the session's finally clause reports the loss
         except Exception:  # a bug in the controller must not take the server down
             log.exception("controller error while handling rank %d", rank)
-        queue.put_nowait(_END)
+        queue.put_nowait(END)
 
     # ------------------------------------------------------- a node's ranks, one stream
     async def node_session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.NodeCommands]:
         await self._authorize(context)
-        link, local, seen = _NodeLink(), {}, {}
+        link, local, seen = NodeLink(), {}, {}
         reader = asyncio.ensure_future(self._read_node(requests, link, local, context.peer(), seen))
         try:
             while True:
                 item = await link.queue.get()
-                if item is _END:
+                if item is END:
                     break
-                if isinstance(item, _Abort):
+                if isinstance(item, Abort):
                     await self._refuse(context, item.code, item.reason)
                 yield item
         finally:
@@ -215,25 +180,17 @@ class _Service:
                 if not self.stopping:
                     self.core.on_agent_lost(node)
 
-    async def _read_node(self, requests, link: _NodeLink, local: dict, peer: str, seen: dict) -> None:
+    async def _read_node(self, requests, link: NodeLink, local: dict, peer: str, seen: dict) -> None:
         try:
             async for msg in requests:
                 if isinstance(msg, Refused):
-                    link.queue.put_nowait(_Abort(msg.code, msg.reason))
+                    link.queue.put_nowait(Abort(msg.code, msg.reason))
                     return
                 node = msg.node or peer
                 if msg.HasField("agent"):
-                    bad = [r for r in msg.agent.ranks if not 0 <= r < self.core.world_size]
-                    if bad or msg.agent.spare < 0:
-                        link.queue.put_nowait(_Abort(grpc.StatusCode.INVALID_ARGUMENT, (
-                            f"node agent {node}: ranks {bad[:8]} outside a world of {self.core.world_size}"
-                            if bad else f"node agent {node}: negative spare slots {msg.agent.spare}")))
-                        return
-                    key = self.agent_keys.setdefault(node, msg.agent.key) if msg.agent.key else b""
-                    if not key or not hmac.compare_digest(key, msg.agent.key):
-                        link.queue.put_nowait(_Abort(grpc.StatusCode.PERMISSION_DENIED, (
-                            f"node agent {node}: that name was announced with another key (only the agent that "
-                            "took it may take it again)" if msg.agent.key else f"node agent {node}: no key")))
+                    abort = check_agent(node, msg.agent, self.core.world_size, self.agent_keys)
+                    if abort is not None:
+                        link.queue.put_nowait(abort)
                         return
                     seen["agent"] = node
                     self.agents[node] = link
@@ -251,9 +208,9 @@ class _Service:
             pass  # the relay went away: every rank it carried is lost
         except Exception:  # a bug in the controller must not take the server down
             log.exception("controller error while handling node %s", peer)
-        link.queue.put_nowait(_END)
+        link.queue.put_nowait(END)
 
-    def _node_item(self, item: pb.RankEnvelope, link: _NodeLink, local: dict, node: str) -> None:
+    def _node_item(self, item: pb.RankEnvelope, link: NodeLink, local: dict, node: str) -> None:
         rank = item.rank
         if item.disconnected:
             if rank in local:
@@ -277,7 +234,7 @@ class _Service:
                 local[rank] = route
                 link.send(rank, self.welcome)
                 return
-            self._dispatch(rank, body, item.message)
+            dispatch(self.core, rank, body, item.message)
             if body == "goodbye":
                 self._ended(rank, local.pop(rank), goodbye=True)
         except ProtocolError as e:
@@ -288,45 +245,22 @@ class _Service:
 
     def _agent_exit(self, agent: str | None, node: str, report: pb.ProcessExit) -> None:
         """A worker's exit, from the node agent that runs it and from no one else."""
-        if agent != node or self.core.agents.home(report.rank) != node:
-            owner = self.core.agents.home(report.rank) if 0 <= report.rank < self.core.world_size else None
-            self.refusals(node, grpc.StatusCode.PERMISSION_DENIED, f"an exit report for rank {report.rank}: " + (
-                "it is no node agent" if agent != node else f"rank {report.rank} runs under {owner}"))
+        refusal = exit_refusal(self.core, agent, node, report)
+        if refusal is not None:
+            self.refusals(node, grpc.StatusCode.PERMISSION_DENIED, refusal)
             return
         self.core.on_process_exit(report.rank, report.pid, report.exit_code, report.reason[:2000],
                                   report.last_running)
-
-    def _dispatch(self, rank: int, body: str, msg: pb.RankMessage) -> None:
-        core = self.core
-        if body == "heartbeat":
-            core.on_heartbeat(rank, msg.heartbeat)
-        elif body == "stopped":
-            core.on_stopped(rank, msg.stopped)
-        elif body == "fault":
-            core.on_fault(rank, msg.fault)
-        elif body == "result":
-            core.on_result(rank, msg.result)
-        elif body == "goodbye":
-            core.on_goodbye(rank, msg.goodbye.status)
-        elif body == "persist":
-            core.on_persist(rank, msg.persist)
 
     async def report_process_exit(self, request, context) -> pb.Ack:
         await self._authorize(context)
         if isinstance(request, Refused):
             await self._refuse(context, request.code, request.reason)
-        rank, core = request.rank, self.core
-        if not 0 <= rank < core.world_size:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"rank {rank} outside a world of "
-                                                                        f"{core.world_size}")
-        home = core.agents.home(rank)
-        if home is not None:  # a node agent runs it: its exits come over that agent's relay stream
-            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
-                               f"the exit of rank {rank} is reported by its node agent {home}, not by this call")
-        if core.pids(rank) and request.pid not in core.pids(rank):  # a launcher without a relay (msrun)
-            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
-                               f"pid {request.pid} never registered as rank {rank}")
-        core.on_process_exit(rank, request.pid, request.exit_code, request.reason[:2000], request.last_running)
+        refusal = call_exit_refusal(self.core, request)
+        if refusal is not None:
+            await self._refuse(context, *refusal)
+        self.core.on_process_exit(request.rank, request.pid, request.exit_code, request.reason[:2000],
+                                  request.last_running)
         return pb.Ack()
 
     async def get_status(self, request, context) -> pb.JobStatus:
@@ -379,7 +313,7 @@ class Controller(LoopThread):
             core, loop = self._core, self._loop
             self._live.on_job_wide = lambda finding: loop.call_soon_threadsafe(
                 core.survey_links, f"step {finding.step}: {finding.reason}")
-            self._core.slow_nodes = self._live.start()
+            self._core.journal.slow_nodes = self._live.start()
             log.info("live slow-node detection follows %s", self._live.job_dir)
         return self.address
 
