@@ -14,9 +14,10 @@ directory as the entry after the first step when there was none::
     <root>/.tmp-<key>-<host>-<pid>-*  a publication in progress (renamed when complete)
 
 The key is a hash of what makes artifacts valid (framework version, device,
-model code and shapes, configuration), given by the adapter. An entry is
-used only when its manifest names the same key parts and every file has the
-size and checksum the manifest gives, checked while it is copied; otherwise
+model code and shapes, configuration), given by the adapter
+(:mod:`.compile_cache_key`). An entry is used only when its manifest names
+the same key parts and every file has the size and checksum the manifest
+gives, checked while it is copied (:mod:`.compile_cache_files`); otherwise
 it is ignored with one warning and rebuilt: the process compiles afresh and
 publishes a new entry. An entry appears by one ``rename`` of a complete
 directory, so readers never see half of one, and when several ranks publish
@@ -27,15 +28,11 @@ from __future__ import annotations
 
 import enum
 import errno
-import hashlib
-import inspect
 import json
 import logging
 import os
-import platform
 import shutil
 import socket
-import sys
 import tempfile
 import time
 import uuid
@@ -43,6 +40,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Mapping
 
 from .api import ConfigError
+from .compile_cache_files import (InvalidEntry, copy_checked, copy_hashed, empty_dir, file_size, fsync_dir, identity,
+                                  write_synced)
+from .compile_cache_key import cache_key, code_hash, cpu_model, script_hash
 
 __all__ = ["CompileCache", "LocalCache", "Lookup", "cache_key", "code_hash", "cpu_model", "resolve_root",
            "script_hash"]
@@ -54,7 +54,6 @@ MANIFEST = "manifest.json"
 FILES = "files"
 #: Publications in progress older than this are left-overs of a process that died.
 STALE_TMP_S = 3600.0
-_CHUNK = 1 << 20
 _OFF = {"off", "0", "false", "no", "none"}
 
 
@@ -65,21 +64,6 @@ class Lookup(enum.Enum):
     HIT = "hit"  #: a valid entry, restored into the framework's directory
     MISS = "miss"  #: no entry yet: compile, then publish
     INVALID = "invalid"  #: an entry that must not be used (mismatched, partial, corrupt): ignored, rebuilt
-
-
-def cache_key(parts: Mapping[str, Any]) -> str:
-    """The directory name for ``parts``: ``<framework>-<first 32 hex of the
-    SHA-256 of their canonical JSON>``.
-
-    Raises:
-        ConfigError: parts that are not JSON (strings, numbers, lists, mappings).
-    """
-    try:
-        text = json.dumps(dict(parts), sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"compile cache key parts must be JSON values: {e}") from None
-    framework = "".join(c for c in str(parts.get("framework", "any")) if c.isalnum()) or "any"
-    return f"{framework}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
 
 def resolve_root(setting: str | os.PathLike | bool | None, checkpoint_dir: str | os.PathLike | None,
@@ -115,10 +99,6 @@ def resolve_root(setting: str | os.PathLike | bool | None, checkpoint_dir: str |
         raise ConfigError(f"compile cache directory {root} cannot be created ({e.strerror}); set "
                           f"TRAINGUARD_COMPILE_CACHE to a writable directory, or to 'off'") from None
     return root
-
-
-class _Invalid(Exception):
-    """An entry that must not be used; the message says why."""
 
 
 class CompileCache:
@@ -167,10 +147,10 @@ class CompileCache:
             files = self._read_manifest()
             total = 0
             for rel, meta in files.items():
-                total += _copy_checked(self.entry / FILES / rel, dest / rel, meta)
-        except _Invalid as e:
-            _empty(dest)
-            self._bad = _identity(self.entry)
+                total += copy_checked(self.entry / FILES / rel, dest / rel, meta)
+        except InvalidEntry as e:
+            empty_dir(dest)
+            self._bad = identity(self.entry)
             return self._found(Lookup.INVALID, str(e))
         self.restored = {"files": len(files), "bytes": total, "seconds": round(time.perf_counter() - started, 3)}
         return self._found(Lookup.HIT, f"restored {len(files)} files ({total / 1e6:.1f} MB) from {self.entry}")
@@ -180,26 +160,26 @@ class CompileCache:
         try:
             manifest = json.loads(path.read_text())
         except FileNotFoundError:
-            raise _Invalid(f"{self.entry} has no {MANIFEST} (a partial entry)") from None
+            raise InvalidEntry(f"{self.entry} has no {MANIFEST} (a partial entry)") from None
         except (OSError, ValueError) as e:
-            raise _Invalid(f"{path} is unreadable ({e})") from None
+            raise InvalidEntry(f"{path} is unreadable ({e})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise _Invalid(f"{path} is not a format-{FORMAT} manifest")
+            raise InvalidEntry(f"{path} is not a format-{FORMAT} manifest")
         if manifest.get("parts") != self.parts:
             theirs = manifest.get("parts") if isinstance(manifest.get("parts"), dict) else {}
             diff = [f"{k}={theirs.get(k)!r} (this process: {self.parts.get(k)!r})"
                     for k in sorted(set(theirs) | set(self.parts)) if theirs.get(k) != self.parts.get(k)]
-            raise _Invalid(f"{self.entry} was made for other settings: {'; '.join(diff)[:600]}")
+            raise InvalidEntry(f"{self.entry} was made for other settings: {'; '.join(diff)[:600]}")
         files = manifest.get("files")
         if not isinstance(files, dict):
-            raise _Invalid(f"{path} lists no files")
+            raise InvalidEntry(f"{path} lists no files")
         for rel, meta in files.items():
             pure = PurePosixPath(rel)
             if pure.is_absolute() or ".." in pure.parts or not pure.parts:
-                raise _Invalid(f"{path} names a file outside the entry: {rel!r}")
+                raise InvalidEntry(f"{path} names a file outside the entry: {rel!r}")
             if not (isinstance(meta, dict) and isinstance(meta.get("size"), int)
                     and isinstance(meta.get("sha256"), str)):
-                raise _Invalid(f"{path}: no size and sha256 for {rel!r}")
+                raise InvalidEntry(f"{path}: no size and sha256 for {rel!r}")
         return files
 
     def _found(self, state: Lookup, reason: str) -> Lookup:
@@ -237,7 +217,7 @@ class CompileCache:
             log.warning("compile cache: cannot create %s (%s); the next restart compiles afresh", self.root, e)
             return False
         self._clear_stale()
-        if self._bad != _identity(self.entry) and self._entry_ok():
+        if self._bad != identity(self.entry) and self._entry_ok():
             self.counters["publish_lost"] += 1
             log.info("compile cache: entry %s was published by another process", self.key)
             return False
@@ -248,7 +228,7 @@ class CompileCache:
                 rel = path.relative_to(source)
                 if rel.parts[0] in skip or not path.is_file() or path.is_symlink():
                     continue
-                files[rel.as_posix()] = _copy_hashed(path, tmp / FILES / rel)
+                files[rel.as_posix()] = copy_hashed(path, tmp / FILES / rel)
             if not files:
                 shutil.rmtree(tmp, ignore_errors=True)
                 log.debug("compile cache: nothing was compiled, nothing to publish")
@@ -256,12 +236,12 @@ class CompileCache:
             manifest = {"format": FORMAT, "key": self.key, "parts": self.parts, "files": files,
                         "created": {"by": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
                                     "unix_time": round(time.time(), 3)}}
-            _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-            _fsync_dir(tmp)
-            if self.entry.exists() and (self._bad == _identity(self.entry) or not self._entry_ok()):
+            write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+            fsync_dir(tmp)
+            if self.entry.exists() and (self._bad == identity(self.entry) or not self._entry_ok()):
                 self._move_aside()
             os.rename(tmp, self.entry)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if e.errno in (errno.EEXIST, errno.ENOTEMPTY) and self._entry_ok():
@@ -280,9 +260,9 @@ class CompileCache:
         is complete; its checksums are checked by whoever restores it."""
         try:
             files = self._read_manifest()
-        except _Invalid:
+        except InvalidEntry:
             return False
-        return all(_size(self.entry / FILES / rel) == meta["size"] for rel, meta in files.items())
+        return all(file_size(self.entry / FILES / rel) == meta["size"] for rel, meta in files.items())
 
     def _move_aside(self) -> None:
         trash = self.root / f".trash-{self.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -362,115 +342,3 @@ def remove_orphans(prefix: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass
-
-
-def code_hash(classes: Iterable[type]) -> str:
-    """SHA-256 over the names and source code of ``classes`` (a model's
-    module classes): editing a layer's code changes it."""
-    digest = hashlib.sha256()
-    for cls in sorted(set(classes), key=lambda c: f"{c.__module__}.{c.__qualname__}"):
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
-            source = ""  # built in or generated: its name and the framework's version identify it
-        digest.update(f"{cls.__module__}.{cls.__qualname__}\n{source}\n".encode())
-    return digest.hexdigest()
-
-
-def script_hash() -> str:
-    """SHA-256 of the running script (``sys.argv[0]``), or ``""``."""
-    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    try:
-        return hashlib.sha256(script.read_bytes()).hexdigest() if script and script.is_file() else ""
-    except OSError:
-        return ""
-
-
-def cpu_model() -> str:
-    """The CPU's architecture and model name (compiled CPU kernels depend on them)."""
-    name = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}:{name}"
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    """Which directory is at ``path`` now (a new publication is a new one)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return -1
-
-
-def _copy_checked(src: Path, dst: Path, meta: Mapping[str, Any]) -> int:
-    """Copy one file of an entry, refusing it unless its size and checksum
-    are the manifest's."""
-    size = _size(src)
-    if size < 0:
-        raise _Invalid(f"{src} is missing")
-    if size != meta["size"]:
-        raise _Invalid(f"{src} has {size} bytes, its manifest says {meta['size']} (truncated or changed)")
-    try:
-        got = _copy_hashed(src, dst, synced=False)
-    except OSError as e:
-        raise _Invalid(f"{src} could not be read ({e})") from None
-    if got["sha256"] != meta["sha256"] or got["size"] != meta["size"]:
-        raise _Invalid(f"{src} does not match its checksum (corrupt)")
-    return got["size"]
-
-
-def _copy_hashed(src: Path, dst: Path, *, synced: bool = True) -> dict:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    digest, size = hashlib.sha256(), 0
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        while chunk := fin.read(_CHUNK):
-            digest.update(chunk)
-            fout.write(chunk)
-            size += len(chunk)
-        if synced:
-            fout.flush()
-            os.fsync(fout.fileno())
-    shutil.copymode(src, dst)  # compiled libraries stay loadable
-    return {"size": size, "sha256": digest.hexdigest()}
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some network file systems refuse fsync on a directory
-    finally:
-        os.close(fd)
-
-
-def _empty(path: Path) -> None:
-    if path.is_dir():
-        for child in path.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)

@@ -43,7 +43,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from typing import Any, Callable, Mapping, Sequence
 
 from trainguard.core import (
@@ -63,6 +62,7 @@ from trainguard.core.classify import Classifier
 from trainguard.core.secret import shared_secret
 
 from . import markers
+from .distributed import all_pids, blocked_in_collective
 from .handlers import TtpHandlers
 from .state import TTP, checked_int
 
@@ -164,49 +164,12 @@ def tft_start_processor(master_ip: str, port: int, **_: Any) -> int:
     processor.connect(step=TTP.step, replicas=TTP.groups(), device=TTP.device,
                       restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     processor.add_stop_listener(lambda: TTP.call("stop", optional=True))
-    processor.watchdog.in_collective = _blocked_in_collective(threading.get_ident())
+    processor.watchdog.in_collective = blocked_in_collective(threading.get_ident())
     TTP.processor = processor
-    TTP.pids, started_at = _all_pids()
+    TTP.pids, started_at = all_pids()
     markers.start(started_at)
     atexit.register(TTP.exit_now)
     return 0
-
-
-def _blocked_in_collective(thread: int) -> Callable[[], bool]:
-    """For the hang watchdog: is ``thread`` (the training thread) inside a
-    ``torch.distributed`` call? A collective blocked on a peer keeps its
-    innermost Python frame in c10d's Python API (megatron's and the script's
-    collectives alike), so a rank waiting on a hung peer is not taken for
-    the hung one: it gets the longer in-collective limit, and the peer
-    names itself first. The trainguard backend's groups wait on a future
-    (``torch.futures`` under ``process_group.py``): its frames count too."""
-    tdist = sys.modules.get("torch.distributed")
-    where = (os.path.dirname(tdist.__file__) + os.sep,) if tdist is not None else ()
-    pg = sys.modules.get("trainguard.adapters.torch.process_group")
-    if pg is not None:  # the trainguard backend's groups wait on their own future
-        where += (pg.__file__,)
-
-    def probe() -> bool:
-        frame = sys._current_frames().get(thread)
-        for _ in range(3):  # the wait itself may sit in torch.futures, below the collective
-            if frame is None or not where:
-                return False
-            if frame.f_code.co_filename.startswith(where):
-                return True
-            frame = frame.f_back
-        return False
-    return probe
-
-
-def _all_pids() -> tuple[dict[int, int], float]:
-    """Every rank's PID (for the job's history) and rank 0's clock (one
-    default profiling job id), when torch.distributed is up."""
-    tdist = sys.modules.get("torch.distributed")
-    if tdist is None or not tdist.is_initialized():
-        return {TTP.rank: os.getpid()}, time.time()
-    ids: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(ids, (os.getpid(), time.time()))
-    return {r: pid for r, (pid, _) in enumerate(ids)}, ids[0][1]
 
 
 def tft_set_optimizer_replica(rank: int, replica_info: Sequence[Mapping[str, Any]]) -> None:

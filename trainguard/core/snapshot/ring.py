@@ -1,6 +1,6 @@
 """The framework-free half of a rank's snapshots: a ring of slots in the
 job's snapshot directory, the persist worker, and finding verified
-snapshots to load.
+snapshots to load (the settings and the directory: :mod:`.settings`).
 
 An adapter subclasses :class:`SnapshotRing` and calls :meth:`write` with
 the layout of its state (one :class:`Entry` per tensor, in its own order),
@@ -21,7 +21,6 @@ meanwhile is sent once the copy has landed.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -31,14 +30,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..api import CheckpointError, ConfigError
+from ..api import CheckpointError
 from ..events import note
 from ..checkpoint import CheckpointStore, FileInfo
 from .peer import fetch
 from .health import PersistHealth
-from .persist import PersistWorker
+from .persist_client import PersistWorker
 from .records import write_record
 from .segment import Entry, Layout, Slot, State
+from .settings import check_settings, directory_for
 from .shm import SnapshotDir
 
 __all__ = ["FORMAT", "SnapshotRing", "check_settings", "directory_for", "load_verified"]
@@ -380,25 +380,3 @@ def load_verified(slot: Slot, read: Callable[[memoryview], Any],
         return then(slot.verified(read)[1])
     finally:
         slot.close()
-
-
-def check_settings(every: int, count: int, save_every: int) -> None:
-    """Raises:
-        ConfigError: ``every`` < 0, ``count`` < 1, or a save interval that is
-            not a multiple of ``every``."""
-    if every < 0 or (every and (count < 1 or (save_every and save_every % every))):
-        raise ConfigError(f"snapshot_every={every} must be >= 0 and divide save_every={save_every}; "
-                          f"snapshots_in_memory={count} must be >= 1")
-
-
-def directory_for(name: str) -> SnapshotDir:
-    """The node agent's snapshot directory (``TRAINGUARD_SNAPSHOT_DIR``), so
-    snapshots outlive this process; without an agent one this process owns,
-    named ``name`` and removed at exit (a crash that unwinds included; a
-    kill -9 leaves it to :func:`~.shm.sweep`)."""
-    path = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
-    if path:
-        return SnapshotDir.attach(path)
-    directory = SnapshotDir.create(name, os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
-    atexit.register(directory.remove)
-    return directory

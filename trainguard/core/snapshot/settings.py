@@ -1,0 +1,37 @@
+"""A job's snapshot settings as the adapters take them: the intervals
+checked together (:func:`check_settings`) and the directory a rank's
+snapshots live in (:func:`directory_for`: the node agent's, so they
+outlive the process, else one of the process's own).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+from ..api import ConfigError
+from .shm import SnapshotDir
+
+__all__ = ["check_settings", "directory_for"]
+
+
+def check_settings(every: int, count: int, save_every: int) -> None:
+    """Raises:
+        ConfigError: ``every`` < 0, ``count`` < 1, or a save interval that is
+            not a multiple of ``every``."""
+    if every < 0 or (every and (count < 1 or (save_every and save_every % every))):
+        raise ConfigError(f"snapshot_every={every} must be >= 0 and divide save_every={save_every}; "
+                          f"snapshots_in_memory={count} must be >= 1")
+
+
+def directory_for(name: str) -> SnapshotDir:
+    """The node agent's snapshot directory (``TRAINGUARD_SNAPSHOT_DIR``), so
+    snapshots outlive this process; without an agent one this process owns,
+    named ``name`` and removed at exit (a crash that unwinds included; a
+    kill -9 leaves it to :func:`~.shm.sweep`)."""
+    path = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+    if path:
+        return SnapshotDir.attach(path)
+    directory = SnapshotDir.create(name, os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
+    atexit.register(directory.remove)
+    return directory
