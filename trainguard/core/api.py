@@ -68,10 +68,15 @@ class RunStatus(enum.Enum):
     """What a rank is doing, as the controller sees it.
 
     ``STARTING`` -> ``TRAINING`` after registration; ``TRAINING`` ->
-    ``STOPPED`` when the rank left its step (stop command or own fault);
+    ``STOPPED`` when the rank left its step (stop command or own fault), and
+    ``STOPPED`` -> ``STOPPED`` for a further stop command;
     ``STOPPED`` <-> ``RECOVERING`` around each recovery command;
     ``STOPPED`` -> ``TRAINING`` on resume; any live state -> ``EXITING``;
-    ``TRAINING`` -> ``FINISHED`` at the end of training.
+    ``TRAINING`` -> ``FINISHED`` at the end of training. A replacement
+    process stays ``STARTING`` until its recovery's first command
+    (``STARTING`` -> ``RECOVERING``); an offline rank (no controller) goes
+    ``STARTING`` -> ``STOPPED`` on a fault. The table is
+    :data:`trainguard.core.transitions.RUN`.
     """
 
     STARTING = 1

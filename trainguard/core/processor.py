@@ -10,6 +10,9 @@ training thread, which executes it in :mod:`trainguard.core.recovery`.
 The per-step calls :meth:`start_update` and :meth:`end_update` only change a
 field (after checking the transition); they never touch the network.
 
+The run status changes only through :meth:`Processor.set_run`, which checks
+the change against :data:`~.transitions.RUN` under a lock.
+
 The same thread polls the rank's :class:`~.watchdog.ProgressWatchdog` a few
 times a second and reports a hang the moment the training loop has gone too
 long without completing a step (the controller then ends this process and
@@ -29,7 +32,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import grpc
 
-from .api import EXIT_HUNG, ControllerLostError, DataStatus, ProtocolError, RunStatus, Severity, FaultKind
+from .api import (EXIT_HUNG, ControllerLostError, DataStatus, FaultKind, ProtocolError, RunStatus, Severity,
+                  TransitionError)
 from .config import ProcessorConfig
 from .protocol import trainguard_pb2 as pb
 from .replicas import ReplicaGroup
@@ -91,7 +95,8 @@ class Processor:
         self.stops = 0  # STOP commands received; a handler compares it to notice a new one
         self.step = 0
         self.data = DataStatus.UPDATED
-        self.run = RunStatus.STARTING
+        self._run = RunStatus.STARTING
+        self._run_lock = threading.Lock()
         self.stop_event = threading.Event()
         self.job_id = ""
         self._force_exit = force_exit
@@ -170,7 +175,10 @@ class Processor:
                     f"within {self.config.connect_timeout_s:g} s ({self._error or 'no reply'})")
             self._reader.join(timeout=5)
             time.sleep(random.uniform(0.1, 1.0))
-        self.run = advance(self.run, RunStatus.TRAINING, what=f"rank {self.rank}")
+        if not joining:
+            # A replacement has not trained: it stays STARTING until its
+            # recovery's first command (recover), and trains after the resume.
+            self.set_run(RunStatus.TRAINING, "registered")
         self.watchdog.arm()
 
     def _requests(self, hello: pb.Hello) -> Iterable[pb.RankMessage]:
@@ -267,9 +275,17 @@ class Processor:
         """Say goodbye (when ``finished``) and end the session."""
         if self._call is None:
             return
+        illegal: TransitionError | None = None
         if finished and self.connected:
-            self.run = RunStatus.FINISHED
-            self._outbox.put(pb.RankMessage(goodbye=pb.Goodbye(status=self._status())))
+            try:
+                self.set_run(RunStatus.FINISHED, "close")
+            except TransitionError as e:
+                # Not a rank that finished (it is mid-recovery, say): no
+                # Goodbye claims it did; the session still ends, then the
+                # error is raised.
+                illegal = e
+            else:
+                self._outbox.put(pb.RankMessage(goodbye=pb.Goodbye(status=self._status())))
         self._outbox.put(_CLOSE)
         if self._reader is not None:
             self._reader.join(timeout=5)
@@ -284,6 +300,44 @@ class Processor:
         self.watchdog.close()
         self._channel.close()
         self._call = None
+        if illegal is not None:
+            raise illegal
+
+    # ----------------------------------------------------------- run status
+    @property
+    def run(self) -> RunStatus:
+        """What this rank is doing; changed only by :meth:`set_run`."""
+        return self._run
+
+    def set_run(self, new: RunStatus, what: str) -> None:
+        """Change the run status to ``new`` (``what``: the cause, for the error).
+
+        The check and the assignment hold :attr:`_run_lock` together: a
+        report may come from another thread than the training thread's own
+        changes (a stop listener, a watchdog, a background saver), and a
+        check that passed must still hold when the state is set.
+
+        Raises:
+            TransitionError: ``run -> new`` is not in :data:`~.transitions.RUN`.
+        """
+        with self._run_lock:
+            self._run = advance(self._run, new, what=f"rank {self.rank} {what}")
+
+    def _set_run_reporting(self, new: RunStatus, what: str) -> None:
+        """:meth:`set_run` for a report that must go out whatever the state.
+
+        A report may be made on a thread other than the training thread,
+        where a raised :class:`TransitionError` would end that thread (or
+        vanish in a listener's handler) and with it the report: the
+        controller would never learn of the fault or the stop and wait for a
+        timeout. So an illegal change is logged at ERROR (it names the
+        transition, as the raised error would), the state stays as it was,
+        and the caller sends its report anyway, with that state in it.
+        """
+        try:
+            self.set_run(new, what)
+        except TransitionError as e:
+            log.error("%s; the report is sent anyway (run status stays %s)", e, self._run.name)
 
     # ----------------------------------------------------------- hot path
     def start_update(self) -> None:
@@ -333,14 +387,14 @@ class Processor:
         # The rank stopped itself: no STOP will come to disarm the watchdog,
         # and the controller times the recovery's phases from here on.
         self.watchdog.disarm()
-        self.run = RunStatus.STOPPED
+        self._set_run_reporting(RunStatus.STOPPED, "fault report")
         self._post(pb.RankMessage(fault=pb.FaultReport(
             kind=kind.value, severity=severity.value, phase=phase, message=message[:2000],
             occurred_at=occurred_at or self._clock(), status=self._status())))
 
     def report_stopped(self) -> None:
         self.watchdog.disarm()
-        self.run = RunStatus.STOPPED
+        self._set_run_reporting(RunStatus.STOPPED, "stop answer")
         self._post(pb.RankMessage(stopped=self._status()))
 
     def report_persist(self, failing: Failing | None) -> None:
@@ -379,5 +433,5 @@ class Processor:
         """Training continues: clear the stop signal. After a recovery that
         started new processes the next step gets the first-step limit."""
         self.stop_event.clear()
-        self.run = RunStatus.TRAINING
+        self.set_run(RunStatus.TRAINING, "resume")
         self.watchdog.arm(first=new_processes)

@@ -135,7 +135,7 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
             processor.report_stopped()
             continue
         if action == "exit":
-            processor.run = RunStatus.EXITING
+            processor.set_run(RunStatus.EXITING, "exit command")
             return Outcome(resume=False, exit_code=cmd.exit.code, reason=cmd.exit.reason)
         if action == "resume":
             record = json.loads(cmd.resume.record_json) if cmd.resume.record_json else None
@@ -143,7 +143,7 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
             handlers.resumed(cmd.resume.step, record or {}, pids, cmd.resume.replicas)
             processor.resumed(new_processes=bool(pids))  # the controller sends the PIDs when it started some
             return Outcome(resume=True, step=cmd.resume.step, record=record)
-        processor.run = RunStatus.RECOVERING
+        processor.set_run(RunStatus.RECOVERING, f"{action} command")
         try:
             if injector is not None:
                 injector.strike("recovery", processor.step)
@@ -157,7 +157,7 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
             log.info("rank %d: %s handler failed: %s: %s", processor.rank, action, type(e).__name__, e)
             log.debug("rank %d: %s handler failed", processor.rank, action, exc_info=True)
             processor.send_result(cmd, ok=False, message=f"{type(e).__name__}: {e}")
-        processor.run = RunStatus.STOPPED
+        processor.set_run(RunStatus.STOPPED, f"{action} command done")
 
 
 def _files(files: Sequence[FileInfo]) -> list[pb.FileInfo]:

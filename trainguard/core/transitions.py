@@ -26,11 +26,35 @@ DATA: Mapping[D, frozenset[D]] = {
     D.COPYING: frozenset({D.UPDATED}),
 }
 
+# A rank's own view of itself (:class:`~.processor.Processor`). Every edge
+# is one the training thread takes on a path the adapters and
+# :func:`~.recovery.recover` follow; the comments say which.
 RUN: Mapping[R, frozenset[R]] = {
-    R.STARTING: frozenset({R.TRAINING, R.STOPPED, R.EXITING}),
-    R.TRAINING: frozenset({R.STOPPED, R.EXITING, R.FINISHED}),
-    R.STOPPED: frozenset({R.RECOVERING, R.TRAINING, R.EXITING}),
-    R.RECOVERING: frozenset({R.STOPPED, R.EXITING}),
+    R.STARTING: frozenset({
+        R.TRAINING,    # registered with the controller (connect)
+        R.STOPPED,     # a fault reported by an offline processor (no controller: it never
+                       # registers), or a STOP a replacement answers before its first command
+        R.RECOVERING,  # a replacement process (connect(joining=True)) stays STARTING until its
+                       # recovery's first command (rebuild, repair, ...): it never trained
+        R.EXITING,     # a replacement with no recovery waiting for it is told to exit
+    }),
+    R.TRAINING: frozenset({
+        R.STOPPED,     # left its step: its own fault reported, or a STOP answered
+        R.EXITING,     # an exit command with no step left first (kept from the first table;
+                       # recover is entered after a report, so not taken today)
+        R.FINISHED,    # close() after the last step
+    }),
+    R.STOPPED: frozenset({
+        R.STOPPED,     # a second STOP while stopped (another rank's fault during the
+                       # recovery, or a STOP to a rank that had reported its own fault)
+        R.RECOVERING,  # the next recovery command
+        R.TRAINING,    # resume
+        R.EXITING,     # exit command
+    }),
+    R.RECOVERING: frozenset({
+        R.STOPPED,     # the command's result was sent
+        R.EXITING,     # kept from the first table; recover is STOPPED again before each command
+    }),
     R.EXITING: frozenset(),
     R.FINISHED: frozenset(),
 }
