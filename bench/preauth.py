@@ -1,6 +1,6 @@
 """What unauthenticated calls cost the controller: memory, and the log.
 
-A controller (``trainguard.core.server.Controller``, 1 MiB message limit)
+A controller (``trainguard.core.control.server.Controller``, 1 MiB message limit)
 runs in a process of its own; ``--calls`` concurrent calls without the job
 secret, each with a ``--mib`` body, hit it at once -- half ``ReportProcessExit``
 (unary), half ``Session`` (a stream) -- then a legitimate ``GetStatus``.

@@ -22,7 +22,7 @@ For 1024, 4096 and 16384 ranks (``--quick``: 256) it measures
   command, ``clean``), ``fault_to_resume_s`` (every rank received
   ``resume``: recovery over).
 
-How: the controller (``trainguard.core.server.Controller``, unchanged) runs
+How: the controller (``trainguard.core.control.server.Controller``, unchanged) runs
 in its own process. Ranks are asyncio coroutines in ``--clients`` client
 processes, each rank one gRPC bidi stream; the streams of a process share
 channels (``--streams-per-channel``, one TCP connection each). A rank sends
@@ -60,7 +60,7 @@ except ImportError:  # run as `python bench/scale.py`
 import grpc
 
 from trainguard.core.config import ControllerConfig
-from trainguard.core.processor import _pb_group
+from trainguard.core.rank.processor import _pb_group
 from trainguard.core.replicas import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.rpc import SERVICE, auth_metadata, new_token
@@ -85,7 +85,7 @@ def cpu_s(pid: int) -> float:
 
 # ------------------------------------------------------------- controller
 def controller_main(world: int, token: str, conn) -> None:
-    from trainguard.core.server import Controller
+    from trainguard.core.control.server import Controller
 
     raise_nofile()
     ctl = Controller(ControllerConfig(), world, token=token, tls=TLS.from_env())  # TLS: see make_pki

@@ -25,7 +25,7 @@ from trainguard.core import (
     report_left_step,
 )
 from trainguard.core.checkpoint import FileInfo
-from trainguard.core.client import ControllerClient
+from trainguard.core.control.client import ControllerClient
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.rpc import SERVICE, auth_metadata
 

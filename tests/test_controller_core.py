@@ -1,8 +1,8 @@
 """The controller's state machine driven directly, at thousands of ranks."""
 
 from trainguard.core import EXIT_HUNG, ControllerConfig, ControllerState
-from trainguard.core.controller import ControllerCore
-from trainguard.core.processor import _pb_group
+from trainguard.core.control.controller import ControllerCore
+from trainguard.core.rank.processor import _pb_group
 from trainguard.core import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
 

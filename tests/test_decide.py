@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainguard.core.decide import Agents
+from trainguard.core.control.decide import Agents
 from trainguard.core import (
     EXIT_AFTER_DUMP,
     ControllerConfig,

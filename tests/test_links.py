@@ -88,7 +88,7 @@ def test_the_survey_names_no_host_when_the_links_are_alike_or_there_are_two():
 
 
 def test_the_controller_orders_a_survey_and_names_the_slow_host_from_the_answers():
-    from trainguard.core.agents import AgentTable
+    from trainguard.core.control.agents import AgentTable
 
     table, sent, verdicts, now = AgentTable(0), [], [], [0.0]
     surveyor = Surveyor(table.order, lambda node, order: sent.append((node, order)), clock=lambda: now[0],
@@ -111,7 +111,7 @@ def test_the_controller_orders_a_survey_and_names_the_slow_host_from_the_answers
 
 
 def test_a_survey_an_agent_never_answers_ends_with_what_it_has():
-    from trainguard.core.agents import AgentTable
+    from trainguard.core.control.agents import AgentTable
 
     table, sent, verdicts, now = AgentTable(0), [], [], [0.0]
     surveyor = Surveyor(table.order, lambda node, order: sent.append((node, order)), clock=lambda: now[0],
@@ -169,7 +169,7 @@ def test_an_agent_s_answer_or_hello_cannot_bend_the_survey():
     survey = LinkSurvey({"a": "a:1", "b": "b:1", "c": "c:1"})
     survey.add("a", [("b", float("nan"), ""), ("c", -5.0, ""), ("z", 1e12, ""), ("a", 1e12, "")])
     assert survey.rates == {} and set(survey.errors) == {("a", "b"), ("a", "c")}
-    from trainguard.core.agents import AgentTable
+    from trainguard.core.control.agents import AgentTable
     from trainguard.core.protocol import trainguard_pb2 as pb
 
     table = AgentTable(0)

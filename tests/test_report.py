@@ -15,7 +15,7 @@ import pytest
 from conftest import WORKERS, run_job
 from test_control_plane import FAST, Recording, run_ranks, train_to, wait_for
 from trainguard.core import Controller, ControllerConfig, ControllerState, Processor, ProcessorConfig, ReplicaGroup
-from trainguard.core.watchdog import WatchdogConfig
+from trainguard.core.rank.watchdog import WatchdogConfig
 from trainguard.report.timeline import RunDirError, load, summary
 
 FAULT_RED = (0xD6, 0x28, 0x28)

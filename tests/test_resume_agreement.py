@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from trainguard.core import CheckpointError, ControllerConfig, ControllerState, ResumeError
-from trainguard.core.controller import ControllerCore
-from trainguard.core.processor import _pb_group
+from trainguard.core.control.controller import ControllerCore
+from trainguard.core.rank.processor import _pb_group
 from trainguard.core import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.rank.resume import resume

@@ -30,7 +30,7 @@ from conftest import WORKERS
 
 from trainguard.core import Controller, ControllerConfig, Processor, ProcessorConfig, ProtocolError, ReplicaGroup
 from trainguard.core.api import ConfigError, ControllerLostError
-from trainguard.core.client import ControllerClient
+from trainguard.core.control.client import ControllerClient
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.rpc import SERVICE
@@ -296,7 +296,7 @@ def _unary_raw(address: str, method: str, body: bytes, token: str):
 
 
 def test_a_call_without_the_secret_is_refused_before_its_body_is_decoded(monkeypatch, caplog):
-    from trainguard.core import server
+    from trainguard.core.control import server
 
     decoded: list[int] = []
     real = server.decoder

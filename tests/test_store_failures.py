@@ -29,7 +29,7 @@ from conftest import WORKERS
 from trainguard.adapters.torch.snapshot import Snapshots
 from trainguard.core import CheckpointError, ControllerConfig
 from trainguard.core.checkpoint import CheckpointStore, FileInfo, io_error
-from trainguard.core.controller import ControllerCore
+from trainguard.core.control.controller import ControllerCore
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.snapshot.persist import _persist
 from trainguard.core.snapshot.records import write_record

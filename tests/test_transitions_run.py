@@ -9,10 +9,10 @@ from unittest import mock
 import pytest
 
 from trainguard.core import FaultKind, RunStatus, Severity, TransitionError
-from trainguard.core import processor as processor_module
-from trainguard.core.processor import Processor
+from trainguard.core.rank import processor as processor_module
+from trainguard.core.rank.processor import Processor
 from trainguard.core.protocol import trainguard_pb2 as pb
-from trainguard.core.recovery import Handlers, recover
+from trainguard.core.rank.recovery import Handlers, recover
 from trainguard.core.transitions import RUN, advance, allowed
 
 R = RunStatus

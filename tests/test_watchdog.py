@@ -7,8 +7,8 @@ import pytest
 from trainguard.core import ConfigError
 from trainguard.core.config import watchdog_from_env
 from trainguard.core.api import FaultKind, Severity
-from trainguard.core.processor import Processor
-from trainguard.core.watchdog import ProgressWatchdog, WatchdogConfig
+from trainguard.core.rank.processor import Processor
+from trainguard.core.rank.watchdog import ProgressWatchdog, WatchdogConfig
 
 
 class Clock:

@@ -42,7 +42,7 @@ USAGE = """usage: trainguard {run,rehearse,status,report,ckpt,slow-nodes} ...
 
 
 def _status(argv: Sequence[str]) -> int:
-    from trainguard.core.client import ControllerClient
+    from trainguard.core.control.client import ControllerClient
     from trainguard.core.secret import TLS, job_secret
 
     p = argparse.ArgumentParser(prog="trainguard status")

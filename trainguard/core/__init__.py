@@ -31,12 +31,12 @@ from .api import (
 from .checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo
 from .classify import Classifier
 from .config import ControllerConfig, ProcessorConfig, check_env, parse_strategies
-from .decide import decide
+from .control.decide import decide
 from .faults import FaultInjector, FaultSpec
-from .processor import Processor
-from .recovery import Handlers, Outcome, recover, report_left_step
+from .rank.processor import Processor
+from .rank.recovery import Handlers, Outcome, recover, report_left_step
 from .replicas import ReplicaGroup, choose_savers, choose_sources
-from .server import Controller
+from .control.server import Controller
 
 __all__ = [
     "EXIT_AFTER_DUMP", "EXIT_HUNG", "EXIT_UNRECOVERABLE", "CheckpointError", "CheckpointStore", "Classifier", "ConfigError",

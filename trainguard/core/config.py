@@ -17,13 +17,13 @@ from typing import Any, Mapping
 
 from .api import ConfigError, Strategy
 from .secret import TLS
-from .watchdog import WatchdogConfig
 
 __all__ = [
     "ENV",
     "HEARTBEATS_PER_S",
     "ControllerConfig",
     "ProcessorConfig",
+    "WatchdogConfig",
     "check_env",
     "parse_strategies",
 ]
@@ -141,6 +141,29 @@ def _number(name: str, value: str, kind: type) -> Any:
         return kind(value)
     except ValueError:
         raise ConfigError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """When a rank's watchdog calls a step hung (:mod:`.rank.watchdog`)."""
+
+    enabled: bool = True
+    steps_factor: float = 3.0
+    min_limit_s: float = 2.0
+    first_step_s: float = 600.0
+    first_section_s: float = 600.0
+    section_factor: float = 3.0
+    benign_pause_steps: float = 5.0  # a peer may pause this long without blame
+    window: int = 50  # recent steps the median is taken over
+    poll_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("steps_factor", "min_limit_s", "first_step_s", "first_section_s", "section_factor",
+                     "benign_pause_steps", "poll_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"watchdog {name} must be > 0, got {getattr(self, name)!r}")
+        if self.steps_factor < 1 or self.section_factor < 1:
+            raise ConfigError("watchdog factors must be >= 1 (a limit below the typical time alarms every step)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ flag sets and the workers inherit) makes the job append to
 ``{"t": unix seconds, "ev": name, ...}``. Who writes what:
 
 * the launcher: ``launch`` (its command) and ``exit`` (its exit code);
-* the controller (:class:`~trainguard.core.controller.ControllerCore`):
+* the controller (:class:`~trainguard.core.control.controller.ControllerCore`):
   ``controller`` (a controller started: job id, world size, strategies),
   ``rank`` (registered), ``steps`` (every rank's step from its heartbeats
   and the ranks lost, when they changed: at most twice a heartbeat interval

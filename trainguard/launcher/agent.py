@@ -46,7 +46,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from trainguard.core import Controller, ControllerConfig, Strategy
-from trainguard.core.client import ControllerClient
+from trainguard.core.control.client import ControllerClient
 from trainguard.core.links import LinkSink, answer_probe
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay

@@ -37,7 +37,7 @@ from typing import Any
 from trainguard.core import (EXIT_AFTER_DUMP, Controller, ControllerConfig, ControllerState, FaultSpec,
                              TrainguardError, check_env, logs)
 from trainguard.core.annotations import StrategyChoice, from_annotations, resolve_strategies
-from trainguard.core.client import ControllerClient
+from trainguard.core.control.client import ControllerClient
 from trainguard.core.config import parse_strategies
 from trainguard.core.faults import check_ranks
 from trainguard.core.secret import TLS, job_secret

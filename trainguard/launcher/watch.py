@@ -51,7 +51,7 @@ def report_exit(controller: Any, client: Any, rank: int, pid: int, code: int, re
                 last_running: float = 0.0) -> None:
     """Log a worker's end and report it to the controller (in this process,
     else through ``client``: the node agent's relay, or a launcher's
-    :class:`~trainguard.core.client.ControllerClient`)."""
+    :class:`~trainguard.core.control.client.ControllerClient`)."""
     # the controller's one line tells the fault and what came of it
     log.info("worker rank %d (pid %d) %s%s", rank, pid, f"{reason}: " if reason else "",
                 f"killed by signal {-code}" if code < 0 else f"exited with code {code}")

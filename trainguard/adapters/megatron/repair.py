@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from trainguard.core import CheckpointError, RecoveryError
-from trainguard.core.recovery import CLEAN_FAILED, CLEAN_OK
+from trainguard.core.rank.recovery import CLEAN_FAILED, CLEAN_OK
 
 from ..torch.state import recv_state, send_state
 from .kinds import DENSE, EXPERT, apply_shard, distributed, expert_keys, is_expert, kind_of, mains, members, \

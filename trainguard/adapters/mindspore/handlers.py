@@ -32,7 +32,7 @@ from mindspore import Tensor, ops
 
 from trainguard.core import CheckpointError, ConfigError, Processor, RecoveryError, Transfer
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified
-from trainguard.core.recovery import Handlers
+from trainguard.core.rank.recovery import Handlers
 
 from .state import ModelState
 

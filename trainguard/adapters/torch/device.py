@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.core.recovery import CLEAN_FAILED, CLEAN_OK
+from trainguard.core.rank.recovery import CLEAN_FAILED, CLEAN_OK
 
 __all__ = ["Device", "for_module"]
 

@@ -12,7 +12,7 @@ import torch
 from trainguard.core import CheckpointError, RecoveryError, Transfer
 from trainguard.core.checkpoint import FileInfo, SavedShard, shard_file
 from trainguard.core import Processor
-from trainguard.core.recovery import Handlers
+from trainguard.core.rank.recovery import Handlers
 
 from .comm import TorchComm
 from .device import Device

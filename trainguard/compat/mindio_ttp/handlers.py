@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from trainguard.core import CheckpointError, DataStatus, RecoveryError, Transfer
 from trainguard.core.checkpoint import FileInfo, SavedShard
-from trainguard.core.recovery import Handlers
+from trainguard.core.rank.recovery import Handlers
 
 if TYPE_CHECKING:
     from .state import _State
@@ -24,7 +24,7 @@ def _takes_kind(fn) -> bool:
 
 
 class TtpHandlers(Handlers):
-    """MindIO's handler shapes behind trainguard's :class:`~trainguard.core.recovery.Handlers`."""
+    """MindIO's handler shapes behind trainguard's :class:`~trainguard.core.rank.recovery.Handlers`."""
 
     def __init__(self, state: "_State") -> None:
         self.s = state

@@ -27,8 +27,8 @@ from typing import Iterable, Iterator
 
 from ..api import ConfigError, ControllerLostError, DataStatus, ForceStop
 from ..config import ProcessorConfig
-from ..processor import Processor
-from ..recovery import Outcome, recover
+from .processor import Processor
+from .recovery import Outcome, recover
 from .history import JobHistory, Protected
 
 __all__ = ["RankRuntime"]

@@ -1,7 +1,7 @@
 """The controller's state machine: ranks, fault episodes, plans in phases.
 
 :class:`ControllerCore` holds no sockets and no threads. The gRPC server
-(:mod:`trainguard.core.server`) feeds it events (``on_hello``,
+(:mod:`trainguard.core.control.server`) feeds it events (``on_hello``,
 ``on_fault``...) from one event loop and it answers by calling ``send(rank,
 command)``. Its clocks are injected, so tests drive it by hand.
 
@@ -10,7 +10,7 @@ An *episode* begins with the first fault while training runs normally:
 1. **prelock** -- every live rank is told to STOP; each leaves its step at
    the next safe point and reports its step and data status. When all have
    (or the prelock timeout named the laggards as hung) the step is locked.
-2. **decide** -- :func:`trainguard.core.decide.decide` picks the plan.
+2. **decide** -- :func:`trainguard.core.control.decide.decide` picks the plan.
 3. **phases** -- the plan's commands go out phase by phase (retry and
    elastic-training: clean, rebuild, repair, rollback, resume;
    recover-in-place and recover: clean, respawn, join, repair, rollback,
@@ -34,21 +34,21 @@ import logging
 import time
 from typing import Any, Callable
 
-from .api import EXIT_HUNG, EXIT_UNRECOVERABLE, ControllerState, Fault, FaultKind, RecoveryRecord, Strategy
+from ..api import EXIT_HUNG, EXIT_UNRECOVERABLE, ControllerState, Fault, FaultKind, RecoveryRecord, Strategy
 from .agents import AgentTable
-from .config import ControllerConfig
-from .links import Surveyor
+from ..config import ControllerConfig
+from ..links import Surveyor
 from .episode import Episode, Rank, Starts
 from .liveness import Liveness
-from .protocol import trainguard_pb2 as pb
-from .rpc import fault_fields
+from ..protocol import trainguard_pb2 as pb
+from ..rpc import fault_fields
 from .phases import Phases
 from .planning import STATE_OF, next_plan
 from .prelock import Prelock
 from .restarts import Restarts
 from .roster import Roster
 from .status import Journal, status_view
-from .transitions import advance
+from ..transitions import advance
 
 __all__ = ["ControllerCore"]
 

@@ -1,10 +1,10 @@
 """The prelock, an episode's first stage: every live rank told to stop.
 
-:class:`~trainguard.core.controller.ControllerCore` owns one :class:`Prelock`.
+:class:`~trainguard.core.control.controller.ControllerCore` owns one :class:`Prelock`.
 It sends the STOP commands and says which ranks did not stop in time; the
 core decides what follows (the plan once all stopped, the laggards ended as
 hung). Its state is the episode's own (``unstopped``, ``stop_deadline``,
-``escalate_at`` of :class:`~trainguard.core.episode.Episode`).
+``escalate_at`` of :class:`~trainguard.core.control.episode.Episode`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from .episode import Episode, Rank
-from .protocol import trainguard_pb2 as pb
+from ..protocol import trainguard_pb2 as pb
 
 __all__ = ["Prelock"]
 

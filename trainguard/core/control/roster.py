@@ -1,10 +1,10 @@
 """The controller's table of ranks: who registered, and what each last said.
 
-:class:`~trainguard.core.controller.ControllerCore` owns one :class:`Roster`.
+:class:`~trainguard.core.control.controller.ControllerCore` owns one :class:`Roster`.
 It keeps the bookkeeping of ranks that needs no decision: registering a
 rank (its replica groups parsed once and shared, its pids kept), updating a
 rank from its messages, the sets of ranks leaving, finished or dropped, the
-ranks whose periodic saves fail, and the views :func:`~trainguard.core.decide.decide`
+ranks whose periodic saves fail, and the views :func:`~trainguard.core.control.decide.decide`
 takes. The core decides what a change means (a fault, a phase done).
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .api import ConfigError, DataStatus, ProtocolError, RankState, RunStatus
+from ..api import ConfigError, DataStatus, ProtocolError, RankState, RunStatus
 from .episode import Rank
-from .protocol import trainguard_pb2 as pb
-from .replicas import Layout, Registry, ReplicaGroup
+from ..protocol import trainguard_pb2 as pb
+from ..replicas import Layout, Registry, ReplicaGroup
 
 __all__ = ["Roster"]
 
@@ -112,7 +112,7 @@ class Roster:
         return len(self.finished | self.dropped) == self.world_size
 
     def view(self) -> dict[int, RankState]:
-        """What :func:`~trainguard.core.decide.decide` knows of each rank."""
+        """What :func:`~trainguard.core.control.decide.decide` knows of each rank."""
         return {
             r.rank: RankState(rank=r.rank, step=r.step, data=r.data, run=r.run, alive=r.alive,
                               stopped=r.stopped, device_repairable=r.repairable)

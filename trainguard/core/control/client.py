@@ -6,10 +6,10 @@ import json
 
 import grpc
 
-from .api import ControllerLostError, ProtocolError
-from .protocol import trainguard_pb2 as pb
-from .rpc import SERVICE, auth_metadata, client_channel
-from .secret import TLS
+from ..api import ControllerLostError, ProtocolError
+from ..protocol import trainguard_pb2 as pb
+from ..rpc import SERVICE, auth_metadata, client_channel
+from ..secret import TLS
 
 __all__ = ["ControllerClient"]
 

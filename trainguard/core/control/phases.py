@@ -1,6 +1,6 @@
 """A recovery plan as phases, and running them.
 
-A mix-in of :class:`~trainguard.core.controller.ControllerCore` (it uses the
+A mix-in of :class:`~trainguard.core.control.controller.ControllerCore` (it uses the
 core's state and helpers; every method runs on the controller's loop). A
 plan becomes a list of :class:`~.episode.Phase` (:meth:`_phases`): dump
 saves, finalises and exits; retry, recover-in-place, recover and
@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import logging
 
-from .api import ControllerState, FaultKind, Plan, Strategy
+from ..api import ControllerState, FaultKind, Plan, Strategy
 from .episode import Phase
-from .protocol import trainguard_pb2 as pb
-from .replicas import shard_ids
+from ..protocol import trainguard_pb2 as pb
+from ..replicas import shard_ids
 
 __all__ = ["Phases"]
 

@@ -1,6 +1,6 @@
 """New processes for ranks: restarts, moves and scaling back up.
 
-A mix-in of :class:`~trainguard.core.controller.ControllerCore` (it uses the
+A mix-in of :class:`~trainguard.core.control.controller.ControllerCore` (it uses the
 core's state and helpers; every method runs on the controller's loop):
 
 * node agents announce themselves and answer start orders
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 
-from .api import ControllerState, DataStatus, Plan, Strategy
+from ..api import ControllerState, DataStatus, Plan, Strategy
 from .episode import Episode, Phase, Starts
-from .protocol import trainguard_pb2 as pb
-from .replicas import choose_sources
+from ..protocol import trainguard_pb2 as pb
+from ..replicas import choose_sources
 
 __all__ = ["Restarts"]
 

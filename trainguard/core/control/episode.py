@@ -1,6 +1,6 @@
 """What the controller knows about ranks and about a fault episode.
 
-Plain records, kept by :class:`~trainguard.core.controller.ControllerCore`:
+Plain records, kept by :class:`~trainguard.core.control.controller.ControllerCore`:
 one :class:`Rank` per registered rank, one :class:`Episode` per fault (or
 planned pause), the :class:`Phase` of its plan being carried out, and the
 :class:`Starts` of new processes being started for lost or dropped ranks.
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .api import DataStatus, Fault, Plan, RecoveryRecord, RunStatus, Strategy
-from .protocol import trainguard_pb2 as pb
-from .replicas import ReplicaGroup
-from .rpc import from_pb_status
+from ..api import DataStatus, Fault, Plan, RecoveryRecord, RunStatus, Strategy
+from ..protocol import trainguard_pb2 as pb
+from ..replicas import ReplicaGroup
+from ..rpc import from_pb_status
 
 __all__ = ["Episode", "Phase", "Rank", "Starts"]
 

@@ -1,6 +1,6 @@
 """What the controller tells people: its event log, its records, its status view.
 
-:class:`~trainguard.core.controller.ControllerCore` decides; this module only
+:class:`~trainguard.core.control.controller.ControllerCore` decides; this module only
 reports. The core owns one :class:`Journal`: the run directory's event log
 (see :mod:`trainguard.core.events`) with its sampled step series, the
 episodes' :class:`~trainguard.core.api.RecoveryRecord` (built by
@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Mapping
 
-from .api import FaultKind, RecoveryRecord
+from ..api import FaultKind, RecoveryRecord
 from .episode import Episode, Rank
-from .events import EventLog
+from ..events import EventLog
 
 __all__ = ["Journal", "persist_view", "recovery_record", "status_view"]
 
@@ -118,7 +118,7 @@ def persist_view(failing: Mapping[int, dict]) -> dict | None:
 
 
 def status_view(core: Any, pids: Mapping[int, Iterable[int]]) -> dict:
-    """A JSON-able view of a :class:`~trainguard.core.controller.ControllerCore`
+    """A JSON-able view of a :class:`~trainguard.core.control.controller.ControllerCore`
     for ``trainguard status`` and agents; ``pids``: every pid each rank registered with."""
     return {
         "state": core.state.name,

@@ -1,6 +1,6 @@
 """Which ranks went silent too long: the controller's heartbeat limits.
 
-:class:`~trainguard.core.controller.ControllerCore` owns one
+:class:`~trainguard.core.control.controller.ControllerCore` owns one
 :class:`Liveness` and asks it, from its ``tick``, which live ranks have said
 nothing for longer than their limit; the core itself ends those ranks and
 reports them as hung. Nothing here sends commands or changes a rank beyond
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .config import ControllerConfig
+from ..config import ControllerConfig
 from .episode import Rank
 
 __all__ = ["Liveness"]

@@ -1,6 +1,6 @@
 """Between the controller's gRPC service and its core: ways back, and checks.
 
-The service (:mod:`trainguard.core.server`) holds the sessions; this module
+The service (:mod:`trainguard.core.control.server`) holds the sessions; this module
 holds what it uses that is not a gRPC method itself, all on the
 controller's event loop:
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from .protocol import trainguard_pb2 as pb
+from ..protocol import trainguard_pb2 as pb
 
 __all__ = ["END", "Abort", "NodeLink", "call_exit_refusal", "check_agent", "dispatch", "exit_refusal"]
 
@@ -68,7 +68,7 @@ class NodeLink:
 
 def dispatch(core: Any, rank: int, body: str, msg: pb.RankMessage) -> None:
     """Hand a rank's message (``body``: which one it carries) to the
-    :class:`~trainguard.core.controller.ControllerCore`."""
+    :class:`~trainguard.core.control.controller.ControllerCore`."""
     if body == "heartbeat":
         core.on_heartbeat(rank, msg.heartbeat)
     elif body == "stopped":

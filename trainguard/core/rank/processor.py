@@ -5,7 +5,7 @@ heartbeat, sends fault reports and command results at once, and receives
 commands on a background thread. A STOP command sets :attr:`stop_event` and
 runs the stop listeners on that thread (the adapters use them to release
 collectives stuck on a faulty peer); every command is also queued for the
-training thread, which executes it in :mod:`trainguard.core.recovery`.
+training thread, which executes it in :mod:`trainguard.core.rank.recovery`.
 
 The per-step calls :meth:`start_update` and :meth:`end_update` only change a
 field (after checking the transition); they never touch the network.
@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import grpc
 
-from .api import (EXIT_HUNG, ControllerLostError, DataStatus, FaultKind, ProtocolError, RunStatus, Severity,
+from ..api import (EXIT_HUNG, ControllerLostError, DataStatus, FaultKind, ProtocolError, RunStatus, Severity,
                   TransitionError)
-from .config import ProcessorConfig
-from .protocol import trainguard_pb2 as pb
-from .replicas import ReplicaGroup
-from .rpc import SERVICE, auth_metadata, client_channel, to_pb_status
-from .transitions import advance
+from ..config import ProcessorConfig
+from ..protocol import trainguard_pb2 as pb
+from ..replicas import ReplicaGroup
+from ..rpc import SERVICE, auth_metadata, client_channel, to_pb_status
+from ..transitions import advance
 from .watchdog import Alarm, ProgressWatchdog, WatchdogConfig
 
 if TYPE_CHECKING:
-    from .snapshot.health import Failing
+    from ..snapshot.health import Failing
 
 __all__ = ["Processor"]
 

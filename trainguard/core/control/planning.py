@@ -1,6 +1,6 @@
 """Choosing an episode's plan, its second stage, once every live rank stopped.
 
-:func:`next_plan` wraps :func:`~trainguard.core.decide.decide` with what an
+:func:`next_plan` wraps :func:`~trainguard.core.control.decide.decide` with what an
 episode adds to it: scaling back up (the ranks elastic training dropped
 rejoin) when a plan for that was made, and going on as before when scaling
 back up was abandoned. :data:`STATE_OF` is the controller's state while a
@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
-from .api import ControllerState, Plan, RankState, Strategy
-from .config import ControllerConfig
+from ..api import ControllerState, Plan, RankState, Strategy
+from ..config import ControllerConfig
 from .decide import Agents, decide
 from .episode import Episode
-from .replicas import Layout
+from ..replicas import Layout
 
 __all__ = ["STATE_OF", "next_plan"]
 

@@ -2,10 +2,10 @@
 
 One asyncio loop serves every session (a rank's own, or a node relay's
 carrying all of that node's ranks; see :mod:`trainguard.core.relay`) and is
-the only thread that touches :class:`~trainguard.core.controller.ControllerCore`. Launchers use
+the only thread that touches :class:`~trainguard.core.control.controller.ControllerCore`. Launchers use
 :class:`Controller`, whose methods are safe to call from any thread. The ways
 back to ranks and nodes, and the checks on what node agents send, are in
-:mod:`trainguard.core.routing`.
+:mod:`trainguard.core.control.routing`.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from .api import ControllerState, ProtocolError, TrainguardError
-from .loop import LoopThread
-from .config import ControllerConfig
+from ..api import ControllerState, ProtocolError, TrainguardError
+from ..loop import LoopThread
+from ..config import ControllerConfig
 from .controller import ControllerCore
-from .profiling.live import LiveDetector
-from .protocol import trainguard_pb2 as pb
+from ..profiling.live import LiveDetector
+from ..protocol import trainguard_pb2 as pb
 from .routing import END, Abort, NodeLink, call_exit_refusal, check_agent, dispatch, exit_refusal
-from .rpc import SERVICE, Authenticate, Refusals, Refused, check_token, decoder, empty_stream, validate_rank_message
-from .secret import TLS, new_token
+from ..rpc import SERVICE, Authenticate, Refusals, Refused, check_token, decoder, empty_stream, validate_rank_message
+from ..secret import TLS, new_token
 
 __all__ = ["Controller"]
 

@@ -15,12 +15,12 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from .api import DataStatus, FaultKind, ForceStop, RunStatus, Severity, Transfer
-from .checkpoint import FileInfo, SavedShard
-from .classify import Classifier
-from .faults import FaultInjector
+from ..api import DataStatus, FaultKind, ForceStop, RunStatus, Severity, Transfer
+from ..checkpoint import FileInfo, SavedShard
+from ..classify import Classifier
+from ..faults import FaultInjector
 from .processor import Processor
-from .protocol import trainguard_pb2 as pb
+from ..protocol import trainguard_pb2 as pb
 
 __all__ = ["Handlers", "Outcome", "recover"]
 

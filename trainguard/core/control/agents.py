@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass, field
 
 from .decide import Agents
-from .links import sink_address
-from .protocol import trainguard_pb2 as pb
+from ..links import sink_address
+from ..protocol import trainguard_pb2 as pb
 
 __all__ = ["AgentTable"]
 

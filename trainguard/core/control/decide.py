@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .api import (
+from ..api import (
     EXIT_AFTER_DUMP,
     EXIT_UNRECOVERABLE,
     DataStatus,
@@ -28,8 +28,8 @@ from .api import (
     Strategy,
     Transfer,
 )
-from .config import ControllerConfig
-from .replicas import Layout, choose_savers, choose_sources
+from ..config import ControllerConfig
+from ..replicas import Layout, choose_savers, choose_sources
 
 __all__ = ["Agents", "JobView", "PLANNERS", "decide", "lock_step"]
 
