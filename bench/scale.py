@@ -60,7 +60,7 @@ except ImportError:  # run as `python bench/scale.py`
 import grpc
 
 from trainguard.core.config import ControllerConfig
-from trainguard.core.rank.processor import _pb_group
+from trainguard.core.rank.messages import replica_group
 from trainguard.core.replicas import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.rpc import SERVICE, auth_metadata, new_token
@@ -148,7 +148,7 @@ class Ranks:
         self.stopped_msg = pb.RankMessage(stopped=self.status[pb.STOPPED]).SerializeToString()
         # An embedded message's fields that appear twice are merged: the big
         # replica group is serialized once and appended to each rank's Hello.
-        self.group = pb.RankMessage(hello=pb.Hello(replicas=[_pb_group(ReplicaGroup.full(range(world)))]
+        self.group = pb.RankMessage(hello=pb.Hello(replicas=[replica_group(ReplicaGroup.full(range(world)))]
                                                    )).SerializeToString()
         n = len(ranks)
         self.welcome, self.run, self.calls = [0.0] * n, [pb.TRAINING] * n, [None] * n
@@ -254,7 +254,7 @@ class Nodes:
         self.channels = [_channel(address, opts)
                          for _ in range(-(-len(self.nodes) // per_channel))]
         self.status = {run: pb.Status(step=STEP, run=run, data=pb.UPDATED) for run in (pb.TRAINING, pb.STOPPED)}
-        self.group = _pb_group(ReplicaGroup.full(range(world)))
+        self.group = replica_group(ReplicaGroup.full(range(world)))
         n = len(ranks)
         self.welcome, self.run = [0.0] * n, [pb.TRAINING] * n
         self.first = {k: [0.0] * n for k in KINDS}

@@ -2,7 +2,7 @@
 
 from trainguard.core import EXIT_HUNG, ControllerConfig, ControllerState
 from trainguard.core.control.controller import ControllerCore
-from trainguard.core.rank.processor import _pb_group
+from trainguard.core.rank.messages import replica_group
 from trainguard.core import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
 
@@ -12,7 +12,7 @@ WORLD = 4096
 def hello(rank: int, step: int) -> pb.Hello:
     return pb.Hello(rank=rank, world_size=WORLD, pid=1000 + rank, host="h",
                     status=pb.Status(step=step, run=pb.TRAINING, data=pb.UPDATED), device_repairable=True,
-                    replicas=[_pb_group(ReplicaGroup.full(range(WORLD)))])
+                    replicas=[replica_group(ReplicaGroup.full(range(WORLD)))])
 
 
 def test_a_retry_reaches_every_rank_of_a_large_job():
@@ -128,7 +128,7 @@ def test_a_rank_that_does_not_stop_is_told_to_exit_and_the_others_dump():
     core = ControllerCore(ControllerConfig(prelock_timeout_s=5), 4, send=lambda r, c: sent.append((r, c)),
                           clock=lambda: now[0])
     for rank in range(4):
-        core.on_hello(pb.Hello(rank=rank, world_size=4, pid=1 + rank, replicas=[_pb_group(ReplicaGroup.full(range(4)))],
+        core.on_hello(pb.Hello(rank=rank, world_size=4, pid=1 + rank, replicas=[replica_group(ReplicaGroup.full(range(4)))],
                                status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
     core.on_process_exit(1, 2, -9)
     for rank in (0, 3):  # their collectives with rank 1 broke; rank 2 waits on rank 0 in another group
@@ -160,7 +160,7 @@ def _training_job(world: int, strategies: str, *, max_restarts: int):
     core = ControllerCore(ControllerConfig(strategies=strategies, max_restarts=max_restarts), world,
                           send=lambda r, c: sent.setdefault(r, []).append(c),
                           send_agent=lambda n, o: orders.append((n, o)))
-    full = [_pb_group(ReplicaGroup.full(range(world)))]
+    full = [replica_group(ReplicaGroup.full(range(world)))]
     for rank in range(world):
         core.on_hello(pb.Hello(rank=rank, world_size=world, pid=100 + rank, replicas=full,
                                status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
@@ -174,7 +174,7 @@ def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
     get their state and resume with everyone."""
     world = 4
     core, sent, orders = _training_job(world, "recover-in-place,dump", max_restarts=2)
-    full = [_pb_group(ReplicaGroup.full(range(world)))]
+    full = [replica_group(ReplicaGroup.full(range(world)))]
     core.on_agent("a", pb.AgentHello(ranks=[0, 1]))
     core.on_agent("b", pb.AgentHello(ranks=[2, 3]))
     core.on_disconnect(1)
@@ -219,7 +219,7 @@ def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke():
     sent: dict[int, list[pb.Command]] = {}
     core = ControllerCore(ControllerConfig(strategies="dump"), world,
                           send=lambda r, c: sent.setdefault(r, []).append(c))
-    full = [_pb_group(ReplicaGroup.full(range(world)))]
+    full = [replica_group(ReplicaGroup.full(range(world)))]
     for rank in range(world):
         core.on_hello(pb.Hello(rank=rank, world_size=world, pid=100 + rank, replicas=full,
                                status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
@@ -297,7 +297,7 @@ def test_a_survivor_that_finishes_instead_of_stopping_for_the_scale_up_ends_it()
     core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
     core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
     assert core.state is ControllerState.ABNORMAL and sent[0][-1].HasField("stop") and sent[1][-1].HasField("stop")
-    core.on_hello(pb.Hello(rank=2, world_size=3, pid=202, joining=True, replicas=[_pb_group(ReplicaGroup.full(range(3)))],
+    core.on_hello(pb.Hello(rank=2, world_size=3, pid=202, joining=True, replicas=[replica_group(ReplicaGroup.full(range(3)))],
                            status=pb.Status(step=0, run=pb.STARTING, data=pb.UPDATED)))
     core.on_stopped(1, pb.Status(step=16, run=pb.STOPPED, data=pb.UPDATED))
     core.on_goodbye(0, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))

@@ -91,9 +91,9 @@ def test_overlapping_groups_are_refused():
 
 
 def test_groups_travel_as_ranges_when_they_are_progressions():
-    from trainguard.core.rank.processor import _pb_group
+    from trainguard.core.rank.messages import replica_group
 
-    wire = _pb_group(ReplicaGroup(tuple(range(3, 4099, 4)), 1024))
+    wire = replica_group(ReplicaGroup(tuple(range(3, 4099, 4)), 1024))
     assert (wire.range_start, wire.range_step, wire.range_count, len(wire.rank_list)) == (3, 4, 1024, 0)
-    odd = _pb_group(ReplicaGroup((0, 1, 5), 3))
+    odd = replica_group(ReplicaGroup((0, 1, 5), 3))
     assert list(odd.rank_list) == [0, 1, 5] and odd.range_count == 0

@@ -9,6 +9,7 @@ from unittest import mock
 import pytest
 
 from trainguard.core import FaultKind, RunStatus, Severity, TransitionError
+from trainguard.core import transitions
 from trainguard.core.rank import processor as processor_module
 from trainguard.core.rank.processor import Processor
 from trainguard.core.protocol import trainguard_pb2 as pb
@@ -52,14 +53,15 @@ def test_every_live_state_may_exit_and_the_ends_are_final():
 
 # ------------------------------------------------------------- the processor
 class _Recorder:
-    """Wraps processor.advance: records each run change and whether the
-    processor's lock was held while it was checked."""
+    """Wraps advance (the processor's, for its data status, and the one its
+    locked run status calls): records each change and whether the
+    processor's run-status lock was held while it was checked."""
 
     def __init__(self, processor):
         self.processor, self.seen = processor, []
 
     def __call__(self, current, new, *, what=""):
-        self.seen.append((current, new, self.processor._run_lock.locked()))
+        self.seen.append((current, new, self.processor._run.lock.locked()))
         return advance(current, new, what=what)
 
 
@@ -68,6 +70,7 @@ def recorded(monkeypatch):
     p = Processor(None, rank=0)
     rec = _Recorder(p)
     monkeypatch.setattr(processor_module, "advance", rec)
+    monkeypatch.setattr(transitions, "advance", rec)
     return p, rec
 
 
@@ -105,7 +108,7 @@ def test_an_illegal_set_run_raises_and_names_the_rank():
 def test_set_run_waits_for_the_lock():
     p = Processor(None, rank=0)
     done = threading.Event()
-    with p._run_lock:
+    with p._run.lock:
         t = threading.Thread(target=lambda: (p.set_run(R.TRAINING, "registered"), done.set()))
         t.start()
         assert not done.wait(0.2), "set_run changed the state while another thread held the lock"

@@ -9,14 +9,15 @@ checkpoint later.
 from __future__ import annotations
 
 import enum
-from typing import Mapping, TypeVar
+import threading
+from typing import Generic, Mapping, TypeVar
 
 from .api import ControllerState as C
 from .api import DataStatus as D
 from .api import RunStatus as R
 from .api import TransitionError
 
-__all__ = ["DATA", "RUN", "CONTROLLER", "advance", "allowed"]
+__all__ = ["DATA", "RUN", "CONTROLLER", "Locked", "advance", "allowed"]
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -90,3 +91,23 @@ def advance(current: E, new: E, *, what: str = "") -> E:
             f"{current.name} -> {new.name}"
         )
     return new
+
+
+class Locked(Generic[E]):
+    """A state changed from several threads: each change is checked by
+    :func:`advance` and made under one lock, so a check that passed still
+    holds when the state is set."""
+
+    def __init__(self, initial: E, owner: str) -> None:
+        self.value = initial
+        self.lock = threading.Lock()
+        self._owner = owner  # who holds the state, for the error
+
+    def set(self, new: E, what: str) -> None:
+        """Change to ``new`` (``what``: the cause, for the error).
+
+        Raises:
+            TransitionError: the change is not in the table.
+        """
+        with self.lock:
+            self.value = advance(self.value, new, what=f"{self._owner} {what}")

@@ -25,7 +25,6 @@ import logging
 import os
 import queue
 import random
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
@@ -38,7 +37,8 @@ from ..config import ProcessorConfig
 from ..protocol import trainguard_pb2 as pb
 from ..replicas import ReplicaGroup
 from ..rpc import SERVICE, auth_metadata, client_channel, to_pb_status
-from ..transitions import advance
+from ..transitions import Locked, advance
+from . import messages
 from .watchdog import Alarm, ProgressWatchdog, WatchdogConfig
 
 if TYPE_CHECKING:
@@ -53,19 +53,6 @@ _LOST = object()
 #: Session errors worth another try while connecting (the server was busy).
 _RETRYABLE = ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
 _WAKE = object()  # re-arm the heartbeat timer (the interval arrives with Welcome)
-
-
-def _pb_group(group: ReplicaGroup) -> pb.ReplicaGroup:
-    """A group on the wire; an arithmetic progression of ranks (every DP
-    group) goes as three numbers instead of the whole list."""
-    ranks = group.rank_list
-    out = pb.ReplicaGroup(replica_cnt=group.replica_cnt, replica_shift=group.replica_shift)
-    step = ranks[1] - ranks[0] if len(ranks) > 1 else 1
-    if len(ranks) > 2 and step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
-        out.range_start, out.range_step, out.range_count = ranks[0], step, len(ranks)
-    else:
-        out.rank_list.extend(ranks)
-    return out
 
 
 class Processor:
@@ -95,8 +82,7 @@ class Processor:
         self.stops = 0  # STOP commands received; a handler compares it to notice a new one
         self.step = 0
         self.data = DataStatus.UPDATED
-        self._run = RunStatus.STARTING
-        self._run_lock = threading.Lock()
+        self._run = Locked(RunStatus.STARTING, f"rank {self.rank}")
         self.stop_event = threading.Event()
         self.job_id = ""
         self._force_exit = force_exit
@@ -141,12 +127,9 @@ class Processor:
         if self.config is None:
             raise ControllerLostError("an offline processor cannot connect")
         self.step = step
-        hello = pb.Hello(
-            rank=self.rank, world_size=self.config.world_size, pid=os.getpid(), host=socket.gethostname(),
-            status=to_pb_status(step, self.run, self.data), device=device,
-            device_repairable=device_repairable, restart_count=restart_count, joining=joining,
-            replicas=[_pb_group(g) for g in replicas],
-        )
+        hello = messages.hello(self.rank, self.config.world_size, to_pb_status(step, self.run, self.data), replicas,
+                               device=device, device_repairable=device_repairable, restart_count=restart_count,
+                               joining=joining)
         self._channel = client_channel(self.config.controller, self.config.max_message_bytes, self.config.tls)
         session = self._channel.stream_stream(
             f"/{SERVICE}/Session",
@@ -181,8 +164,8 @@ class Processor:
             self.set_run(RunStatus.TRAINING, "registered")
         self.watchdog.arm()
 
-    def _requests(self, hello: pb.Hello) -> Iterable[pb.RankMessage]:
-        yield pb.RankMessage(hello=hello)
+    def _requests(self, hello: pb.RankMessage) -> Iterable[pb.RankMessage]:
+        yield hello
         poll = self.watchdog.config.poll_s if self.watchdog.config.enabled else float("inf")
         sent = time.monotonic()
         while True:
@@ -209,14 +192,7 @@ class Processor:
 
     def _hang_report(self, alarm: Alarm) -> pb.RankMessage:
         log.error("rank %d: %s", self.rank, alarm.describe())
-        if alarm.in_collective:
-            # Everyone waits on everyone: a collective that never completes.
-            kind, message = FaultKind.COMM, f"collective did not complete: {alarm.describe()}"
-        else:
-            kind, message = FaultKind.HANG, f"training loop hung: {alarm.describe()}"
-        return pb.RankMessage(fault=pb.FaultReport(
-            kind=kind.value, severity=Severity.HIGH.value, phase="watchdog", message=message,
-            occurred_at=self._clock() - alarm.idle_s, status=self._status()))
+        return messages.hang_report(alarm, self._clock(), self._status())
 
     def _receive(self) -> None:
         try:
@@ -307,21 +283,18 @@ class Processor:
     @property
     def run(self) -> RunStatus:
         """What this rank is doing; changed only by :meth:`set_run`."""
-        return self._run
+        return self._run.value
 
     def set_run(self, new: RunStatus, what: str) -> None:
-        """Change the run status to ``new`` (``what``: the cause, for the error).
-
-        The check and the assignment hold :attr:`_run_lock` together: a
-        report may come from another thread than the training thread's own
-        changes (a stop listener, a watchdog, a background saver), and a
-        check that passed must still hold when the state is set.
+        """Change the run status to ``new`` (``what``: the cause, for the
+        error), checked and set under one lock: reports come from other
+        threads than the training thread's own changes (stop listeners, the
+        watchdog, a background saver).
 
         Raises:
             TransitionError: ``run -> new`` is not in :data:`~.transitions.RUN`.
         """
-        with self._run_lock:
-            self._run = advance(self._run, new, what=f"rank {self.rank} {what}")
+        self._run.set(new, what)
 
     def _set_run_reporting(self, new: RunStatus, what: str) -> None:
         """:meth:`set_run` for a report that must go out whatever the state.
@@ -337,7 +310,7 @@ class Processor:
         try:
             self.set_run(new, what)
         except TransitionError as e:
-            log.error("%s; the report is sent anyway (run status stays %s)", e, self._run.name)
+            log.error("%s; the report is sent anyway (run status stays %s)", e, self.run.name)
 
     # ----------------------------------------------------------- hot path
     def start_update(self) -> None:
@@ -388,9 +361,8 @@ class Processor:
         # and the controller times the recovery's phases from here on.
         self.watchdog.disarm()
         self._set_run_reporting(RunStatus.STOPPED, "fault report")
-        self._post(pb.RankMessage(fault=pb.FaultReport(
-            kind=kind.value, severity=severity.value, phase=phase, message=message[:2000],
-            occurred_at=occurred_at or self._clock(), status=self._status())))
+        self._post(messages.fault_report(kind, severity, message, phase=phase,
+                                         occurred_at=occurred_at or self._clock(), status=self._status()))
 
     def report_stopped(self) -> None:
         self.watchdog.disarm()
