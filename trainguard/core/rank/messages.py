@@ -1,5 +1,5 @@
 """What a rank says to the controller, as protobuf: its hello, a fault
-report (its own, or its watchdog's hang report). The processor builds its
+report (its own, or its watchdog's hang report), its saves' health. The processor builds its
 messages here, so the rest of the rank side speaks the core's own types
 (:mod:`trainguard.core.api`)."""
 
@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..api import FaultKind, Severity
 from ..protocol import trainguard_pb2 as pb
 from ..replicas import ReplicaGroup
 from .watchdog import Alarm
 
-__all__ = ["fault_report", "hang_report", "hello", "replica_group"]
+if TYPE_CHECKING:
+    from ..snapshot.health import Failing
+
+__all__ = ["fault_report", "hang_report", "hello", "persist_health", "replica_group"]
 
 
 def replica_group(group: ReplicaGroup) -> pb.ReplicaGroup:
@@ -56,3 +59,12 @@ def hang_report(alarm: Alarm, now: float, status: pb.Status) -> pb.RankMessage:
         kind, message = FaultKind.HANG, f"training loop hung: {alarm.describe()}"
     return fault_report(kind, Severity.HIGH, message, phase="watchdog", occurred_at=now - alarm.idle_s,
                         status=status)
+
+
+def persist_health(failing: "Failing | None") -> pb.RankMessage:
+    """This rank's periodic saves stopped reaching storage (``None``: they
+    reach it again)."""
+    health = pb.PersistHealth() if failing is None else pb.PersistHealth(
+        failing=True, since_step=failing.since, reason=failing.reason[:2000],
+        last_complete=-1 if failing.last_complete is None else failing.last_complete)
+    return pb.RankMessage(persist=health)

@@ -10,9 +10,6 @@ training thread, which executes it in :mod:`trainguard.core.rank.recovery`.
 The per-step calls :meth:`start_update` and :meth:`end_update` only change a
 field (after checking the transition); they never touch the network.
 
-The run status changes only through :meth:`Processor.set_run`, which checks
-the change against :data:`~.transitions.RUN` under a lock.
-
 The same thread polls the rank's :class:`~.watchdog.ProgressWatchdog` a few
 times a second and reports a hang the moment the training loop has gone too
 long without completing a step (the controller then ends this process and
@@ -297,16 +294,10 @@ class Processor:
         self._run.set(new, what)
 
     def _set_run_reporting(self, new: RunStatus, what: str) -> None:
-        """:meth:`set_run` for a report that must go out whatever the state.
-
-        A report may be made on a thread other than the training thread,
-        where a raised :class:`TransitionError` would end that thread (or
-        vanish in a listener's handler) and with it the report: the
-        controller would never learn of the fault or the stop and wait for a
-        timeout. So an illegal change is logged at ERROR (it names the
-        transition, as the raised error would), the state stays as it was,
-        and the caller sends its report anyway, with that state in it.
-        """
+        """:meth:`set_run` for a report that must go out whatever the state:
+        made on another thread, a raised error would lose the report and
+        leave the controller to a timeout. An illegal change is logged at
+        ERROR instead, the state stays, and the report goes out with it."""
         try:
             self.set_run(new, what)
         except TransitionError as e:
@@ -372,10 +363,7 @@ class Processor:
     def report_persist(self, failing: Failing | None) -> None:
         """Tell the controller this rank's periodic saves stopped reaching
         storage (``None``: they reach it again), for ``trainguard status``."""
-        health = pb.PersistHealth() if failing is None else pb.PersistHealth(
-            failing=True, since_step=failing.since, reason=failing.reason[:2000],
-            last_complete=-1 if failing.last_complete is None else failing.last_complete)
-        self._post(pb.RankMessage(persist=health))
+        self._post(messages.persist_health(failing))
 
     def send_result(self, cmd: pb.Command, *, ok: bool, code: int = 0, message: str = "",
                     shards: Sequence[pb.ShardFiles] = (), own: Sequence[pb.FileInfo] = ()) -> None:
