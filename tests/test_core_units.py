@@ -151,3 +151,22 @@ def test_user_patterns_come_first():
     c = Classifier()
     c.register(r"my fabric hiccup", FaultKind.COMM)
     assert c.classify(RuntimeError("my fabric hiccup in layer 3")).kind is FaultKind.COMM
+
+
+def test_a_rank_s_settings_are_read_once_and_a_bad_value_is_refused_with_its_name():
+    from trainguard.core.config import RankConfig
+
+    assert RankConfig.from_env({}) == RankConfig()
+    got = RankConfig.from_env({"TRAINGUARD_JOB_ID": "j1", "TRAINGUARD_SAVE_TIMEOUT_S": "60",
+                               "TRAINGUARD_SNAPSHOT_DIR": "/dev/shm/x", "TRAINGUARD_SNAPSHOT_PEER": "h:1",
+                               "TRAINGUARD_SNAPSHOT_OVERLAP": "0", "TRAINGUARD_SHM_REPAIR": "0",
+                               "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert got == RankConfig(job_id="j1", save_timeout_s=60.0, node_dir="/dev/shm/x", snapshot_peer="h:1",
+                             snapshot_overlap=False, shm_repair=False, restart_count=2)
+    for env, message in [({"TRAINGUARD_SNAPSHOT_OVERLAP": "yes"}, "TRAINGUARD_SNAPSHOT_OVERLAP='yes'"),
+                         ({"TRAINGUARD_SHM_REPAIR": "2"}, "TRAINGUARD_SHM_REPAIR='2'"),
+                         ({"TRAINGUARD_SAVE_TIMEOUT_S": "0"}, "TRAINGUARD_SAVE_TIMEOUT_S='0' must be > 0"),
+                         ({"TRAINGUARD_SAVE_TIMEOUT_S": "soon"}, "TRAINGUARD_SAVE_TIMEOUT_S='soon' is not a valid"),
+                         ({"TRAINGUARD_SNAPSHOT_OVERLAPP": "1"}, "did you mean TRAINGUARD_SNAPSHOT_OVERLAP")]:
+        with pytest.raises(ConfigError, match=message):
+            RankConfig.from_env(env)

@@ -107,11 +107,9 @@ def test_a_snapshot_copied_beside_the_next_step_holds_its_own_step(world, monkey
 
 
 def test_snapshots_copied_in_line_when_overlap_is_off_and_a_bad_value_is_refused(world, monkeypatch):
-    from trainguard.adapters.torch.checkpoints import snapshot_overlap
-
     monkeypatch.setenv("TRAINGUARD_SNAPSHOT_OVERLAP", "yes")
     with pytest.raises(ConfigError, match="TRAINGUARD_SNAPSHOT_OVERLAP='yes'"):
-        snapshot_overlap()
+        Guard(*make(), snapshot_every=1)  # refused before anything is built
     monkeypatch.setenv("TRAINGUARD_SNAPSHOT_OVERLAP", "0")
     monkeypatch.setenv("TRAINGUARD_SNAPSHOT_ROOT", str(world))
     model, opt = make()

@@ -30,7 +30,7 @@ from .api import (
 )
 from .checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo
 from .classify import Classifier
-from .config import ControllerConfig, ProcessorConfig, check_env, parse_strategies
+from .config import ControllerConfig, ProcessorConfig, RankConfig, check_env, parse_strategies
 from .control.decide import decide
 from .faults import FaultInjector, FaultSpec
 from .rank.processor import Processor
@@ -42,7 +42,7 @@ __all__ = [
     "EXIT_AFTER_DUMP", "EXIT_HUNG", "EXIT_UNRECOVERABLE", "CheckpointError", "CheckpointStore", "Classifier", "ConfigError",
     "Controller", "ControllerConfig", "ControllerLostError", "ControllerState", "DataStatus", "Fault",
     "FaultInjector", "FaultKind", "FaultSpec", "FileInfo", "ForceStop", "Handlers", "MEGATRON", "MINDSPORE", "Outcome",
-    "Plan", "Processor", "ProcessorConfig", "ProtocolError", "RankState", "RecoveryError", "ReplicaGroup", "ResumeError",
+    "Plan", "Processor", "ProcessorConfig", "ProtocolError", "RankConfig", "RankState", "RecoveryError", "ReplicaGroup", "ResumeError",
     "RunStatus", "Severity", "Strategy", "TORCH", "Transfer", "TrainguardError", "TransitionError",
     "check_env", "choose_savers", "choose_sources", "decide", "parse_strategies", "recover", "report_left_step",
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "HEARTBEATS_PER_S",
     "ControllerConfig",
     "ProcessorConfig",
+    "RankConfig",
     "WatchdogConfig",
     "check_env",
     "parse_strategies",
@@ -289,6 +290,55 @@ class ProcessorConfig:
             tls=TLS.from_env(environ),
             **({"max_message_bytes": _number("TRAINGUARD_MAX_MESSAGE_BYTES", size, int)} if size else {}),
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankConfig:
+    """What the launcher and the environment tell a rank's Guard, read once
+    when the Guard starts: a bad value is an error before step 0, and the
+    Guard's parts are handed these values instead of reading the
+    environment behind its arguments."""
+
+    job_id: str = ""
+    save_timeout_s: float = 1800.0  # a dying-gasp save, and the last persists at the end
+    node_dir: str | None = None  # the node agent's snapshot directory (own-part records, repairs)
+    snapshot_peer: str | None = None  # host:port of the next node's snapshot copies
+    snapshot_overlap: bool = True  # torch: copy a snapshot beside the next step
+    shm_repair: bool = True  # MindSpore: a repair on one machine goes through /dev/shm
+    restart_count: int = 0  # torchrun's restarts of this worker so far
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "RankConfig":
+        """The rank's settings from the environment.
+
+        Raises:
+            ConfigError: an unknown variable, or a value that does not parse.
+        """
+        environ = os.environ if environ is None else environ
+        check_env(environ)
+        return cls(
+            job_id=environ.get("TRAINGUARD_JOB_ID", ""),
+            save_timeout_s=_positive("TRAINGUARD_SAVE_TIMEOUT_S", environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800")),
+            node_dir=environ.get("TRAINGUARD_SNAPSHOT_DIR") or None,
+            snapshot_peer=environ.get("TRAINGUARD_SNAPSHOT_PEER") or None,
+            snapshot_overlap=_switch("TRAINGUARD_SNAPSHOT_OVERLAP", environ.get("TRAINGUARD_SNAPSHOT_OVERLAP", "1"),
+                                     "use 1 (copy beside the next step) or 0 (in line)"),
+            shm_repair=_switch("TRAINGUARD_SHM_REPAIR", environ.get("TRAINGUARD_SHM_REPAIR", "1"), "use 0 or 1"),
+            restart_count=_number("TORCHELASTIC_RESTART_COUNT", environ.get("TORCHELASTIC_RESTART_COUNT", "0"), int),
+        )
+
+
+def _positive(name: str, value: str) -> float:
+    number = _number(name, value, float)
+    if not number > 0:
+        raise ConfigError(f"{name}={value!r} must be > 0")
+    return number
+
+
+def _switch(name: str, value: str, hint: str) -> bool:
+    if value not in ("0", "1"):
+        raise ConfigError(f"{name}={value!r}: {hint}")
+    return value == "1"
 
 
 def watchdog_from_env(environ: Mapping[str, str]) -> WatchdogConfig:

@@ -121,7 +121,7 @@ class Checkpoints(JobHistory):
         self.sharing = Sharing(self.rank, every, shared, {r for r, h in self.hosts.items() if h == here})
         self._dense: dict = {}  # at load: step -> the holder's slot of a snapshot naming it
         if every:
-            directory = directory_for(f"{os.environ.get('TRAINGUARD_JOB_ID', 'ms')}-r{self.rank}-{os.getpid()}")
+            directory = directory_for(f"{self.settings.job_id or 'ms'}-r{self.rank}-{os.getpid()}")
             self.snapshots = ParamSnapshots(directory, self.rank, count=count)
 
     def take_snapshot(self, step: int, *, wait_s: float = 0.0, whole: bool = False) -> int | None:

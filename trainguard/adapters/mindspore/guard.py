@@ -58,6 +58,7 @@ from trainguard.core import (
     FaultInjector,
     ForceStop,
     Processor,
+    RankConfig,
     ReplicaGroup,
 )
 from trainguard.core import logs
@@ -158,6 +159,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
         self.rank, self.world_size = context.rank_and_size()
         logs.setup(f"rank {self.rank}")
+        self.settings = RankConfig.from_env()
         self.rehearsal = Rehearsal.from_env(self.rank)
         if self.rehearsal is not None and checkpoint_dir is not None:
             checkpoint_dir = self.rehearsal.checkpoint_dir(checkpoint_dir)

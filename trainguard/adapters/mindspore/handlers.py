@@ -30,7 +30,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from trainguard.core import CheckpointError, ConfigError, Processor, RecoveryError, Transfer
+from trainguard.core import CheckpointError, Processor, RecoveryError, Transfer
+from trainguard.core.config import RankConfig
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified
 from trainguard.core.rank.recovery import Handlers
 
@@ -70,6 +71,7 @@ class MindSporeRank(Protocol):
     pids: dict[int, int]
     hosts: dict[int, int]  # rank -> its machine
     comm_broken: str  # why this process must not run collectives any more
+    settings: RankConfig
 
     def _collective(self, fn: Callable[[], Any], op: str = "collective") -> Any: ...
 
@@ -89,7 +91,8 @@ class MindSporeHandlers(Handlers):
 
     def __init__(self, guard: MindSporeRank) -> None:
         self.guard = guard
-        self.shm = _shm_repair()
+        # Same-machine repairs through shared memory unless TRAINGUARD_SHM_REPAIR=0 (the job's, so every rank's).
+        self.shm = guard.settings.shm_repair and os.path.isdir(SHM)
         self._repaired = False
 
     def clean(self, uce: bool) -> int:
@@ -196,7 +199,7 @@ def shm_copy(guard: MindSporeRank, state: ModelState, root: int, receivers: Sequ
     The file is removed by whoever gets to it after both barriers, or when
     one fails."""
     g = guard
-    directory = _repair_dir()
+    directory = _repair_dir(g.settings.node_dir)
     path = directory / f"trainguard-{g.processor.job_id or 'job'}-{g.pids[root]}-step{step}.state"
     arrays = state.arrays()
     try:
@@ -226,25 +229,11 @@ def shm_copy(guard: MindSporeRank, state: ModelState, root: int, receivers: Sequ
             path.unlink(missing_ok=True)
 
 
-def _shm_repair() -> bool:
-    """Same-machine repairs through shared memory, unless ``TRAINGUARD_SHM_REPAIR=0``
-    (the same on every rank: it is the job's environment).
-
-    Raises:
-        ConfigError: another value.
-    """
-    value = os.environ.get("TRAINGUARD_SHM_REPAIR", "1")
-    if value not in ("0", "1"):
-        raise ConfigError(f"TRAINGUARD_SHM_REPAIR must be 0 or 1, not {value!r}")
-    return value == "1" and os.path.isdir(SHM)
-
-
-def _repair_dir() -> Path:
+def _repair_dir(node_dir: str | None) -> Path:
     """Where a repair's file goes: the node's snapshot directory (private,
     0700, set by the launcher) when there is one, else shared memory itself
     (the file is then created anew, 0600, and never opened through a link)."""
-    snapshots = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
-    return Path(snapshots) if snapshots and os.path.isdir(snapshots) else Path(SHM)
+    return Path(node_dir) if node_dir and os.path.isdir(node_dir) else Path(SHM)
 
 
 def _remove_stale(directory: Path) -> None:

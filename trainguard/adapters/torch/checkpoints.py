@@ -70,14 +70,14 @@ class Checkpoints(JobHistory):
         if shared and peer:
             raise ConfigError("snapshot_shared with snapshot_peer is not supported: a lost node's replicas would "
                               "each need their holder's copy from the peer; choose one")
-        self.snapshot_overlap = snapshot_overlap()
+        self.snapshot_overlap = self.settings.snapshot_overlap
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
         self.snapshot_shared, self.sharing = shared, Sharing(self.rank, every, shared, local_ranks())
         self._dense: dict = {}  # at load: step -> the holder's slot of an own-part snapshot
         self._save_health = PersistHealth(self.rank)  # synchronous saves' (the ring has its own)
         if not every:
             return
-        address = os.environ.get("TRAINGUARD_SNAPSHOT_PEER") if peer else None
+        address = self.settings.snapshot_peer if peer else None
         if peer and not address:
             log.warning("snapshot_peer: no peer node (one node, or not launched by `trainguard run`); "
                         "snapshots stay on this node only")
@@ -138,7 +138,7 @@ class Checkpoints(JobHistory):
     def setup_own_records(self) -> None:
         """Record this rank's own part in the node agent's memory at every
         update (:mod:`trainguard.core.snapshot.own`); none without an agent."""
-        self._node_dir = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
+        self._node_dir = self.settings.node_dir
         self.own_records = OwnRecords(self._node_dir, self.rank) if self._node_dir else None
 
     def record_own(self, step: int, own: dict) -> None:
@@ -341,18 +341,6 @@ class Checkpoints(JobHistory):
                         "host): they go on as this process seeded them, so the job is no longer bit-identical to "
                         "a fault-free run", self.rank, found.path.name)
         return found.step
-
-
-def snapshot_overlap() -> bool:
-    """Whether snapshots are copied beside the next step (``TRAINGUARD_SNAPSHOT_OVERLAP``, default 1).
-
-    Raises:
-        ConfigError: a value other than 0 or 1.
-    """
-    overlap = os.environ.get("TRAINGUARD_SNAPSHOT_OVERLAP", "1")
-    if overlap not in ("0", "1"):
-        raise ConfigError(f"TRAINGUARD_SNAPSHOT_OVERLAP={overlap!r}: use 1 (copy beside the next step) or 0 (in line)")
-    return overlap == "1"
 
 
 def rng_file(rank: int) -> str:

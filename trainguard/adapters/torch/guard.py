@@ -46,6 +46,7 @@ from trainguard.core import (
     DataStatus,
     FaultInjector,
     Processor,
+    RankConfig,
     ReplicaGroup,
     recover,
     report_left_step,
@@ -165,6 +166,7 @@ class Guard(Checkpoints, RankRuntime):
         _refuse_unsupported(model)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         logs.setup(f"rank {self.rank}")
+        self.settings = RankConfig.from_env()
         self.device = for_module(model)
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.state = TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, data=data, extra=extra,
@@ -245,7 +247,7 @@ class Guard(Checkpoints, RankRuntime):
     # --------------------------------------------------------------- setup
     def _connect_details(self) -> dict:
         return {"device": self.device.name, "device_repairable": self.device.repairable,
-                "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+                "restart_count": self.settings.restart_count}
 
     @property
     def process_group(self) -> AbortableProcessGroup:

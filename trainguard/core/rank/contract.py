@@ -17,6 +17,8 @@ Overridable with defaults: ``_fingerprints``, ``_final_extras``,
 ===================  ==========================================================
 ``rank``,            this process's place in the job
 ``world_size``
+``settings``         what the environment says, read once at the start
+                     (:class:`~trainguard.core.config.RankConfig`)
 ``groups``           its replica groups (:class:`~trainguard.core.ReplicaGroup`)
 ``state``            the framework's state, with ``commit(step)``: what a
                      replica serves and a rollback returns to

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
 import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Iterable, Iterator
@@ -106,7 +105,7 @@ class RankRuntime(JobHistory, abc.ABC):
     @property
     def save_timeout_s(self) -> float:
         """How long a save (and the last persists at the end) may take."""
-        return float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800"))
+        return self.settings.save_timeout_s
 
     # ------------------------------------------------------------- the controller
     def _connect(self, *, joining: bool = False) -> Processor:
