@@ -1,6 +1,7 @@
 """The controller's state machine driven directly, at thousands of ranks."""
 
 from trainguard.core import EXIT_HUNG, ControllerConfig, ControllerState
+from trainguard.core.api import DataStatus, Fault, FaultKind, RankStatus, RunStatus, Severity
 from trainguard.core.control.controller import ControllerCore
 from trainguard.core.rank.messages import replica_group
 from trainguard.core import ReplicaGroup
@@ -24,13 +25,13 @@ def test_a_retry_reaches_every_rank_of_a_large_job():
     assert len(core._parsed) == 1, "every rank's group must be parsed once and shared"
     assert core.heartbeat_interval_s == 1.0
 
-    core.on_fault(5, pb.FaultReport(kind=pb.UCE, severity=pb.HIGH, message="UCE ERROR",
-                                    status=pb.Status(step=7, run=pb.STOPPED, data=pb.UPDATED)))
+    core.on_fault(5, Fault(kind=FaultKind.UCE, rank=5, severity=Severity.HIGH, message="UCE ERROR"),
+                  RankStatus(step=7, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     assert len(sent) == WORLD - 1 and all(c[-1].HasField("stop") for c in sent.values())
     assert len({id(c[-1]) for c in sent.values()}) == 1, "one STOP command shared by every rank"
     for rank in range(WORLD):
         if rank != 5:
-            core.on_stopped(rank, pb.Status(step=7, run=pb.STOPPED, data=pb.UPDATED))
+            core.on_stopped(rank, RankStatus(step=7, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.RECOVERING
     for phase in ("clean", "rebuild", "repair", "rollback"):
         targets = [r for r, cmds in sent.items() if cmds[-1].HasField(phase)]
@@ -82,7 +83,8 @@ def test_a_rank_silent_before_its_first_step_time_gets_the_first_step_limit():
         while now[0] < until:
             now[0] += 0.05
             for rank in beating:
-                core.on_heartbeat(rank, pb.Status(step=2, run=pb.TRAINING, data=pb.UPDATED, step_time_s=0.1))
+                core.on_heartbeat(rank, RankStatus(step=2, run=RunStatus.TRAINING, data=DataStatus.UPDATED,
+                                                   step_time_s=0.1))
             core.tick()
 
     silent(50.0)  # both compiling for 50 s: 16x the 3 missed heartbeats
@@ -111,10 +113,11 @@ def test_a_rank_in_a_section_may_be_silent_for_the_section_s_limit():
             now[0] += 0.1
             core.tick()
 
-    core.on_heartbeat(0, pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED, step_time_s=0.2, silence_s=600))
+    core.on_heartbeat(0, RankStatus(step=3, run=RunStatus.TRAINING, data=DataStatus.UPDATED, step_time_s=0.2,
+                                    silence_s=600))
     silent_until(500.0)
     assert core.state is ControllerState.NORMAL and not sent
-    core.on_heartbeat(0, pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED, step_time_s=0.2))
+    core.on_heartbeat(0, RankStatus(step=3, run=RunStatus.TRAINING, data=DataStatus.UPDATED, step_time_s=0.2))
     silent_until(504.0)  # max(3 heartbeats, 5 x 0.2 s + 2 heartbeats) = 3 s
     assert [(r, c.exit.code) for r, c in sent if c.HasField("exit")] == [(0, EXIT_HUNG)]
 
@@ -132,11 +135,11 @@ def test_a_rank_that_does_not_stop_is_told_to_exit_and_the_others_dump():
                                status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
     core.on_process_exit(1, 2, -9)
     for rank in (0, 3):  # their collectives with rank 1 broke; rank 2 waits on rank 0 in another group
-        core.on_stopped(rank, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
+        core.on_stopped(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     def beat() -> None:  # every live process heartbeats, rank 2's too
         for rank in (0, 3):
-            core.on_heartbeat(rank, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
-        core.on_heartbeat(2, pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED))
+            core.on_heartbeat(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
+        core.on_heartbeat(2, RankStatus(step=3, run=RunStatus.TRAINING, data=DataStatus.UPDATED))
     while now[0] < 4.5:
         now[0] += 0.5
         beat()
@@ -180,7 +183,7 @@ def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
     core.on_disconnect(1)
     core.on_disconnect(3)
     for rank in (0, 2):
-        core.on_stopped(rank, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
+        core.on_stopped(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     for rank in (0, 2):  # clean
         core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
                                               status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
@@ -223,10 +226,10 @@ def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke():
     for rank in range(world):
         core.on_hello(pb.Hello(rank=rank, world_size=world, pid=100 + rank, replicas=full,
                                status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
-    core.on_fault(0, pb.FaultReport(kind=pb.COMM, message="Connection closed by peer",
-                                    status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+    core.on_fault(0, Fault(kind=FaultKind.COMM, rank=0, message="Connection closed by peer"),
+                  RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     core.on_disconnect(1)
-    core.on_stopped(2, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
+    core.on_stopped(2, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     saving = [r for r, cmds in sent.items() if cmds[-1].HasField("save")]
     assert sorted(saving) == [0, 2], "every survivor saves (its own part at least)"
     (saver,) = [r for r in saving if sent[r][-1].save.kinds]
@@ -245,7 +248,7 @@ def _elastic_job_waiting_for_its_new_process(world: int = 3):
     core.on_disconnect(world - 1)
     live = range(world - 1)
     for rank in live:
-        core.on_stopped(rank, pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED))
+        core.on_stopped(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     while core.state is not ControllerState.NORMAL:  # every phase of the plan succeeds
         for rank in live:
             core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
@@ -266,7 +269,7 @@ def test_a_new_process_that_starts_after_the_job_finished_is_ended_not_waited_fo
     with it), not try to pause a finished job."""
     core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
     for rank in (0, 1):
-        core.on_goodbye(rank, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+        core.on_goodbye(rank, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.FINISHED
     commands = sum(len(cmds) for cmds in sent.values())
     core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
@@ -280,12 +283,12 @@ def test_a_new_process_that_runs_when_a_rank_already_finished_is_ended_and_the_r
     at its last step: too late to take it in; it is ended, and the last
     survivor is not stopped."""
     core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
-    core.on_goodbye(0, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+    core.on_goodbye(0, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     stops = len([c for c in sent[1] if c.HasField("stop")])
     core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
     assert _kills(orders) == [("a", 2)]
     assert len([c for c in sent[1] if c.HasField("stop")]) == stops
-    core.on_goodbye(1, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+    core.on_goodbye(1, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.FINISHED
 
 
@@ -299,8 +302,8 @@ def test_a_survivor_that_finishes_instead_of_stopping_for_the_scale_up_ends_it()
     assert core.state is ControllerState.ABNORMAL and sent[0][-1].HasField("stop") and sent[1][-1].HasField("stop")
     core.on_hello(pb.Hello(rank=2, world_size=3, pid=202, joining=True, replicas=[replica_group(ReplicaGroup.full(range(3)))],
                            status=pb.Status(step=0, run=pb.STARTING, data=pb.UPDATED)))
-    core.on_stopped(1, pb.Status(step=16, run=pb.STOPPED, data=pb.UPDATED))
-    core.on_goodbye(0, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+    core.on_stopped(1, RankStatus(step=16, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
+    core.on_goodbye(0, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     for _ in range(5):
         if core.state is ControllerState.NORMAL:
             break
@@ -310,5 +313,5 @@ def test_a_survivor_that_finishes_instead_of_stopping_for_the_scale_up_ends_it()
     assert _kills(orders) == [("a", 2)]
     core.on_disconnect(2)  # the agent ended it
     assert core.state is ControllerState.NORMAL and core.episode is None
-    core.on_goodbye(1, pb.Status(step=16, run=pb.FINISHED, data=pb.UPDATED))
+    core.on_goodbye(1, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.FINISHED

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from trainguard.core import CheckpointError, ControllerConfig, ControllerState, ResumeError
+from trainguard.core.api import DataStatus, Fault, FaultKind, RankStatus, RunStatus, Severity
 from trainguard.core.control.controller import ControllerCore
-from trainguard.core.rank.processor import _pb_group
+from trainguard.core.rank.messages import replica_group as _pb_group
 from trainguard.core import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.rank.resume import resume
@@ -178,8 +179,8 @@ def test_a_fault_before_every_rank_registered_ends_the_job_without_a_save():
     core = ControllerCore(ControllerConfig(strategies="retry,dump,exit"), 2, send=lambda r, c: sent.append((r, c)))
     core.on_hello(hello(0, 2, 10))
     assert core.state is ControllerState.INIT
-    core.on_fault(0, pb.FaultReport(kind=pb.COMM, severity=pb.HIGH, message="Connection closed by peer",
-                                    status=pb.Status(step=10, run=pb.STOPPED, data=pb.UPDATED)))
+    core.on_fault(0, Fault(kind=FaultKind.COMM, rank=0, severity=Severity.HIGH, message="Connection closed by peer"),
+                  RankStatus(step=10, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     commands = [c for _, c in sent]
     assert not any(c.HasField(a) for c in commands for a in ("rebuild", "save", "repair")), commands
     assert commands[-1].HasField("exit") and commands[-1].exit.code == 76
@@ -196,7 +197,7 @@ def test_a_dump_asks_every_survivor_for_its_own_part_and_a_survivor_on_the_lost_
         core.on_hello(h)
     core.on_process_exit(1, 101, -9)
     for rank in (0, 2, 3):
-        core.on_stopped(rank, pb.Status(step=6, run=pb.STOPPED, data=pb.UPDATED))
+        core.on_stopped(rank, RankStatus(step=6, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     saves = {r: cmds[-1].save for r, cmds in sent.items() if cmds[-1].HasField("save")}
     assert sorted(saves) == [0, 2, 3], "every survivor saves its own part"
     assert list(saves[0].carry) == [1] and not saves[2].carry and not saves[3].carry
@@ -220,7 +221,7 @@ def test_a_lost_rank_with_no_survivor_on_its_host_is_named_in_the_reason():
         h.host = f"host{rank}"
         core.on_hello(h)
     core.on_process_exit(1, 101, -9)
-    core.on_stopped(0, pb.Status(step=6, run=pb.STOPPED, data=pb.UPDATED))
+    core.on_stopped(0, RankStatus(step=6, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     assert not sent[0][-1].save.carry
     assert "random streams and data positions of ranks [1] are lost with their hosts" in core.episode.reason
 

@@ -25,6 +25,7 @@ __all__ = [
     "FaultKind",
     "Plan",
     "RankState",
+    "RankStatus",
     "RecoveryRecord",
     "RunStatus",
     "Severity",
@@ -176,6 +177,17 @@ class RankState:
     alive: bool = True
     stopped: bool = False  # left its step and is waiting for commands
     device_repairable: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankStatus:
+    """What a rank says of itself in each of its messages (its ``Status``)."""
+
+    step: int
+    run: RunStatus
+    data: DataStatus
+    step_time_s: float = 0.0  # median of its recent steps (0: none yet)
+    silence_s: float = 0.0  # the limit of a section open on it (0: none)
 
 
 @dataclass(frozen=True)

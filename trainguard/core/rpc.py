@@ -27,7 +27,7 @@ from typing import Any, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from .api import DataStatus, FaultKind, ProtocolError, RunStatus, Severity
+from .api import DataStatus, Fault, FaultKind, ProtocolError, RankStatus, RunStatus, Severity
 from .protocol import trainguard_pb2 as pb
 from .secret import TLS, new_token
 
@@ -41,8 +41,10 @@ __all__ = [
     "client_channel",
     "decoder",
     "empty_stream",
+    "fault_from_pb",
     "from_pb_status",
     "new_token",
+    "rank_status",
     "to_pb_status",
     "validate_rank_message",
 ]
@@ -177,6 +179,28 @@ def from_pb_status(status: "pb.Status") -> tuple[int, RunStatus, DataStatus]:
     if status.step < 0:
         raise ProtocolError(f"status step must be >= 0, got {status.step}")
     return status.step, _enum(RunStatus, status.run, "run status"), _enum(DataStatus, status.data, "data status")
+
+
+def rank_status(status: "pb.Status") -> RankStatus:
+    """A rank's status as the controller's core takes it.
+
+    Raises:
+        ProtocolError: a negative step, or a status of no known value.
+    """
+    step, run, data = from_pb_status(status)
+    return RankStatus(step=step, run=run, data=data, step_time_s=status.step_time_s, silence_s=status.silence_s)
+
+
+def fault_from_pb(rank: int, report: "pb.FaultReport") -> Fault:
+    """A rank's fault report as the controller's core takes it; the core
+    stamps when it detected it.
+
+    Raises:
+        ProtocolError: a kind or severity of no known value.
+    """
+    kind, severity = fault_fields(report)
+    return Fault(kind=kind, rank=rank, severity=severity, message=report.message, phase=report.phase,
+                 occurred_at=report.occurred_at or None)
 
 
 def to_pb_status(step: int, run: RunStatus, data: DataStatus) -> "pb.Status":

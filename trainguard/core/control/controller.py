@@ -23,39 +23,43 @@ Costs stay linear in the number of ranks: groups are interned at
 registration, a phase's command is built when the phase starts and shared by
 every rank it goes to, and the prelock counts the ranks still to stop.
 
-Parts it owns and calls: :mod:`.roster` (the ranks), :mod:`.liveness`
-(silence limits), :mod:`.prelock` (stage 1), :mod:`.planning` (stage 2) and
-:mod:`.status` (event log, records, the status view).
+Parts it owns and calls, each an object given what it uses: :mod:`.job`
+(the state they share: the state machine, the episode, the counters),
+:mod:`.roster` (the ranks), :mod:`.liveness` (silence limits),
+:mod:`.prelock` (stage 1), :mod:`.planning` (stage 2), :mod:`.phases`
+(stage 3), :mod:`.restarts` (new processes) and :mod:`.status` (event log,
+records, the status view).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Callable
 
-from ..api import EXIT_HUNG, EXIT_UNRECOVERABLE, ControllerState, Fault, FaultKind, RecoveryRecord, Strategy
+from ..api import EXIT_HUNG, EXIT_UNRECOVERABLE, ControllerState, Fault, FaultKind, RankStatus, Strategy
 from .agents import AgentTable
 from ..config import ControllerConfig
 from ..links import Surveyor
-from .episode import Episode, Rank, Starts
+from .episode import Episode, Rank
+from .job import Job
 from .liveness import Liveness
 from ..protocol import trainguard_pb2 as pb
-from ..rpc import fault_fields
+from ..rpc import rank_status
 from .phases import Phases
 from .planning import STATE_OF, next_plan
 from .prelock import Prelock
 from .restarts import Restarts
 from .roster import Roster
 from .status import Journal, status_view
-from ..transitions import advance
 
 __all__ = ["ControllerCore"]
 
 log = logging.getLogger("trainguard.controller")
 
 
-class ControllerCore(Restarts, Phases):
+class ControllerCore:
     """The job's brain. Every method is called from one thread (the server's
     event loop); none blocks.
 
@@ -88,26 +92,33 @@ class ControllerCore(Restarts, Phases):
         #: What the controller reports: the run directory's event log, link verdicts, live slow-node detection.
         self.journal = Journal(world_size, wall, self.agents.ranks_of)
         self.records = self.journal.records  # every episode's record, oldest first (the journal keeps them)
+        self._note = self.journal.note  # one event for the run directory's log
         #: Surveys of the node agents' links, when the job slows down as a whole.
         self.links = Surveyor(self.agents.order, self._send_agent, clock, on_verdict=self.journal.link_verdict)
-        self.state = ControllerState.INIT
-        #: The ranks, their pids and groups (see :mod:`.roster`); the mix-ins use its containers by these names.
+        #: The ranks, their pids and groups (see :mod:`.roster`), under the names the status view reads.
         self.roster = roster = Roster(world_size, clock)
         self.ranks, self.registry, self._pids, self._parsed = roster.ranks, roster.registry, roster.pids, roster.parsed
         self._exiting, self._finished, self.dropped = roster.exiting, roster.finished, roster.dropped
         self.persist_failing = roster.persist_failing
-        self.episode: Episode | None = None
-        self.generation = 0
-        self._epoch = 0
-        self._next_id = 1
-        self._grow: Starts | None = None  # new processes for them, starting while the others train
-        self._unwanted: set[int] = set()  # start orders given up before their agent answered
+        #: The state machine, the episode and the counters that every part below moves (see :mod:`.job`).
+        self.job = job = Job(roster, self.journal)
         #: Which ranks went silent too long (see :mod:`.liveness`).
         self.liveness = Liveness(config, self.heartbeat_interval_s, clock())
         #: Stops every live rank when an episode begins (see :mod:`.prelock`).
-        self.prelock = Prelock(self.ranks, send, self._command, clock, config.prelock_timeout_s)
+        self.prelock = Prelock(self.ranks, send, job.command, clock, config.prelock_timeout_s)
+        #: New processes for lost or dropped ranks (see :mod:`.restarts`).
+        # Late bound: the phases, made next, use the restarts in turn.
+        self.restarts = Restarts(job, self.agents, self.links, self._send_agent, clock, wall, next_phase=lambda:
+                                 self.phases.next(), plan_failed=self._plan_failed, stop_all=self._stop_all)
+        #: A plan's phases, built and carried out (see :mod:`.phases`).
+        self.phases = Phases(job, config, send, clock, self.restarts)
         self._note("controller", job_id=config.job_id, world_size=world_size,
                    strategies=[s.value for s in config.strategies])
+
+    #: Read-only here: the job's (see :mod:`.job`), which every part moves.
+    state = property(lambda self: self.job.state, doc="Where the controller stands (a ControllerState).")
+    episode = property(lambda self: self.job.episode, doc="The fault episode under way (an Episode), or None.")
+    generation = property(lambda self: self.job.generation, doc="The generation of the ranks' process groups.")
 
     # ----------------------------------------------------------------- events
     def on_hello(self, hello: pb.Hello) -> None:
@@ -124,52 +135,52 @@ class ControllerCore(Restarts, Phases):
             self._joined(r)
             return
         if self.state is ControllerState.INIT and len(self.ranks) == self.world_size:
-            self._to(ControllerState.NORMAL)
+            self.job.to(ControllerState.NORMAL)
             log.info("all %d ranks registered", self.world_size)
 
     def _joined(self, r: Rank) -> None:
         """A replacement process registered: it waits for commands."""
         r.stopped = True
-        phase = self._current_phase()
+        phase = self.job.current_phase()
         if phase is not None and phase.name == "join" and r.rank in phase.waiting:
             log.warning("rank %d rejoined (pid %d on %s)", r.rank, r.pid, r.host)
             phase.waiting.discard(r.rank)
             if not phase.waiting:
-                self._next_phase()
+                self.phases.next()
         elif self.episode is None:
             # Nothing to join any more: it must not train on its own.
             self._exiting.add(r.rank)
-            self._send(r.rank, self._command(exit=pb.Exit(code=EXIT_UNRECOVERABLE,
+            self._send(r.rank, self.job.command(exit=pb.Exit(code=EXIT_UNRECOVERABLE,
                                                           reason="no recovery is waiting for this process")))
 
-    def on_heartbeat(self, rank: int, status: pb.Status) -> None:
+    def on_heartbeat(self, rank: int, status: RankStatus) -> None:
         self.roster.heard(rank, status)
 
-    def on_stopped(self, rank: int, status: pb.Status) -> None:
+    def on_stopped(self, rank: int, status: RankStatus) -> None:
         r = self.roster.heard(rank, status)
         if self.episode is not None:
             r.stopped = True
             self.episode.unstopped.discard(r.rank)
             self._check_prelock()
 
-    def on_fault(self, rank: int, report: pb.FaultReport) -> None:
-        r = self.roster.heard(rank, report.status)
-        kind, severity = fault_fields(report)
-        fault = Fault(kind=kind, rank=rank, severity=severity, message=report.message, phase=report.phase,
-                      occurred_at=report.occurred_at or None, detected_at=self._wall())
-        if kind is FaultKind.HANG:
+    def on_fault(self, rank: int, fault: Fault, status: RankStatus) -> None:
+        """A rank reported ``fault`` (its rank is ``rank``'s; it is stamped
+        detected now) and its status as it reported it."""
+        r = self.roster.heard(rank, status)
+        fault = replace(fault, rank=rank, detected_at=self._wall())
+        if fault.kind is FaultKind.HANG:
             # Its loop is stuck: it cannot take part in a recovery. End the
             # process (its processor forces the exit) and treat it as lost.
-            self._end_hung(r, report.message)
+            self._end_hung(r, fault.message)
             self._fault(fault)
             return
         # A watchdog report comes from the processor's thread while the
         # training thread is still blocked: that rank must be stopped too.
-        self._fault(fault, stopped=None if report.phase == "watchdog" else r)
+        self._fault(fault, stopped=None if fault.phase == "watchdog" else r)
 
     def on_result(self, rank: int, result: pb.CommandResult) -> None:
-        self.roster.heard(rank, result.status)
-        phase = self._current_phase()
+        self.roster.heard(rank, rank_status(result.status))
+        phase = self.job.current_phase()
         if phase is None or rank not in phase.waiting or rank not in phase.commands \
                 or phase.commands[rank].id != result.command_id:
             log.debug("ignoring stale result %d from rank %d", result.command_id, rank)
@@ -185,14 +196,14 @@ class ControllerCore(Restarts, Phases):
                     shard.files.extend(written.get(shard.kind, []))
             self.episode.own.extend(result.own)
         if not phase.waiting:
-            self._next_phase()
+            self.phases.next()
 
     def on_persist(self, rank: int, health: pb.PersistHealth) -> None:
         """A rank's periodic saves stopped reaching storage, or reach it again:
         only shown (``trainguard status``); training goes on."""
         self.roster.persist(rank, health)
 
-    def on_goodbye(self, rank: int, status: pb.Status) -> None:
+    def on_goodbye(self, rank: int, status: RankStatus) -> None:
         r = self.roster.known(rank)
         r.update(status)
         r.alive = False
@@ -204,17 +215,17 @@ class ControllerCore(Restarts, Phases):
             ep.unstopped.discard(rank)  # it passed its last step before the pause: no scaling up now
             self._check_prelock()
         if self.roster.all_done() and self.state is ControllerState.NORMAL:
-            self._to(ControllerState.FINISHED)
+            self.job.to(ControllerState.FINISHED)
             log.info("all %d ranks finished", self.world_size)
-            if self._grow is not None:
-                self._grow_failed("the job finished before the new processes ran")
+            if self.job.grow is not None:
+                self.restarts.grow_failed("the job finished before the new processes ran")
 
     def on_disconnect(self, rank: int) -> None:
         """The rank's session ended without Goodbye."""
         r = self.ranks.get(rank)
         if r is None or not r.alive:
             return
-        self._lose(r)
+        self.job.lose(r)
         if rank in self._exiting or rank in self._finished:
             return
         self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank,
@@ -227,9 +238,9 @@ class ControllerCore(Restarts, Phases):
         fault came after that."""
         r = self.ranks.get(rank)
         ep = self.episode
-        grow = self._grow
+        grow = self.job.grow
         if ep is None and grow is not None and grow.started.get(rank) == pid:
-            self._grow_failed(f"the new process for rank {rank} (pid {pid}) exited with code {code}")
+            self.restarts.grow_failed(f"the new process for rank {rank} (pid {pid}) exited with code {code}")
             return
         new_pid = ep.starts.started.get(rank) if ep is not None and ep.starts is not None else None
         if new_pid == pid and (r is None or r.pid != pid or not r.alive):
@@ -241,7 +252,7 @@ class ControllerCore(Restarts, Phases):
             return
         if r is None or r.pid != pid or not r.alive or rank in self._exiting or rank in self._finished:
             return
-        self._lose(r)
+        self.job.lose(r)
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         kind = FaultKind.HANG if reason else FaultKind.PROCESS_LOST
         self._fault(Fault(kind=kind, rank=rank, message=f"pid {pid} {reason + '; ' if reason else ''}{how}",
@@ -273,7 +284,7 @@ class ControllerCore(Restarts, Phases):
                 self._end_hung(self.ranks[rank], why)
                 ep.faults.append(Fault(kind=FaultKind.HANG, rank=rank, detected_at=self._wall(), message=why))
             self._check_prelock()
-        phase = self._current_phase()
+        phase = self.job.current_phase()
         if phase is not None and phase.waiting and now > phase.deadline:
             late = sorted(phase.waiting)
             self._plan_failed(f"{phase.name} did not finish within {phase.timeout_s:g} s on ranks {late[:16]}")
@@ -290,14 +301,9 @@ class ControllerCore(Restarts, Phases):
     # --------------------------------------------------------------- faults
     def _end_hung(self, r: Rank, why: str) -> None:
         """A rank that cannot take part any more: lost, and told to exit (its processor forces it)."""
-        self._lose(r)
+        self.job.lose(r)
         self._exiting.add(r.rank)
-        self._send(r.rank, self._command(exit=pb.Exit(code=EXIT_HUNG, reason=why)))
-
-    def _lose(self, r: Rank) -> None:
-        r.alive = False
-        if self.episode is not None:
-            self.episode.unstopped.discard(r.rank)
+        self._send(r.rank, self.job.command(exit=pb.Exit(code=EXIT_HUNG, reason=why)))
 
     def _fault(self, fault: Fault, stopped: Rank | None = None) -> None:
         if self.state in (ControllerState.EXITED, ControllerState.FINISHED):
@@ -309,10 +315,10 @@ class ControllerCore(Restarts, Phases):
                    step=self.ranks[fault.rank].step if fault.rank in self.ranks else None)
         ep = self.episode
         if ep is None:
-            self._epoch += 1
+            self.job.epoch += 1
             reached = max((r.reached for r in self.ranks.values()), default=0)
-            self.episode = Episode(self._epoch, [fault], fault.detected_at, reached)
-            self._to(ControllerState.ABNORMAL)
+            self.job.episode = Episode(self.job.epoch, [fault], fault.detected_at, reached)
+            self.job.to(ControllerState.ABNORMAL)
             if stopped is not None:
                 stopped.stopped = True
             self._stop_all(fault.describe())
@@ -336,19 +342,19 @@ class ControllerCore(Restarts, Phases):
 
     def _decide(self) -> None:
         ep = self.episode
-        plan = self._grow_plan() if ep.grow and Strategy.ELASTIC_TRAINING not in ep.tried else None
+        plan = self.restarts.grow_plan() if ep.grow and Strategy.ELASTIC_TRAINING not in ep.tried else None
         if ep.grow and plan is None and ep.starts is not None:  # cannot take them in: end them
-            self._give_up(ep.starts)
-            ep.started, ep.starts, self._grow = set(), None, None
+            self.restarts.give_up(ep.starts)
+            ep.started, ep.starts, self.job.grow = set(), None, None
         view, layout = self.roster.view(), self.roster.layout()
         plan, reason = next_plan(ep, plan, view, layout, self.config, self._wall, self.agents.view, self.roster.missing)
         ep.plan = plan
         ep.reason = f"{ep.reason}; then {reason}" if ep.reason else reason  # keep what failed before
         log.info("decision: %s", reason)
         self._note("decision", strategy=plan.strategy.value, step=plan.step, reason=reason)
-        ep.phases = self._phases(plan, layout)
-        self._to(STATE_OF.get(plan.strategy, ControllerState.EXITED))
-        self._start_phase()
+        ep.phases = self.phases.plan(plan, layout)
+        self.job.to(STATE_OF.get(plan.strategy, ControllerState.EXITED))
+        self.phases.start()
 
     def _plan_failed(self, why: str) -> None:
         ep = self.episode
@@ -358,39 +364,33 @@ class ControllerCore(Restarts, Phases):
         for rank in sorted(started | ep.started):
             r = self.ranks.get(rank)
             if ep.grow and r is not None and r.alive:  # the job goes on without it, as before
-                self._lose(r)
+                self.job.lose(r)
                 self._exiting.add(rank)
             if ep.grow or r is None or not r.alive:  # not joined: it may sit in its startup
-                self._kill_new(rank, ep.starts.placement[rank])
+                self.restarts.kill_new(rank, ep.starts.placement[rank])
         if ep.starts is not None:  # and those still starting, once their agent answers
-            self._end_when_started(ep.starts)
+            self.restarts.end_when_started(ep.starts)
         ep.started, ep.starts = set(), None
         ep.tried.add(ep.plan.strategy)
         ep.reason = f"{ep.reason}; {why}"
         ep.phases = []
-        self._to(ControllerState.ABNORMAL)
+        self.job.to(ControllerState.ABNORMAL)
         for r in self.ranks.values():
             r.stopped = False
         self._stop_all(why)
 
-    def _record(self) -> RecoveryRecord:
-        """The record of this episode (created once, when the plan succeeds)."""
-        return self.journal.record(self.episode)
+    # ----------------------------------------------------------- node agents
+    def on_agent(self, node: str, hello: pb.AgentHello) -> None:
+        self.restarts.on_agent(node, hello)
 
-    # --------------------------------------------------------------- helpers
-    def _command(self, **action) -> pb.Command:
-        """A command with a fresh id; one object may go to many ranks."""
-        cmd = pb.Command(id=self._next_id, epoch=self.episode.epoch if self.episode else 0, **action)
-        self._next_id += 1
-        return cmd
+    def on_agent_lost(self, node: str) -> None:
+        self.restarts.on_agent_lost(node)
 
-    def _to(self, state: ControllerState) -> None:
-        self.state = advance(self.state, state, what="controller")
-        self._note("state", state=state.name)
-        self.journal.sample_steps(self.ranks, self._finished)
+    def survey_links(self, why: str) -> None:
+        """Ask the node agents to measure their links (the job slowed down as a whole)."""
+        self.restarts.survey_links(why)
 
-    # ------------------------------------------------------------ event log
-    def _note(self, ev: str, **fields: Any) -> None:
-        """One event for the run directory's log (see :meth:`.status.Journal.note`)."""
-        self.journal.note(ev, **fields)
+    def on_agent_event(self, node: str, event: pb.AgentEvent) -> None:
+        """A node agent answered an order: a start, or a link survey."""
+        self.restarts.on_agent_event(node, event)
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..api import DataStatus, Fault, Plan, RecoveryRecord, RunStatus, Strategy
+from ..api import DataStatus, Fault, Plan, RankStatus, RecoveryRecord, RunStatus, Strategy
 from ..protocol import trainguard_pb2 as pb
 from ..replicas import ReplicaGroup
-from ..rpc import from_pb_status
 
 __all__ = ["Episode", "Phase", "Rank", "Starts"]
 
@@ -36,8 +35,8 @@ class Rank:
     step_time_s: float = 0.0  # median of its recent steps, as it reported
     silence_s: float = 0.0  # the limit of a section open on it (0: none)
 
-    def update(self, status: pb.Status) -> None:
-        self.step, self.run, self.data = from_pb_status(status)
+    def update(self, status: RankStatus) -> None:
+        self.step, self.run, self.data = status.step, status.run, status.data
         self.reached = max(self.reached, self.step)
         self.silence_s = status.silence_s
         if status.step_time_s > 0:

@@ -1,24 +1,30 @@
 """A recovery plan as phases, and running them.
 
-A mix-in of :class:`~trainguard.core.control.controller.ControllerCore` (it uses the
-core's state and helpers; every method runs on the controller's loop). A
-plan becomes a list of :class:`~.episode.Phase` (:meth:`_phases`): dump
+:class:`~trainguard.core.control.controller.ControllerCore` owns one
+:class:`Phases`, given the job's shared state (:class:`~.job.Job`), the way
+to send commands, the clock and the :class:`~.restarts.Restarts` that start
+new processes; every method runs on the controller's loop. A
+plan becomes a list of :class:`~.episode.Phase` (:meth:`Phases.plan`): dump
 saves, finalises and exits; retry, recover-in-place, recover and
 elastic-training clean, rebuild (or, with new processes, respawn and join),
 repair, roll back and resume (:meth:`_repair_phases`). A phase's commands
 are built when it starts and go to every rank it names; it ends when all of
-them answered (:meth:`_next_phase`, called by the core on each answer).
+them answered (:meth:`Phases.next`, called by the core on each answer).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Callable
 
 from ..api import ControllerState, FaultKind, Plan, Strategy
+from ..config import ControllerConfig
 from .episode import Phase
+from .job import Job
 from ..protocol import trainguard_pb2 as pb
 from ..replicas import shard_ids
+from .restarts import Restarts
 
 __all__ = ["Phases"]
 
@@ -26,16 +32,30 @@ log = logging.getLogger("trainguard.controller")
 
 
 class Phases:
-    """Building and running a plan's phases (a mix-in of the controller)."""
+    """Building and running a plan's phases.
+
+    Args:
+        job: the controller's shared state.
+        config: the phases' timeouts.
+        send: delivers a command to a rank's session.
+        clock: monotonic seconds, for the phases' deadlines.
+        restarts: starts new processes (respawn), drops ranks and scales back up.
+    """
+
+    def __init__(self, job: Job, config: ControllerConfig, send: Callable[[int, pb.Command], None],
+                 clock: Callable[[], float], restarts: Restarts) -> None:
+        self.job, self.roster, self.config = job, job.roster, config
+        self.world_size = job.roster.world_size
+        self._send, self._clock, self.restarts = send, clock, restarts
 
     def _to_all(self, ranks, **action) -> dict[int, pb.Command]:
-        cmd = self._command(**action)
+        cmd = self.job.command(**action)
         return dict.fromkeys(ranks, cmd)
 
-    def _phases(self, plan: Plan, layout) -> list[Phase]:
+    def plan(self, plan: Plan, layout) -> list[Phase]:
         cfg, everyone = self.config, list(plan.participants)
         exit_phase = Phase("exit", 0, lambda: self._to_all(
-            everyone, exit=pb.Exit(code=plan.exit_code, reason=self.episode.reason)))
+            everyone, exit=pb.Exit(code=plan.exit_code, reason=self.job.episode.reason)))
         if plan.strategy in (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.RECOVER,
                              Strategy.ELASTIC_TRAINING):
             return self._repair_phases(plan)
@@ -45,25 +65,26 @@ class Phases:
             for sid, rank in sorted(plan.savers.items()):
                 key = keys[sid]
                 kinds.setdefault(rank, []).append(key.kind)
-                self.episode.shards.append(pb.ShardFiles(kind=key.kind, copies=key.copies, rank=rank,
+                self.job.episode.shards.append(pb.ShardFiles(kind=key.kind, copies=key.copies, rank=rank,
                                                          full=layout[rank][key.kind].is_full))
 
             carry = self._carriers(plan)
 
             def finalize() -> dict[int, pb.Command]:
-                history = {"records": [self._record().to_dict()], "pids": {str(k): v for k, v in self._pids.items()}}
-                return {plan.finaliser: self._command(finalize=pb.Finalize(
-                    step=plan.step, shards=self.episode.shards, history_json=json.dumps(history),
-                    own=self.episode.own))}
+                history = {"records": [self.job.record().to_dict()],
+                           "pids": {str(k): v for k, v in self.roster.pids.items()}}
+                return {plan.finaliser: self.job.command(finalize=pb.Finalize(
+                    step=plan.step, shards=self.job.episode.shards, history_json=json.dumps(history),
+                    own=self.job.episode.own))}
 
             return [  # every participant saves its own part; the savers their shards too
                 Phase("save", cfg.save_timeout_s, lambda: {
-                    r: self._command(save=pb.Save(step=plan.step, kinds=kinds.get(r, []), carry=carry.get(r, [])))
+                    r: self.job.command(save=pb.Save(step=plan.step, kinds=kinds.get(r, []), carry=carry.get(r, [])))
                     for r in everyone}),
                 Phase("finalize", cfg.handler_timeout_s, finalize),
                 exit_phase,
             ]
-        self._record()
+        self.job.record()
         return [exit_phase]
 
     def _carriers(self, plan: Plan) -> dict[int, list[int]]:
@@ -74,18 +95,18 @@ class Phases:
         gone, and the relaunch warns that it continues from its seed."""
         by_host: dict[str, int] = {}
         for rank in sorted(plan.participants):
-            by_host.setdefault(self.ranks[rank].host, rank)
+            by_host.setdefault(self.roster.ranks[rank].host, rank)
         carry: dict[int, list[int]] = {}
         gone = []
-        for r in sorted(set(self.ranks) - set(plan.participants) - self.dropped):
-            carrier = by_host.get(self.ranks[r].host)
+        for r in sorted(set(self.roster.ranks) - set(plan.participants) - self.roster.dropped):
+            carrier = by_host.get(self.roster.ranks[r].host)
             if carrier is None:
                 gone.append(r)
             else:
                 carry.setdefault(carrier, []).append(r)
         if gone:
             log.warning("the random streams and data positions of ranks %s are lost with their hosts", gone[:16])
-            self.episode.reason += (f"; the random streams and data positions of ranks {gone[:16]} are lost with "
+            self.job.episode.reason += (f"; the random streams and data positions of ranks {gone[:16]} are lost with "
                                     f"their hosts (no rank there survived)")
         return carry
 
@@ -97,25 +118,25 @@ class Phases:
         cfg, everyone = self.config, list(plan.participants)
         new = sorted(plan.replacements)
         after = sorted(everyone + new)
-        uce = {f.rank for f in self.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
-        if self.episode.starts is not None and self.episode.grow:  # the new processes build the generation
+        uce = {f.rank for f in self.job.episode.faults if f.kind is FaultKind.UCE and f.corrupts_state}
+        if self.job.episode.starts is not None and self.job.episode.grow:  # the new processes build the generation
             # reserved when they started (none when they were given up)
-            generation = self.episode.starts.generation
+            generation = self.job.episode.starts.generation
         else:
-            self.generation += 1
-            generation = self.generation
+            self.job.generation += 1
+            generation = self.job.generation
         involved = sorted({t.src for t in plan.transfers} | {t.dst for t in plan.transfers})
 
         def clean() -> dict[int, pb.Command]:
-            faulty, healthy = self._command(clean=pb.Clean(uce=True)), self._command(clean=pb.Clean(uce=False))
+            faulty, healthy = self.job.command(clean=pb.Clean(uce=True)), self.job.command(clean=pb.Clean(uce=False))
             return {r: faulty if r in uce else healthy for r in everyone}
 
         phases = [Phase("clean", cfg.handler_timeout_s, clean)]
         if new:
-            if not self.episode.grow:  # growing back: they run already
+            if not self.job.episode.grow:  # growing back: they run already
                 phases.append(Phase("respawn", cfg.restart_timeout_s, dict))
             phases.append(Phase("join", cfg.restart_timeout_s, lambda: self._to_all(everyone, rebuild=pb.Rebuild(
-                generation=generation, join_store=self.episode.join_store)), also_wait=tuple(new)))
+                generation=generation, join_store=self.job.episode.join_store)), also_wait=tuple(new)))
         else:
             excluded = sorted(set(range(self.world_size)) - set(everyone))
             phases.append(Phase("rebuild", cfg.handler_timeout_s, lambda: self._to_all(
@@ -127,59 +148,53 @@ class Phases:
         phases.append(Phase("rollback", cfg.handler_timeout_s, lambda: self._to_all(
             after, rollback=pb.Rollback(step=plan.step))))
         phases.append(Phase("resume", 0, lambda: self._to_all(after, resume=pb.Resume(
-            step=plan.step, record_json=json.dumps(self._record().to_dict()) if self.episode.faults else "",
-            pids_json=json.dumps({str(k): v for k, v in self._pids.items()}) if new else "",
+            step=plan.step, record_json=json.dumps(self.job.record().to_dict()) if self.job.episode.faults else "",
+            pids_json=json.dumps({str(k): v for k, v in self.roster.pids.items()}) if new else "",
             replicas=len(after)))))
         if plan.strategy is Strategy.ELASTIC_TRAINING:
-            self._drop(set(range(self.world_size)) - set(after))
+            self.restarts.drop(set(range(self.world_size)) - set(after))
         return phases
 
-    def _current_phase(self) -> Phase | None:
-        ep = self.episode
-        if ep is None or not ep.phases or self.state not in (ControllerState.RECOVERING, ControllerState.DUMPING):
-            return None
-        return ep.phases[0]
-
-    def _start_phase(self) -> None:
-        phase = self.episode.phases[0]
+    def start(self) -> None:
+        phase = self.job.episode.phases[0]
         phase.commands = phase.build()
-        self._note("phase", name=phase.name, strategy=self.episode.plan.strategy.value)
+        self.job.journal.note("phase", name=phase.name, strategy=self.job.episode.plan.strategy.value)
         if phase.name == "exit":
-            self._exiting.update(phase.commands)
+            self.roster.exiting.update(phase.commands)
         phase.deadline = self._clock() + phase.timeout_s
         phase.waiting = set(phase.commands) | set(phase.also_wait) if phase.timeout_s > 0 else set()
         for rank, cmd in phase.commands.items():
             self._send(rank, cmd)
         if phase.name == "respawn":
-            phase.waiting = set(self.episode.plan.replacements)
-            self._respawn(phase, self.episode.plan)
+            phase.waiting = set(self.job.episode.plan.replacements)
+            self.restarts.respawn(phase, self.job.episode.plan)
         if not phase.waiting:
-            self._next_phase()
+            self.next()
 
-    def _next_phase(self) -> None:
-        ep = self.episode
+    def next(self) -> None:
+        ep = self.job.episode
         done = ep.phases.pop(0)
         if ep.phases:
-            self._start_phase()
+            self.start()
             return
         if done.name == "resume":
-            for r in self.ranks.values():
+            for r in self.roster.ranks.values():
                 r.stopped = False
-            self.episode = None
-            self._to(ControllerState.NORMAL)
+            self.job.episode = None
+            self.job.to(ControllerState.NORMAL)
             if ep.faults:  # a handled fault: one line, its cause and outcome
                 log.warning("fault: %s -> %s: training resumed at step %d%s", _causes(ep), ep.plan.strategy.value,
                             ep.plan.step, f" (after a fallback: {ep.reason})" if ep.tried else "")
             else:
                 log.info("%s: training resumed at step %d", ep.reason, ep.plan.step)
             if ep.grow:
-                self.dropped -= set(ep.plan.replacements)
-                self._grow = None
+                self.roster.dropped -= set(ep.plan.replacements)
+                self.job.grow = None
             elif ep.plan.strategy is Strategy.ELASTIC_TRAINING:
-                self._grow_back()
+                self.restarts.grow_back()
         else:
-            if self.state is not ControllerState.EXITED:
-                self._to(ControllerState.EXITED)
+            if self.job.state is not ControllerState.EXITED:
+                self.job.to(ControllerState.EXITED)
             if ep.faults:
                 log.warning("fault: %s -> %s: job exiting: %s", _causes(ep), ep.plan.strategy.value, ep.reason)
             else:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..api import ConfigError, DataStatus, ProtocolError, RankState, RunStatus
+from ..api import ConfigError, DataStatus, ProtocolError, RankState, RankStatus, RunStatus
 from .episode import Rank
 from ..protocol import trainguard_pb2 as pb
 from ..replicas import Layout, Registry, ReplicaGroup
+from ..rpc import rank_status
 
 __all__ = ["Roster"]
 
@@ -60,7 +61,7 @@ class Roster:
         self.exiting.discard(rank)
         r = Rank(rank=rank, pid=hello.pid, host=hello.host, repairable=hello.device_repairable, groups=groups,
                   step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock())
-        r.update(hello.status)
+        r.update(rank_status(hello.status))
         self.ranks[rank] = r
         return r
 
@@ -91,7 +92,7 @@ class Roster:
             raise ProtocolError(f"message from unregistered rank {rank}")
         return r
 
-    def heard(self, rank: int, status: pb.Status) -> Rank:
+    def heard(self, rank: int, status: RankStatus) -> Rank:
         """A registered rank sent a message carrying its status: it is alive now."""
         r = self.known(rank)
         r.last_seen = self._clock()

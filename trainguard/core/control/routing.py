@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from ..protocol import trainguard_pb2 as pb
+from ..rpc import fault_from_pb, rank_status
 
 __all__ = ["END", "Abort", "NodeLink", "call_exit_refusal", "check_agent", "dispatch", "exit_refusal"]
 
@@ -68,17 +69,22 @@ class NodeLink:
 
 def dispatch(core: Any, rank: int, body: str, msg: pb.RankMessage) -> None:
     """Hand a rank's message (``body``: which one it carries) to the
-    :class:`~trainguard.core.control.controller.ControllerCore`."""
+    :class:`~trainguard.core.control.controller.ControllerCore`, in the
+    core's types where it takes them.
+
+    Raises:
+        ProtocolError: a status or fault field of no known value.
+    """
     if body == "heartbeat":
-        core.on_heartbeat(rank, msg.heartbeat)
+        core.on_heartbeat(rank, rank_status(msg.heartbeat))
     elif body == "stopped":
-        core.on_stopped(rank, msg.stopped)
+        core.on_stopped(rank, rank_status(msg.stopped))
     elif body == "fault":
-        core.on_fault(rank, msg.fault)
+        core.on_fault(rank, fault_from_pb(rank, msg.fault), rank_status(msg.fault.status))
     elif body == "result":
         core.on_result(rank, msg.result)
     elif body == "goodbye":
-        core.on_goodbye(rank, msg.goodbye.status)
+        core.on_goodbye(rank, rank_status(msg.goodbye.status))
     elif body == "persist":
         core.on_persist(rank, msg.persist)
 
