@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 import trainguard.compat.mindio_ttp.framework_ttp as ttp  # noqa: E402
 import trainguard.compat.mindio_ttp.megatron_ttp as mega  # noqa: E402
 from trainguard.adapters.megatron import checkpoint as ckpt  # noqa: E402
-from trainguard.compat.mindio_ttp.state import TTP  # noqa: E402
+from trainguard.adapters.megatron.session import TTP  # noqa: E402
 from trainguard.core import CheckpointError, ConfigError  # noqa: E402
 from trainguard.core.checkpoint import SavedShard  # noqa: E402
 
@@ -81,7 +81,7 @@ def test_the_legacy_save_handler_shape_is_told_the_kind_when_it_takes_one():
     """MindIO's legacy ``(rank, step, rank_list, args)`` tells no kind; with
     experts and a distributed optimizer a dense shard and an expert shard can
     have the same copies, so trainguard's own handler is passed the kind."""
-    from trainguard.compat.mindio_ttp.handlers import TtpHandlers
+    from trainguard.adapters.megatron.handlers import TtpHandlers
     from trainguard.core import ReplicaGroup
 
     TTP.rank, TTP.args = 0, "args"

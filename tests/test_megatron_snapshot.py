@@ -23,11 +23,11 @@ import trainguard.compat.mindio_ttp.framework_ttp as ttp  # noqa: E402
 import trainguard.compat.mindio_ttp.megatron_ttp as mega  # noqa: E402
 from trainguard.adapters.megatron import checkpoint as ckpt  # noqa: E402
 from trainguard.adapters.megatron import snapshot as snapshot_module  # noqa: E402
+from trainguard.adapters.megatron.session import TTP  # noqa: E402
 from trainguard.adapters.megatron.snapfile import read_file  # noqa: E402
 from trainguard.adapters.megatron.snapshot import MegatronSnapshots  # noqa: E402
 from trainguard.adapters.torch.snapshot import filled  # noqa: E402
 from trainguard.adapters.torch.state import state_sha256  # noqa: E402
-from trainguard.compat.mindio_ttp.state import TTP  # noqa: E402
 from trainguard.core import ConfigError  # noqa: E402
 from trainguard.core.snapshot import SnapshotDir, State  # noqa: E402
 

@@ -28,9 +28,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noq
 
 import trainguard.compat.mindio_ttp.framework_ttp as ttp  # noqa: E402
 import trainguard.compat.mindio_ttp.megatron_ttp as mega  # noqa: E402
+from trainguard.adapters.megatron.session import TTP  # noqa: E402
 from trainguard.adapters.torch import backend  # noqa: E402,F401 - init_process_group("trainguard")
 from trainguard.adapters.torch.state import state_sha256  # noqa: E402
-from trainguard.compat.mindio_ttp.state import TTP  # noqa: E402
 from trainguard.core import FaultInjector  # noqa: E402
 
 STEPS, HIDDEN, SEED = 6, 16, 0

@@ -37,34 +37,13 @@ the optimizer keeps). A name MindIO has and trainguard does not raises an
 
 from __future__ import annotations
 
-import atexit
-import functools
-import logging
 import os
 import sys
-import threading
 from typing import Any, Callable, Mapping, Sequence
 
-from trainguard.core import (
-    ConfigError,
-    ControllerConfig,
-    ControllerLostError,
-    DataStatus,
-    ForceStop,
-    Processor,
-    ProcessorConfig,
-    ReplicaGroup,
-    recover,
-    report_left_step,
-)
-from trainguard.core import logs
-from trainguard.core.classify import Classifier
-from trainguard.core.secret import shared_secret
-
-from . import markers
-from .distributed import all_pids, blocked_in_collective
-from .handlers import TtpHandlers
-from .state import TTP, checked_int
+from trainguard.adapters.megatron import runtime
+from trainguard.adapters.megatron.session import TTP, checked_int
+from trainguard.core import ConfigError, ReplicaGroup
 
 __all__ = [
     "ttp_init_controller", "ttp_start_controller", "ttp_init_processor", "ttp_start_processor",
@@ -77,8 +56,6 @@ __all__ = [
     "tft_register_rollback_handler", "tft_register_rebuild_group_handler", "tft_exception_handler",
     "tft_get_repair_step", "tft_get_repair_type", "tft_is_reboot_node",
 ]
-
-log = logging.getLogger("trainguard.compat.mindio")
 
 
 # ------------------------------------------------------------- controller
@@ -102,23 +79,7 @@ def ttp_start_controller(ip: str, port: int) -> int:
 
 
 def tft_start_controller(bind_ip: str, port: int, enable_tls: bool = True, tls_info: str = "") -> int:
-    if TTP.controller_args is None:
-        raise ConfigError("call ttp_init_controller (tft_init_controller) before starting the controller")
-    if TTP.controller is not None:
-        return 0  # the wrapped function runs again after an in-place recovery
-    if os.environ.get("TRAINGUARD_CONTROLLER"):
-        log.info("the launcher's controller at %s serves this job; %s:%s is not bound",
-                 os.environ["TRAINGUARD_CONTROLLER"], bind_ip, port)
-        return 0
-    from trainguard.core import Controller  # grpc server: only on the rank that serves
-
-    token = shared_secret(needed_by="a controller served from the training script (or launch with `trainguard "
-                          "run`, which makes a secret)")
-    config = ControllerConfig.from_env(host=bind_ip, port=checked_int("port", port, minimum=1))
-    TTP.controller = Controller(config, TTP.controller_args["world_size"], token=token)
-    address = TTP.controller.start()
-    atexit.register(TTP.controller.stop)
-    log.info("trainguard controller for %d ranks serves at %s", TTP.controller_args["world_size"], address)
+    runtime.serve_controller(bind_ip, port)
     return 0
 
 
@@ -152,23 +113,7 @@ def ttp_start_processor(master_ip: str, port: int) -> int:
 
 
 def tft_start_processor(master_ip: str, port: int, **_: Any) -> int:
-    if TTP.rank is None:
-        raise ConfigError("call ttp_init_processor (tft_init_processor) before starting the processor")
-    if TTP.processor is not None and TTP.processor.connected:
-        return 0  # the wrapped function runs again after an in-place recovery
-    logs.setup(f"rank {TTP.rank}")
-    environ = dict(os.environ)
-    environ.setdefault("TRAINGUARD_CONTROLLER", f"{master_ip}:{checked_int('port', port, minimum=1)}")
-    config = ProcessorConfig.from_env(rank=TTP.rank, world_size=TTP.world_size, environ=environ)
-    processor = Processor(config)
-    processor.connect(step=TTP.step, replicas=TTP.groups(), device=TTP.device,
-                      restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    processor.add_stop_listener(lambda: TTP.call("stop", optional=True))
-    processor.watchdog.in_collective = blocked_in_collective(threading.get_ident())
-    TTP.processor = processor
-    TTP.pids, started_at = all_pids()
-    markers.start(started_at)
-    atexit.register(TTP.exit_now)
+    runtime.start_processor(master_ip, port)
     return 0
 
 
@@ -205,10 +150,7 @@ def ttp_register_rename_handler(fn: Callable) -> None:
 
 def ttp_set_ckpt_args(args: Any) -> None:
     """What the save handler gets as ``args``, set after every iteration."""
-    TTP.args = args
-    markers.set_args(args)
-    for hook in TTP.args_hooks:
-        hook(args)
+    runtime.set_args(args)
 
 
 tft_set_step_args = ttp_set_ckpt_args
@@ -258,19 +200,12 @@ def tft_register_rebuild_group_handler(fn: Callable, ctx: Any = None) -> None:
 # ------------------------------------------------------------- hot path
 def ttp_start_updating_os(backup_step: int = -1) -> None:
     """The optimizer update starts (a STOP already received ends the step here)."""
-    processor = TTP.live()
-    if processor.stop_event.is_set():
-        raise ForceStop("stopped before the optimizer update")
-    processor.start_update()
+    runtime.start_update()
 
 
 def ttp_end_updating_os(step: int) -> None:
     """The update ended; the state is that of ``step`` completed updates."""
-    TTP.live().end_update(checked_int("step", step))
-    TTP.step = step
-    for hook in TTP.commit_hooks:
-        hook(step)
-    markers.step_end()
+    runtime.end_update(step)
 
 
 tft_start_updating_os = ttp_start_updating_os
@@ -295,40 +230,10 @@ def tft_is_reboot_node() -> bool:
 # ------------------------------------------------------------- the wrapper
 def ttp_to_persist(func: Callable) -> Callable:
     """Run ``func``; on an exception, let the controller decide (see module doc)."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        while True:
-            try:
-                return func(*args, **kwargs)
-            except Exception as error:
-                if TTP.processor is None:
-                    raise
-                _handle(error)  # returns only when training resumes in place
-
-    return wrapper
+    return runtime.persist(func)
 
 
 tft_exception_handler = ttp_to_persist
-
-
-def _handle(error: Exception) -> None:
-    processor = TTP.processor
-    phase = "optimizer" if processor.data is DataStatus.UPDATING else "step"
-    report_left_step(processor, error, TTP.classifier or Classifier(), phase=phase)  # logs it too
-    try:
-        outcome = recover(processor, TtpHandlers(TTP))
-    except ControllerLostError as lost:
-        raise error from lost
-    if outcome.resume:
-        TTP.repair_step, TTP.repair_type = outcome.step, (outcome.record or {}).get("strategy", "")
-        return
-    TTP.call("exit", optional=True)
-    log.info("rank %d exits with code %d: %s", processor.rank, outcome.exit_code, outcome.reason)
-    markers.close()
-    processor.close(finished=False)
-    TTP.exit_code = outcome.exit_code
-    raise SystemExit(outcome.exit_code)
 
 
 def _route_torchrun() -> None:

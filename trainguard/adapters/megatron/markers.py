@@ -17,7 +17,7 @@ from typing import Any
 
 from trainguard.core.profiling import recorder_from_env
 
-from .state import TTP
+from .session import TTP
 
 __all__ = ["start", "set_args", "step_end", "close"]
 

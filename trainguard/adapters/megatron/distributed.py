@@ -1,5 +1,5 @@
-"""What a rank learns from ``torch.distributed`` for
-:mod:`.framework_ttp`'s processor: whether the training thread is blocked
+"""What a rank learns from ``torch.distributed`` for the TTP flow's
+processor (:mod:`.runtime`): whether the training thread is blocked
 in a collective (for the hang watchdog) and every rank's PID (for the
 job's history). ``torch.distributed`` is only looked up among the modules
 the script loaded, never imported here.
@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Callable
 
-from .state import TTP
+from .session import TTP
 
 __all__ = ["all_pids", "blocked_in_collective"]
 

@@ -1,5 +1,7 @@
 """The controller's recovery commands, carried out with the handlers a
-MindIO script registered (``ttp_register_*`` / ``tft_register_*``)."""
+script on the TTP API registered (``ttp_register_*`` / ``tft_register_*``,
+kept in :data:`~.session.TTP`): MindIO's handler shapes behind trainguard's
+:class:`~trainguard.core.rank.recovery.Handlers`."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from trainguard.core.checkpoint import FileInfo, SavedShard
 from trainguard.core.rank.recovery import Handlers
 
 if TYPE_CHECKING:
-    from .state import _State
+    from .session import TtpSession
 
 __all__ = ["TtpHandlers"]
 
@@ -26,7 +28,7 @@ def _takes_kind(fn) -> bool:
 class TtpHandlers(Handlers):
     """MindIO's handler shapes behind trainguard's :class:`~trainguard.core.rank.recovery.Handlers`."""
 
-    def __init__(self, state: "_State") -> None:
+    def __init__(self, state: "TtpSession") -> None:
         self.s = state
 
     def _need(self, kind: str, what: str):

@@ -1,5 +1,5 @@
-"""In-place recovery handlers for Megatron scripts on the MindIO API
-(exported by :mod:`.megatron_ttp`).
+"""In-place recovery handlers for Megatron scripts on the TTP API
+(exported by :mod:`trainguard.compat.mindio_ttp.megatron_ttp`).
 
 MindIO leaves the stop, clean, rebuild, repair and rollback handlers to the
 script (MindSpeed-LLM ships its own). These are trainguard's, for the
@@ -27,13 +27,12 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from trainguard.adapters.megatron import checkpoint as ckpt
-from trainguard.adapters.megatron import repair
 from trainguard.adapters.torch import backend
 from trainguard.core import RecoveryError
 
-from . import framework_ttp as ttp
-from .state import TTP
+from . import checkpoint as ckpt
+from . import repair
+from .session import TTP
 
 __all__ = ["clean_callback", "committed_rng", "rebuild_callback", "register_recovery_handlers", "repair_callback",
            "rollback_callback", "stop_callback", "track_rng"]
@@ -125,9 +124,9 @@ def committed_rng(step: int) -> dict | None:
 
 def register_recovery_handlers() -> None:
     """Register the five handlers and keep each committed step's random streams."""
-    ttp.tft_register_stop_handler(stop_callback)
-    ttp.tft_register_clean_handler(clean_callback)
-    ttp.tft_register_rebuild_group_handler(rebuild_callback)
-    ttp.tft_register_repair_handler(repair_callback)
-    ttp.tft_register_rollback_handler(rollback_callback)
+    TTP.register("stop", stop_callback)
+    TTP.register("clean", clean_callback)
+    TTP.register("rebuild", rebuild_callback)
+    TTP.register("repair", repair_callback)
+    TTP.register("rollback", rollback_callback)
     track_rng()
