@@ -65,6 +65,10 @@ def interleaved(steps: int, warmup: int, size: dict, tmp: Path, idle_s: float) -
 
     timeline = tmp / "ab.timeline"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    # A guarded step follows up to two plain ones here, so the watchdog's gap between two of its
+    # steps is up to 3 steps while it learns a 1-step median: its limit (3 x median) trips on a
+    # little noise. It keeps polling (its cost is measured); only its limit is out of the way.
+    env["TRAINGUARD_HANG_MIN_S"] = "60"
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(NPROC), "--monitor-interval",
            "0.1", str(WORKER), "--mode", "ab", "--steps", str(steps), "--timeline", str(timeline), "--ckpt",
            str(tmp / "ab-ckpt"), "--batch-size", str(size["batch"]), "--image-size", str(size["image"]),
