@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.core import CheckpointError, ConfigError
+from trainguard.core import CheckpointError, ConfigError, RankConfig
 from trainguard.core.snapshot import SnapshotDir, sweep
 from trainguard.core.snapshot import shm as shm_module
 
@@ -246,6 +246,6 @@ def test_mindspores_repair_file_goes_to_the_nodes_private_directory(monkeypatch,
     private = tmp_path / "node"
     private.mkdir(mode=0o700)
     monkeypatch.setenv("TRAINGUARD_SNAPSHOT_DIR", str(private))
-    assert handlers._repair_dir() == private
+    assert handlers._repair_dir(RankConfig.from_env().node_dir) == private  # the Guard reads it once
     monkeypatch.delenv("TRAINGUARD_SNAPSHOT_DIR")
-    assert handlers._repair_dir() == Path(handlers.SHM)
+    assert handlers._repair_dir(RankConfig.from_env().node_dir) == Path(handlers.SHM)
