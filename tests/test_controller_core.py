@@ -215,9 +215,10 @@ def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
     assert core.snapshot()["pids"] == {"0": [100], "1": [101, 201], "2": [102], "3": [103, 203]}
 
 
-def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke():
+def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke(caplog):
     """A survivor's broken collective often reaches the controller before
-    the lost process does; the record still names the cause."""
+    the lost process does; the record and the one warning line still name
+    the cause first."""
     world = 3
     sent: dict[int, list[pb.Command]] = {}
     core = ControllerCore(ControllerConfig(strategies="dump"), world,
@@ -233,11 +234,21 @@ def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke():
     saving = [r for r, cmds in sent.items() if cmds[-1].HasField("save")]
     assert sorted(saving) == [0, 2], "every survivor saves (its own part at least)"
     (saver,) = [r for r in saving if sent[r][-1].save.kinds]
+    answered = {sent[rank][-1].id for rank in saving}
     for rank in saving:
         core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
                                               status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
     (record,) = core.records
     assert (record.fault, record.rank, record.strategy, record.step) == ("process_lost", 1, "dump", 3)
+    while core.state is not ControllerState.EXITED:  # finalise, exit: every command succeeds
+        waiting = [r for r in saving if sent[r][-1].id not in answered]
+        assert waiting, core.state
+        for rank in waiting:
+            answered.add(sent[rank][-1].id)
+            core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
+                                                  status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert line.startswith("fault: rank 1: process lost") and "; rank 0: comm: Connection closed by peer" in line, line
 
 
 def _elastic_job_waiting_for_its_new_process(world: int = 3):

@@ -202,6 +202,10 @@ class Phases:
 
 
 def _causes(ep, most: int = 4) -> str:
-    """The episode's faults, for its one log line."""
-    told = "; ".join(fault.describe()[:300] for fault in ep.faults[:most])
-    return told + (f"; and {len(ep.faults) - most} more" if len(ep.faults) > most else "")
+    """The episode's faults, for its one log line, causes first: a
+    communication error is most often what the other ranks saw of a peer's
+    failure, and it can arrive before the controller sees the peer's process
+    gone, so it follows every other fault, whatever the order they came in."""
+    faults = sorted(ep.faults, key=lambda fault: fault.kind is FaultKind.COMM)
+    told = "; ".join(fault.describe()[:300] for fault in faults[:most])
+    return told + (f"; and {len(faults) - most} more" if len(faults) > most else "")
