@@ -105,6 +105,17 @@ def test_crash_in_the_forward_pass_dumps_and_the_relaunch_is_bit_identical(job_r
     assert {"own_r0.bin", "own_r1.bin"} <= set(manifest["files"]), "the lost rank's own part is carried"
 
 
+def test_a_rank_lost_between_its_gradient_all_reduce_and_its_update_is_dumped_bit_identical(job_runner, reference):
+    """Its peers completed the all-reduce and committed the step the lost
+    rank never began to update: the dump saves that step, and carries the
+    lost rank's random streams and data position as they were when its
+    gradients left (recorded before its first bucket was sent)."""
+    first, record = dump_and_relaunch(job_runner, reference, env={"LM_KILL_AFTER_BACKWARD": "1:5"})
+    assert record["fault"] == "process_lost" and record["rank"] == 1 and record["step"] == 6, record
+    manifest = json.loads((first.ckpt / "step_00000006" / "manifest.json").read_text())
+    assert {"own_r0.bin", "own_r1.bin"} <= set(manifest["files"]), "the lost rank's own part is carried"
+
+
 @pytest.mark.slow  # stands for it in CI: test_crash_in_the_forward_pass_dumps_and_the_relaunch_is_bit_identical
 @pytest.mark.parametrize("phase", ["backward", "optimizer"])
 def test_crash_in_other_phases_dumps_and_the_relaunch_is_bit_identical(job_runner, reference, phase):

@@ -205,3 +205,39 @@ def test_lr_factor_scales_the_update_only():
         opt.step()
     assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
     assert guarded.param_groups[0]["lr"] == 0.1  # what the scheduler sees is unchanged
+
+
+@pytest.mark.parametrize("draws_in_between", [False, True])
+def test_the_own_part_is_recorded_before_the_gradients_leave_unless_the_script_draws_after(
+        world, monkeypatch, draws_in_between):
+    """Once a rank's gradients reached its peers, they can commit the step
+    while it dies before its update: its node must already hold its own part
+    of that step. Not at the first step (not known yet whether the script
+    draws random numbers between its backward pass and its update), and
+    never for a script that does (the record would be wrong)."""
+    from trainguard.core.snapshot.own import read_own
+
+    node = world / "node"
+    node.mkdir()
+    monkeypatch.setenv("TRAINGUARD_SNAPSHOT_DIR", str(node))
+    model, opt = make()
+    guard = Guard(model, opt)
+    early = []
+    for step in guard.steps(4):
+        with guard.protect():
+            loss = model(torch.randn(4, 8)).square().mean()
+            guard.optimizer.zero_grad()
+            loss.backward()
+            early.append(read_own(node, 0, step + 1))
+            if draws_in_between:
+                torch.rand(1)
+            guard.optimizer.step()
+            at_update = read_own(node, 0, step + 1)
+            if early[-1] is not None:
+                assert early[-1] == at_update, "recorded when the gradients left as it is at the update"
+    if draws_in_between:
+        assert early == [None] * 4
+    else:
+        assert early[0] is None and all(e is not None for e in early[1:]), early
+    assert read_own(node, 0, 4) is not None and read_own(node, 0, 3) is not None, "the step before stays"
+    guard.close()

@@ -58,6 +58,18 @@ def test_records_alternate_keep_the_previous_step_and_survive_a_torn_write(tmp_p
     rec.close()
 
 
+def test_a_step_recorded_again_replaces_its_own_record_and_the_step_before_stays(tmp_path):
+    rec = OwnRecords(tmp_path, 0)
+    rec.write(5, b"five")
+    rec.write(6, b"six, when the gradients left")
+    rec.write(6, b"six, at the update")
+    assert read_own(tmp_path, 0, 5) == b"five" and read_own(tmp_path, 0, 6) == b"six, at the update"
+    rec.write(7, b"seven")  # replaces step 5's record, the older
+    assert read_own(tmp_path, 0, 5) is None and read_own(tmp_path, 0, 6) == b"six, at the update"
+    assert read_own(tmp_path, 0, 7) == b"seven"
+    rec.close()
+
+
 def test_a_record_that_outgrows_its_file_moves_to_a_bigger_one_whole(tmp_path):
     rec = OwnRecords(tmp_path, 0)
     rec.write(1, b"small")

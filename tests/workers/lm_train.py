@@ -10,15 +10,20 @@ makes that rank's data position raise in ``load_state_dict`` (a resume that
 fails; LM_BAD_LOAD_HOW=crash kills the process there, =hang hangs); LM_NO_DATA=1
 does not give the data position to the Guard (a script that loses it on a
 restart); LM_DROPOUT sets the dropout (default 0.1); LM_STEP_SLEEP=S
-stretches each step (for faults from outside).
+stretches each step (for faults from outside); LM_KILL_AFTER_BACKWARD=RANK:STEP
+makes that rank SIGKILL itself once (a marker in the checkpoint directory),
+at that step, after its backward pass (its gradients all-reduced with every
+peer) and before its optimizer step, a moment after the peers went on.
 """
 
 import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -123,6 +128,8 @@ def main() -> None:
     guard = Guard(model, opt, scheduler=sched, data=given, checkpoint_dir=ckpt, save_every=save_every,
                   snapshot_every=int(os.environ.get("LM_SNAPSHOT_EVERY", "0")))
     pause = float(os.environ.get("LM_STEP_SLEEP", "0"))
+    kill_rank, kill_step = map(int, os.environ.get("LM_KILL_AFTER_BACKWARD", "-1:-1").split(":"))
+    killed = Path(ckpt) / f"killed-after-backward-r{kill_rank}"
     for step in guard.steps(steps):
         with guard.protect():
             time.sleep(pause)
@@ -131,6 +138,10 @@ def main() -> None:
             guard.optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if rank == kill_rank and step == kill_step and not killed.exists():
+                killed.touch()
+                time.sleep(0.3)  # the peers finish the step meanwhile
+                os.kill(os.getpid(), signal.SIGKILL)
             guard.optimizer.step()
             sched.step()
     out = guard.report()

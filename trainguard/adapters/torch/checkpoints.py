@@ -140,10 +140,43 @@ class Checkpoints(JobHistory):
         update (:mod:`trainguard.core.snapshot.own`); none without an agent."""
         self._node_dir = self.settings.node_dir
         self.own_records = OwnRecords(self._node_dir, self.rank) if self._node_dir else None
+        self._sent_own: bytes | None = None  # packed when this step's first gradient bucket left
+        self._record_when_sent: bool | None = None  # None: not known yet whether the script draws in between
 
     def record_own(self, step: int, own: dict) -> None:
         if self.own_records is not None:
             self.own_records.write(step, pack(own))
+
+    def record_own_before_sending(self) -> None:
+        """(DDP's comm hook, at the step's first gradient bucket.) Once this
+        rank's gradients reached every peer, the peers can commit the step
+        while this process dies before it began its update: the dump then
+        saves that step, and needs this rank's own part of it. So it is
+        recorded now, as it will be at the update -- unless this script
+        draws random numbers or takes a batch between its backward pass and
+        its update: not until a step showed it does not, and never once one
+        showed it does (a rank lost there then has no record of the step,
+        and its relaunch says so)."""
+        if self.own_records is None:
+            return
+        self._sent_own = pack(self.state.own_part())
+        if self._record_when_sent:
+            self.own_records.write(self._step + 1, self._sent_own)
+
+    def record_own_at_update(self) -> None:
+        """The update begins: the step drew its random numbers and batch."""
+        if self.own_records is None:
+            return
+        own, sent, self._sent_own = pack(self.state.own_part()), self._sent_own, None
+        if sent is not None and self._record_when_sent is not False:
+            if own == sent:
+                self._record_when_sent = True
+            else:
+                self._record_when_sent = False
+                log.info("rank %d: the script draws random numbers or takes data between its backward pass and its "
+                         "update, so its own part is recorded at the update only", self.rank)
+        if not (sent == own and self.own_records.written == self._step + 1):
+            self.own_records.write(self._step + 1, own)
 
     def recorded_own(self, rank: int, step: int) -> bytes | None:
         """``rank``'s own part at ``step`` as recorded on this node, or ``None``."""
@@ -337,8 +370,8 @@ class Checkpoints(JobHistory):
         self.resumed_from = {"step": found.step, "source": "storage"}
         log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
         if not self.state.rng_loaded:
-            log.warning("rank %d: %s holds no random streams or data position of this rank (it was lost with its "
-                        "host): they go on as this process seeded them, so the job is no longer bit-identical to "
+            log.warning("rank %d: %s holds no random streams or data position of this rank (the dump that "
+                        "wrote it could not carry them; its log says why): they go on as this process seeded them, so the job is no longer bit-identical to "
                         "a fault-free run", self.rank, found.path.name)
         return found.step
 

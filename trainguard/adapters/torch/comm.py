@@ -36,13 +36,15 @@ class TorchComm:
         timeout: the inner backend's own timeout.
         generation: the group's generation (a joining process's is the
             recovery's that started it).
+        first_bucket: called once per :meth:`arm`, before DDP sends that
+            step's first gradient bucket.
 
     Raises:
         ConfigError: ``ddp`` has a comm hook of its own already.
     """
 
     def __init__(self, rank: int, world_size: int, device: Device, ddp: Any, *, timeout: timedelta,
-                 generation: int = 0) -> None:
+                 generation: int = 0, first_bucket: Callable[[], None] | None = None) -> None:
         self.rank, self.world_size, self.device, self.ddp = rank, world_size, device, ddp
         self.joined_default_group: Any = None  # kept alive after survivors met a new process
         self.process_group = AbortableProcessGroup(
@@ -50,11 +52,16 @@ class TorchComm:
             timeout=timeout, namespace=job_namespace(), abort=device.abort, generation=generation)
         if ddp is not None:
             try:
-                self._hook_group = GroupRef(self.process_group)
+                self._hook_group = GroupRef(self.process_group, first_bucket)
                 ddp.register_comm_hook(self._hook_group, allreduce_hook)
             except RuntimeError as e:
                 raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
             self.attach_ddp()
+
+    def arm(self) -> None:
+        """A step begins: call ``first_bucket`` before its first gradient bucket leaves."""
+        if self.ddp is not None:
+            self._hook_group.arm()
 
     def attach_ddp(self) -> None:
         """Point DDP at the (possibly rebuilt) process group, with the

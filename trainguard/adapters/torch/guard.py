@@ -205,7 +205,8 @@ class Guard(Checkpoints, RankRuntime):
         if checkpoint_dir is not None:
             check_checkpoint_dir(checkpoint_dir)
         self.comm = TorchComm(self.rank, self.world_size, self.device, self.ddp, timeout=comm_timeout,
-                              generation=join["generation"] if join else 0)
+                              generation=join["generation"] if join else 0,
+                              first_bucket=self.record_own_before_sending)
         self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer, snapshot_shared)
         self.setup_own_records()
         started_at = time.time()
@@ -286,11 +287,11 @@ class Guard(Checkpoints, RankRuntime):
         self._entered = True
         self._updated = False
         self._step_started = time.perf_counter()
+        self.comm.arm()
 
     def _start_update(self) -> None:
         self.settle_snapshot()  # a snapshot copy of the last step may still be reading parameters
-        if self.own_records is not None:  # the step drew its random numbers and batch
-            self.record_own(self._step + 1, self.state.own_part())
+        self.record_own_at_update()
         if self.ddp is not None and self.ddp.will_sync_module_buffers():
             # Make buffers (BatchNorm statistics) identical on every replica
             # before the update, so any replica can serve or save the step.

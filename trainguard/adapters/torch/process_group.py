@@ -340,10 +340,24 @@ class AbortableProcessGroup(dist.ProcessGroup):
 
 class GroupRef:
     """The group a comm hook averages over; elastic training points it at a
-    group of fewer ranks (DDP keeps the hook's state object for good)."""
+    group of fewer ranks (DDP keeps the hook's state object for good).
 
-    def __init__(self, group: AbortableProcessGroup) -> None:
+    ``first_bucket``, when given, is called once per :meth:`arm` (once per
+    step), before the step's first gradient bucket is sent: the last moment
+    this rank's gradients are its own."""
+
+    def __init__(self, group: AbortableProcessGroup, first_bucket: Callable[[], None] | None = None) -> None:
         self.group = group
+        self.first_bucket = first_bucket
+        self.armed = False
+
+    def arm(self) -> None:
+        self.armed = self.first_bucket is not None
+
+    def sending(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.first_bucket()
 
 
 def run_cancellable(fn: Callable[[], Any], cancelled: Callable[[], bool], what: str) -> Any:
@@ -376,7 +390,11 @@ def allreduce_hook(state, bucket):  # no annotations: DDP compares them to real 
     """DDP comm hook: average the bucket over ``state`` (an
     :class:`AbortableProcessGroup`, or a :class:`GroupRef` to one) through a
     future trainguard can fail; the same arithmetic as DDP's default hook."""
-    group = state.group if isinstance(state, GroupRef) else state
+    if isinstance(state, GroupRef):
+        state.sending()
+        group = state.group
+    else:
+        group = state
     tensor = bucket.buffer()
     tensor.div_(group.size())
     return group.allreduce([tensor]).get_future().then(lambda fut: fut.value()[0])

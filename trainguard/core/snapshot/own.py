@@ -65,15 +65,18 @@ class OwnRecords:
         self.written: int | None = None  # step of the newest record
 
     def write(self, step: int, data: bytes) -> None:
-        """Record ``data`` as this rank's own part at ``step``."""
+        """Record ``data`` as this rank's own part at ``step``. A step
+        recorded again replaces its own record, so the step before stays
+        readable (a dump one step back needs it)."""
         if len(data) > self._capacity:
             self._grow(len(data))
-        at = _FILE.size + self._next * (_HEAD.size + self._capacity)
+        slot = self._next ^ 1 if step == self.written else self._next
+        at = _FILE.size + slot * (_HEAD.size + self._capacity)
         m = self._map
         _HEAD.pack_into(m, at, -1, 0, 0)  # torn until the header is back
         m[at + _HEAD.size:at + _HEAD.size + len(data)] = data
         _HEAD.pack_into(m, at, step, len(data), xxhash.xxh3_64_intdigest(data))
-        self._next ^= 1
+        self._next = slot ^ 1
         self.written = step
 
     def _grow(self, need: int) -> None:
@@ -95,7 +98,7 @@ class OwnRecords:
         os.replace(tmp, self.path)
         if self._map is not None:
             self._map.close()
-        self._map, self._capacity, self._next = m, capacity, 0
+        self._map, self._capacity, self._next, self.written = m, capacity, 0, None
         for step, data in old[-1:]:
             self.write(step, data)
 
