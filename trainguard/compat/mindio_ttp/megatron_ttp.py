@@ -84,12 +84,7 @@ __all__ = ["ReplicatedOptimizer", "SnapshotConfig", "close_snapshots", "load_che
 
 def ttp_save_checkpoint(save_rank: int, step: int, rank_list: Sequence[int], args: Any,
                         kind: int | None = None) -> list[FileInfo]:
-    """Write this rank's part of the dying-gasp checkpoint at ``step`` as the
-    saver of the shard whose copies are ``rank_list``, of ``kind`` (0:
-    dense, 1: experts; trainguard's processor passes it. MindIO's legacy
-    handler shape is not told the kind: then copies in the expert
-    data-parallel group mean the expert shard, which is ambiguous when a
-    distributed optimizer's dense shard has the same copies)."""
+    """MindIO's name for :func:`trainguard.adapters.megatron.saves.save_dying_gasp`."""
     return saves.save_dying_gasp(save_rank, step, rank_list, args, kind=kind)
 
 
