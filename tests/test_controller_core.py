@@ -1,7 +1,13 @@
 """The controller's state machine driven directly, at thousands of ranks."""
 
+from dataclasses import fields
+
 from trainguard.core import EXIT_HUNG, ControllerConfig, ControllerState
-from trainguard.core.api import DataStatus, Fault, FaultKind, RankStatus, RunStatus, Severity
+from trainguard.core.api import DataStatus, Fault, FaultKind, RankStatus, RunStatus, Severity, Transfer
+from trainguard.core.checkpoint_parts import FileInfo, SavedShard
+from trainguard.core.commands import (Clean, Command, CommandResult, Exit, Finalize, Rebuild, Repair, Resume,
+                                      Rollback, Save, Stop)
+from trainguard.core.control.wire import Wired, command_result, command_to_pb
 from trainguard.core.control.controller import ControllerCore
 from trainguard.core.rank.messages import replica_group
 from trainguard.core import ReplicaGroup
@@ -16,32 +22,36 @@ def hello(rank: int, step: int) -> pb.Hello:
                     replicas=[replica_group(ReplicaGroup.full(range(WORLD)))])
 
 
+def answer(cmd: Command, step: int, run: RunStatus) -> CommandResult:
+    """A rank's answer that ``cmd`` succeeded, at ``step``."""
+    return CommandResult(command_id=cmd.id, ok=True, status=RankStatus(step=step, run=run, data=DataStatus.UPDATED))
+
+
 def test_a_retry_reaches_every_rank_of_a_large_job():
-    sent: dict[int, list[pb.Command]] = {}
+    sent: dict[int, list[Command]] = {}
     core = ControllerCore(ControllerConfig(), WORLD, send=lambda r, c: sent.setdefault(r, []).append(c))
     for rank in range(WORLD):
         core.on_hello(hello(rank, 7))
     assert core.state is ControllerState.NORMAL
-    assert len(core._parsed) == 1, "every rank's group must be parsed once and shared"
+    assert len(core.roster.parsed) == 1, "every rank's group must be parsed once and shared"
     assert core.heartbeat_interval_s == 1.0
 
     core.on_fault(5, Fault(kind=FaultKind.UCE, rank=5, severity=Severity.HIGH, message="UCE ERROR"),
                   RankStatus(step=7, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
-    assert len(sent) == WORLD - 1 and all(c[-1].HasField("stop") for c in sent.values())
+    assert len(sent) == WORLD - 1 and all(isinstance(c[-1].action, Stop) for c in sent.values())
     assert len({id(c[-1]) for c in sent.values()}) == 1, "one STOP command shared by every rank"
     for rank in range(WORLD):
         if rank != 5:
             core.on_stopped(rank, RankStatus(step=7, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.RECOVERING
     for phase in ("clean", "rebuild", "repair", "rollback"):
-        targets = [r for r, cmds in sent.items() if cmds[-1].HasField(phase)]
+        targets = [r for r, cmds in sent.items() if cmds[-1].name == phase]
         assert targets, phase
         for r in targets:
-            core.on_result(r, pb.CommandResult(command_id=sent[r][-1].id, ok=True,
-                                               status=pb.Status(step=7, run=pb.RECOVERING, data=pb.UPDATED)))
-    assert all(cmds[-1].HasField("resume") for cmds in sent.values()) and len(sent) == WORLD
+            core.on_result(r, answer(sent[r][-1], 7, RunStatus.RECOVERING))
+    assert all(isinstance(cmds[-1].action, Resume) for cmds in sent.values()) and len(sent) == WORLD
     assert core.state is ControllerState.NORMAL
-    assert core.records[-1].strategy == "retry" and core.records[-1].lost_steps == 0
+    assert core.journal.records[-1].strategy == "retry" and core.journal.records[-1].lost_steps == 0
 
 
 def test_heartbeat_interval_stretches_above_4096_ranks():
@@ -64,7 +74,7 @@ def test_a_stalled_controller_does_not_declare_everyone_hung():
         core.tick()
     # 4 s > 3 missed 1 s heartbeats: every rank is hung, nobody is left to save, the job exits.
     assert core.state is ControllerState.EXITED
-    assert core.records[-1].fault == "hang" and core.records[-1].strategy == "exit"
+    assert core.journal.records[-1].fault == "hang" and core.journal.records[-1].strategy == "exit"
 
 
 def test_a_rank_silent_before_its_first_step_time_gets_the_first_step_limit():
@@ -90,14 +100,14 @@ def test_a_rank_silent_before_its_first_step_time_gets_the_first_step_limit():
     silent(50.0)  # both compiling for 50 s: 16x the 3 missed heartbeats
     assert core.state is ControllerState.NORMAL and not sent
     silent(70.0, beating=(0,))  # rank 0 steps on; rank 1 is still silent at 60 s
-    assert [(r, c.exit.code) for r, c in sent if c.HasField("exit")] == [(1, EXIT_HUNG)]
-    reason = next(c.exit.reason for _, c in sent if c.HasField("exit"))
+    assert [(r, c.action.code) for r, c in sent if isinstance(c.action, Exit)] == [(1, EXIT_HUNG)]
+    reason = next(c.action.reason for _, c in sent if isinstance(c.action, Exit))
     assert reason.startswith("no heartbeat for ") and 60 <= float(reason.split()[3]) <= 60.2, reason
 
     # Rank 0 has a step time now: 3 missed heartbeats are enough.
     before = len(sent)
     silent(75.0)
-    assert [r for r, c in sent[before:] if c.HasField("exit")] == [0]
+    assert [r for r, c in sent[before:] if isinstance(c.action, Exit)] == [0]
 
 
 def test_a_rank_in_a_section_may_be_silent_for_the_section_s_limit():
@@ -119,7 +129,7 @@ def test_a_rank_in_a_section_may_be_silent_for_the_section_s_limit():
     assert core.state is ControllerState.NORMAL and not sent
     core.on_heartbeat(0, RankStatus(step=3, run=RunStatus.TRAINING, data=DataStatus.UPDATED, step_time_s=0.2))
     silent_until(504.0)  # max(3 heartbeats, 5 x 0.2 s + 2 heartbeats) = 3 s
-    assert [(r, c.exit.code) for r, c in sent if c.HasField("exit")] == [(0, EXIT_HUNG)]
+    assert [(r, c.action.code) for r, c in sent if isinstance(c.action, Exit)] == [(0, EXIT_HUNG)]
 
 
 def test_a_rank_that_does_not_stop_is_told_to_exit_and_the_others_dump():
@@ -144,21 +154,21 @@ def test_a_rank_that_does_not_stop_is_told_to_exit_and_the_others_dump():
         now[0] += 0.5
         beat()
         core.tick()
-    assert core.state is ControllerState.ABNORMAL and not [c for r, c in sent if r == 2 and c.HasField("exit")]
+    assert core.state is ControllerState.ABNORMAL and not [c for r, c in sent if r == 2 and isinstance(c.action, Exit)]
     now[0] = 5.5
     beat()
     core.tick()
-    exits = [c for r, c in sent if r == 2 and c.HasField("exit")]
-    assert len(exits) == 1 and exits[0].exit.code == 77 and "did not stop within 5 s" in exits[0].exit.reason
+    exits = [c for r, c in sent if r == 2 and isinstance(c.action, Exit)]
+    assert len(exits) == 1 and exits[0].action.code == 77 and "did not stop within 5 s" in exits[0].action.reason
     assert core.state is ControllerState.DUMPING
-    saves = {r for r, c in sent if c.HasField("save")}
+    saves = {r for r, c in sent if isinstance(c.action, Save)}
     assert saves and saves <= {0, 3}, saves
 
 
 def _training_job(world: int, strategies: str, *, max_restarts: int):
     """A controller whose ``world`` ranks (pids 100 + rank) train at step 3,
     recording what it sends to ranks and to node agents."""
-    sent: dict[int, list[pb.Command]] = {}
+    sent: dict[int, list[Command]] = {}
     orders: list[tuple[str, pb.AgentOrder]] = []
     core = ControllerCore(ControllerConfig(strategies=strategies, max_restarts=max_restarts), world,
                           send=lambda r, c: sent.setdefault(r, []).append(c),
@@ -185,33 +195,30 @@ def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
     for rank in (0, 2):
         core.on_stopped(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     for rank in (0, 2):  # clean
-        core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
-                                              status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+        core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
     starts = [(n, o) for n, o in orders if o.HasField("start")]
     assert [(n, o.start.rank, o.start.join_store) for n, o in starts] == [("a", 1, "")]  # one at a time
     core.on_agent_event("a", pb.AgentEvent(rank=1, order=starts[0][1].id, ok=True, pid=201, join_store="h:1"))
     starts = [(n, o) for n, o in orders if o.HasField("start")]
     assert [(n, o.start.rank, o.start.join_store) for n, o in starts] == [("a", 1, ""), ("b", 3, "h:1")]
-    assert not sent[0][-1].HasField("rebuild"), "the survivors wait until every new process runs"
+    assert not isinstance(sent[0][-1].action, Rebuild), "the survivors wait until every new process runs"
     core.on_agent_event("b", pb.AgentEvent(rank=3, order=starts[1][1].id, ok=True, pid=203, join_store="h:1"))
-    assert sent[0][-1].rebuild.join_store == "h:1" and sent[2][-1].rebuild.join_store == "h:1"
+    assert sent[0][-1].action.join_store == "h:1" and sent[2][-1].action.join_store == "h:1"
     assert core.agents.restarts_left == 0
     for rank in (0, 2):
-        core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
-                                              status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+        core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
     assert core.episode.phases[0].name == "join", "still waiting for the new processes to register"
     for rank in (1, 3):
         core.on_hello(pb.Hello(rank=rank, world_size=world, pid=200 + rank, replicas=full, joining=True,
                                status=pb.Status(step=0, run=pb.STARTING, data=pb.UPDATED)))
     for phase in ("repair", "rollback"):
-        targets = [r for r, cmds in sent.items() if cmds[-1].HasField(phase)]
+        targets = [r for r, cmds in sent.items() if cmds[-1].name == phase]
         assert set(targets) >= {1, 3}, phase
         for r in targets:
-            core.on_result(r, pb.CommandResult(command_id=sent[r][-1].id, ok=True,
-                                               status=pb.Status(step=3, run=pb.RECOVERING, data=pb.UPDATED)))
-    assert all(sent[r][-1].HasField("resume") for r in range(world))
+            core.on_result(r, answer(sent[r][-1], 3, RunStatus.RECOVERING))
+    assert all(isinstance(sent[r][-1].action, Resume) for r in range(world))
     assert core.state is ControllerState.NORMAL
-    assert core.records[-1].strategy == "recover-in-place"
+    assert core.journal.records[-1].strategy == "recover-in-place"
     assert core.snapshot()["pids"] == {"0": [100], "1": [101, 201], "2": [102], "3": [103, 203]}
 
 
@@ -220,7 +227,7 @@ def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke(capl
     the lost process does; the record and the one warning line still name
     the cause first."""
     world = 3
-    sent: dict[int, list[pb.Command]] = {}
+    sent: dict[int, list[Command]] = {}
     core = ControllerCore(ControllerConfig(strategies="dump"), world,
                           send=lambda r, c: sent.setdefault(r, []).append(c))
     full = [replica_group(ReplicaGroup.full(range(world)))]
@@ -231,22 +238,20 @@ def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke(capl
                   RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     core.on_disconnect(1)
     core.on_stopped(2, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
-    saving = [r for r, cmds in sent.items() if cmds[-1].HasField("save")]
+    saving = [r for r, cmds in sent.items() if isinstance(cmds[-1].action, Save)]
     assert sorted(saving) == [0, 2], "every survivor saves (its own part at least)"
-    (saver,) = [r for r in saving if sent[r][-1].save.kinds]
+    (saver,) = [r for r in saving if sent[r][-1].action.kinds]
     answered = {sent[rank][-1].id for rank in saving}
     for rank in saving:
-        core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
-                                              status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
-    (record,) = core.records
+        core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
+    (record,) = core.journal.records
     assert (record.fault, record.rank, record.strategy, record.step) == ("process_lost", 1, "dump", 3)
     while core.state is not ControllerState.EXITED:  # finalise, exit: every command succeeds
         waiting = [r for r in saving if sent[r][-1].id not in answered]
         assert waiting, core.state
         for rank in waiting:
             answered.add(sent[rank][-1].id)
-            core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
-                                                  status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+            core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
     (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert line.startswith("fault: rank 1: process lost") and "; rank 0: comm: Connection closed by peer" in line, line
 
@@ -262,10 +267,9 @@ def _elastic_job_waiting_for_its_new_process(world: int = 3):
         core.on_stopped(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     while core.state is not ControllerState.NORMAL:  # every phase of the plan succeeds
         for rank in live:
-            core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True,
-                                                  status=pb.Status(step=3, run=pb.STOPPED, data=pb.UPDATED)))
+            core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
     (start,) = [o for _, o in orders if o.HasField("start")]
-    assert start.start.rank == world - 1 and core.dropped == {world - 1}
+    assert start.start.rank == world - 1 and core.roster.dropped == {world - 1}
     return core, sent, orders, start
 
 
@@ -295,10 +299,10 @@ def test_a_new_process_that_runs_when_a_rank_already_finished_is_ended_and_the_r
     survivor is not stopped."""
     core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
     core.on_goodbye(0, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
-    stops = len([c for c in sent[1] if c.HasField("stop")])
+    stops = len([c for c in sent[1] if isinstance(c.action, Stop)])
     core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
     assert _kills(orders) == [("a", 2)]
-    assert len([c for c in sent[1] if c.HasField("stop")]) == stops
+    assert len([c for c in sent[1] if isinstance(c.action, Stop)]) == stops
     core.on_goodbye(1, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.FINISHED
 
@@ -310,7 +314,8 @@ def test_a_survivor_that_finishes_instead_of_stopping_for_the_scale_up_ends_it()
     job finishes."""
     core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
     core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
-    assert core.state is ControllerState.ABNORMAL and sent[0][-1].HasField("stop") and sent[1][-1].HasField("stop")
+    assert core.state is ControllerState.ABNORMAL
+    assert isinstance(sent[0][-1].action, Stop) and isinstance(sent[1][-1].action, Stop)
     core.on_hello(pb.Hello(rank=2, world_size=3, pid=202, joining=True, replicas=[replica_group(ReplicaGroup.full(range(3)))],
                            status=pb.Status(step=0, run=pb.STARTING, data=pb.UPDATED)))
     core.on_stopped(1, RankStatus(step=16, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
@@ -318,11 +323,47 @@ def test_a_survivor_that_finishes_instead_of_stopping_for_the_scale_up_ends_it()
     for _ in range(5):
         if core.state is ControllerState.NORMAL:
             break
-        core.on_result(1, pb.CommandResult(command_id=sent[1][-1].id, ok=True,
-                                           status=pb.Status(step=16, run=pb.STOPPED, data=pb.UPDATED)))
-    assert core.state is ControllerState.NORMAL and sent[1][-1].HasField("resume")
+        core.on_result(1, answer(sent[1][-1], 16, RunStatus.STOPPED))
+    assert core.state is ControllerState.NORMAL and isinstance(sent[1][-1].action, Resume)
     assert _kills(orders) == [("a", 2)]
     core.on_disconnect(2)  # the agent ended it
     assert core.state is ControllerState.NORMAL and core.episode is None
     core.on_goodbye(1, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.FINISHED
+
+
+def test_commands_and_their_results_cross_the_wire_field_for_field():
+    """The core's commands become the protobuf messages of the same names at
+    the edge, one message per command however many ranks it goes to; the
+    ranks' answers come back as the core's results."""
+    files = (FileInfo("shard_k0_r0.pt", 5, "c" * 64),)
+    shard = SavedShard(kind=1, copies=(0, 2), full=True, rank=2, files=files)
+    actions = [Stop("UCE ERROR", at_boundary=True), Clean(uce=True), Rebuild(3, excluded=(1, 2), join_store="h:1"),
+               Repair(7, (Transfer(0, 1, kind=1),)), Rollback(7), Save(7, kinds=(0, 1), carry=(3,)),
+               Finalize(7, (shard,), '{"records": []}', files), Resume(7, "{}", '{"1": [2]}', replicas=2),
+               Exit(76, "bye")]
+    assert {f.name for f in pb.Command.DESCRIPTOR.oneofs_by_name["action"].fields} == {
+        Command(0, 0, a).name for a in actions}, "every action of the protocol, once"
+    for i, action in enumerate(actions, 1):
+        msg = command_to_pb(Command(i, 2, action))
+        assert (msg.id, msg.epoch, msg.WhichOneof("action")) == (i, 2, type(action).__name__.lower())
+        body = getattr(msg, msg.WhichOneof("action"))
+        for f in fields(action):
+            value, got = getattr(action, f.name), getattr(body, f.name)
+            if f.name == "transfers":
+                got = tuple(Transfer(t.src, t.dst, t.kind) for t in got)
+            elif f.name == "shards":
+                got = tuple(SavedShard(kind=s.kind, copies=tuple(s.copies), full=s.full, rank=s.rank,
+                                       files=tuple(FileInfo(x.name, x.bytes, x.sha256) for x in s.files)) for s in got)
+            elif f.name == "own":
+                got = tuple(FileInfo(x.name, x.bytes, x.sha256) for x in got)
+            assert (tuple(got) if isinstance(value, tuple) else got) == value, (action, f.name)
+    wired, stop = Wired(), Command(1, 1, Stop("x"))
+    assert wired(stop) is wired(stop) and wired(Command(2, 1, Stop("x"))) is not wired(stop)
+    answer_ = pb.CommandResult(command_id=5, ok=False, code=3, message="no", own=[pb.FileInfo(name="o", bytes=1)],
+                               status=pb.Status(step=7, run=pb.RECOVERING, data=pb.UPDATED),
+                               shards=[pb.ShardFiles(kind=1, files=[pb.FileInfo(name="s", bytes=2, sha256="d")])])
+    assert command_result(answer_) == CommandResult(
+        command_id=5, ok=False, code=3, message="no", own=(FileInfo("o", 1, ""),),
+        status=RankStatus(step=7, run=RunStatus.RECOVERING, data=DataStatus.UPDATED),
+        shards=(SavedShard(kind=1, copies=(), full=False, rank=0, files=(FileInfo("s", 2, "d"),)),))

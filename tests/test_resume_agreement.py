@@ -17,6 +17,9 @@ import pytest
 
 from trainguard.core import CheckpointError, ControllerConfig, ControllerState, ResumeError
 from trainguard.core.api import DataStatus, Fault, FaultKind, RankStatus, RunStatus, Severity
+from trainguard.core.checkpoint import FileInfo
+from trainguard.core.checkpoint_parts import SavedShard
+from trainguard.core.commands import CommandResult, Exit, Finalize, Rebuild, Repair, Save
 from trainguard.core.control.controller import ControllerCore
 from trainguard.core.rank.messages import replica_group as _pb_group
 from trainguard.core import ReplicaGroup
@@ -182,8 +185,8 @@ def test_a_fault_before_every_rank_registered_ends_the_job_without_a_save():
     core.on_fault(0, Fault(kind=FaultKind.COMM, rank=0, severity=Severity.HIGH, message="Connection closed by peer"),
                   RankStatus(step=10, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     commands = [c for _, c in sent]
-    assert not any(c.HasField(a) for c in commands for a in ("rebuild", "save", "repair")), commands
-    assert commands[-1].HasField("exit") and commands[-1].exit.code == 76
+    assert not any(isinstance(c.action, (Rebuild, Save, Repair)) for c in commands), commands
+    assert isinstance(commands[-1].action, Exit) and commands[-1].action.code == 76
     assert "ranks [1] never registered" in core.episode.reason
     assert core.state is ControllerState.EXITED
 
@@ -198,18 +201,20 @@ def test_a_dump_asks_every_survivor_for_its_own_part_and_a_survivor_on_the_lost_
     core.on_process_exit(1, 101, -9)
     for rank in (0, 2, 3):
         core.on_stopped(rank, RankStatus(step=6, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
-    saves = {r: cmds[-1].save for r, cmds in sent.items() if cmds[-1].HasField("save")}
+    saves = {r: cmds[-1].action for r, cmds in sent.items() if isinstance(cmds[-1].action, Save)}
     assert sorted(saves) == [0, 2, 3], "every survivor saves its own part"
     assert list(saves[0].carry) == [1] and not saves[2].carry and not saves[3].carry
     for rank in (0, 2, 3):
-        own = [pb.FileInfo(name=f"own_r{rank}.bin", bytes=10, sha256="a" * 64)]
+        own = (FileInfo(name=f"own_r{rank}.bin", bytes=10, sha256="a" * 64),)
         if rank == 0:
-            own.append(pb.FileInfo(name="own_r1.bin", bytes=10, sha256="b" * 64))
-        shards = [pb.ShardFiles(kind=0, files=[pb.FileInfo(name="shard_k0_r0.pt", bytes=5, sha256="c" * 64)])] \
-            if saves[rank].kinds else []
-        core.on_result(rank, pb.CommandResult(command_id=sent[rank][-1].id, ok=True, shards=shards, own=own,
-                                              status=pb.Status(step=6, run=pb.RECOVERING, data=pb.UPDATED)))
-    (finalize,) = [cmds[-1].finalize for cmds in sent.values() if cmds[-1].HasField("finalize")]
+            own += (FileInfo(name="own_r1.bin", bytes=10, sha256="b" * 64),)
+        shards = (SavedShard(kind=0, copies=(), full=False, rank=0,
+                             files=(FileInfo(name="shard_k0_r0.pt", bytes=5, sha256="c" * 64),)),) \
+            if saves[rank].kinds else ()
+        status = RankStatus(step=6, run=RunStatus.RECOVERING, data=DataStatus.UPDATED)
+        core.on_result(rank, CommandResult(command_id=sent[rank][-1].id, ok=True, shards=shards, own=own,
+                                           status=status))
+    (finalize,) = [cmds[-1].action for cmds in sent.values() if isinstance(cmds[-1].action, Finalize)]
     assert sorted(f.name for f in finalize.own) == ["own_r0.bin", "own_r1.bin", "own_r2.bin", "own_r3.bin"]
 
 
@@ -222,7 +227,7 @@ def test_a_lost_rank_with_no_survivor_on_its_host_is_named_in_the_reason():
         core.on_hello(h)
     core.on_process_exit(1, 101, -9)
     core.on_stopped(0, RankStatus(step=6, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
-    assert not sent[0][-1].save.carry
+    assert isinstance(sent[0][-1].action, Save) and not sent[0][-1].action.carry
     assert "random streams and data positions of ranks [1] are lost with their hosts" in core.episode.reason
 
 

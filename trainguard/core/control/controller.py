@@ -3,7 +3,9 @@
 :class:`ControllerCore` holds no sockets and no threads. The gRPC server
 (:mod:`trainguard.core.control.server`) feeds it events (``on_hello``,
 ``on_fault``...) from one event loop and it answers by calling ``send(rank,
-command)``. Its clocks are injected, so tests drive it by hand.
+command)``, with a plain :class:`~trainguard.core.commands.Command` (the
+server makes it protobuf, :mod:`.wire`). Its clocks are injected, so tests
+drive it by hand.
 
 An *episode* begins with the first fault while training runs normally:
 
@@ -40,13 +42,13 @@ from typing import Callable
 
 from ..api import EXIT_HUNG, EXIT_UNRECOVERABLE, ControllerState, Fault, FaultKind, RankStatus, Strategy
 from .agents import AgentTable
+from ..commands import Command, CommandResult, Exit
 from ..config import ControllerConfig
 from ..links import Surveyor
 from .episode import Episode, Rank
 from .job import Job
 from .liveness import Liveness
 from ..protocol import trainguard_pb2 as pb
-from ..rpc import rank_status
 from .phases import Phases
 from .planning import STATE_OF, next_plan
 from .prelock import Prelock
@@ -77,7 +79,7 @@ class ControllerCore:
         config: ControllerConfig,
         world_size: int,
         *,
-        send: Callable[[int, pb.Command], None],
+        send: Callable[[int, Command], None],
         send_agent: Callable[[str, pb.AgentOrder], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -91,21 +93,17 @@ class ControllerCore:
         self._clock, self._wall = clock, wall
         #: What the controller reports: the run directory's event log, link verdicts, live slow-node detection.
         self.journal = Journal(world_size, wall, self.agents.ranks_of)
-        self.records = self.journal.records  # every episode's record, oldest first (the journal keeps them)
         self._note = self.journal.note  # one event for the run directory's log
         #: Surveys of the node agents' links, when the job slows down as a whole.
         self.links = Surveyor(self.agents.order, self._send_agent, clock, on_verdict=self.journal.link_verdict)
-        #: The ranks, their pids and groups (see :mod:`.roster`), under the names the status view reads.
+        #: The ranks, their pids and groups, the ranks leaving, finished or dropped (see :mod:`.roster`).
         self.roster = roster = Roster(world_size, clock)
-        self.ranks, self.registry, self._pids, self._parsed = roster.ranks, roster.registry, roster.pids, roster.parsed
-        self._exiting, self._finished, self.dropped = roster.exiting, roster.finished, roster.dropped
-        self.persist_failing = roster.persist_failing
         #: The state machine, the episode and the counters that every part below moves (see :mod:`.job`).
         self.job = job = Job(roster, self.journal)
         #: Which ranks went silent too long (see :mod:`.liveness`).
         self.liveness = Liveness(config, self.heartbeat_interval_s, clock())
         #: Stops every live rank when an episode begins (see :mod:`.prelock`).
-        self.prelock = Prelock(self.ranks, send, job.command, clock, config.prelock_timeout_s)
+        self.prelock = Prelock(roster.ranks, send, job.command, clock, config.prelock_timeout_s)
         #: New processes for lost or dropped ranks (see :mod:`.restarts`).
         # Late bound: the phases, made next, use the restarts in turn.
         self.restarts = Restarts(job, self.agents, self.links, self._send_agent, clock, wall, next_phase=lambda:
@@ -119,6 +117,7 @@ class ControllerCore:
     state = property(lambda self: self.job.state, doc="Where the controller stands (a ControllerState).")
     episode = property(lambda self: self.job.episode, doc="The fault episode under way (an Episode), or None.")
     generation = property(lambda self: self.job.generation, doc="The generation of the ranks' process groups.")
+    ranks = property(lambda self: self.roster.ranks, doc="The registered ranks (rank -> Rank), the roster's.")
 
     # ----------------------------------------------------------------- events
     def on_hello(self, hello: pb.Hello) -> None:
@@ -149,9 +148,9 @@ class ControllerCore:
                 self.phases.next()
         elif self.episode is None:
             # Nothing to join any more: it must not train on its own.
-            self._exiting.add(r.rank)
-            self._send(r.rank, self.job.command(exit=pb.Exit(code=EXIT_UNRECOVERABLE,
-                                                          reason="no recovery is waiting for this process")))
+            self.roster.exiting.add(r.rank)
+            self._send(r.rank, self.job.command(Exit(code=EXIT_UNRECOVERABLE,
+                                                     reason="no recovery is waiting for this process")))
 
     def on_heartbeat(self, rank: int, status: RankStatus) -> None:
         self.roster.heard(rank, status)
@@ -178,8 +177,8 @@ class ControllerCore:
         # training thread is still blocked: that rank must be stopped too.
         self._fault(fault, stopped=None if fault.phase == "watchdog" else r)
 
-    def on_result(self, rank: int, result: pb.CommandResult) -> None:
-        self.roster.heard(rank, rank_status(result.status))
+    def on_result(self, rank: int, result: CommandResult) -> None:
+        self.roster.heard(rank, result.status)
         phase = self.job.current_phase()
         if phase is None or rank not in phase.waiting or rank not in phase.commands \
                 or phase.commands[rank].id != result.command_id:
@@ -190,10 +189,10 @@ class ControllerCore:
             return
         phase.waiting.discard(rank)
         if phase.name == "save":
-            written = {s.kind: s.files for s in result.shards}
-            for shard in self.episode.shards:
+            written, shards = {s.kind: s.files for s in result.shards}, self.episode.shards
+            for i, shard in enumerate(shards):
                 if shard.rank == rank:
-                    shard.files.extend(written.get(shard.kind, []))
+                    shards[i] = replace(shard, files=shard.files + written.get(shard.kind, ()))
             self.episode.own.extend(result.own)
         if not phase.waiting:
             self.phases.next()
@@ -207,7 +206,7 @@ class ControllerCore:
         r = self.roster.known(rank)
         r.update(status)
         r.alive = False
-        self._finished.add(rank)
+        self.roster.finished.add(rank)
         self._note("finished", rank=rank, step=r.step)
         log.debug("rank %d finished at step %d", rank, r.step)
         ep = self.episode
@@ -226,7 +225,7 @@ class ControllerCore:
         if r is None or not r.alive:
             return
         self.job.lose(r)
-        if rank in self._exiting or rank in self._finished:
+        if rank in self.roster.exiting or rank in self.roster.finished:
             return
         self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank,
                           message=f"pid {r.pid} on {r.host} disconnected", detected_at=self._wall()))
@@ -250,7 +249,7 @@ class ControllerCore:
             self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank, detected_at=self._wall(),
                               message=f"replacement pid {pid} exited with code {code} before it joined"))
             return
-        if r is None or r.pid != pid or not r.alive or rank in self._exiting or rank in self._finished:
+        if r is None or r.pid != pid or not r.alive or rank in self.roster.exiting or rank in self.roster.finished:
             return
         self.job.lose(r)
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -263,10 +262,10 @@ class ControllerCore:
         now = self._clock()
         self.links.tick()
         self.liveness.forgive_stall(now, self.ranks.values())
-        self.journal.tick(now, self.heartbeat_interval_s, self.ranks, self._finished)
+        self.journal.tick(now, self.heartbeat_interval_s, self.ranks, self.roster.finished)
         if self.state is not ControllerState.INIT:
             for r in self.liveness.silent(now, self.ranks.values()):
-                if r.rank in self._exiting:
+                if r.rank in self.roster.exiting:
                     continue
                 why = f"no heartbeat for {now - r.last_seen:.1f} s"
                 self._end_hung(r, why)  # should it wake up, it must not rejoin a job that went on without it
@@ -292,18 +291,18 @@ class ControllerCore:
     # ------------------------------------------------------------- snapshots
     def pids(self, rank: int) -> list[int]:
         """Every pid that registered as ``rank`` (its processes, oldest first)."""
-        return self._pids.get(rank, [])
+        return self.roster.pids.get(rank, [])
 
     def snapshot(self) -> dict:
         """A JSON-able view for ``trainguard status`` and agents (see :func:`.status.status_view`)."""
-        return status_view(self, self._pids)
+        return status_view(self, self.roster.pids)
 
     # --------------------------------------------------------------- faults
     def _end_hung(self, r: Rank, why: str) -> None:
         """A rank that cannot take part any more: lost, and told to exit (its processor forces it)."""
         self.job.lose(r)
-        self._exiting.add(r.rank)
-        self._send(r.rank, self.job.command(exit=pb.Exit(code=EXIT_HUNG, reason=why)))
+        self.roster.exiting.add(r.rank)
+        self._send(r.rank, self.job.command(Exit(code=EXIT_HUNG, reason=why)))
 
     def _fault(self, fault: Fault, stopped: Rank | None = None) -> None:
         if self.state in (ControllerState.EXITED, ControllerState.FINISHED):
@@ -365,7 +364,7 @@ class ControllerCore:
             r = self.ranks.get(rank)
             if ep.grow and r is not None and r.alive:  # the job goes on without it, as before
                 self.job.lose(r)
-                self._exiting.add(rank)
+                self.roster.exiting.add(rank)
             if ep.grow or r is None or not r.alive:  # not joined: it may sit in its startup
                 self.restarts.kill_new(rank, ep.starts.placement[rank])
         if ep.starts is not None:  # and those still starting, once their agent answers

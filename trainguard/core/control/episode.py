@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..api import DataStatus, Fault, Plan, RankStatus, RecoveryRecord, RunStatus, Strategy
-from ..protocol import trainguard_pb2 as pb
+from ..checkpoint_parts import FileInfo, SavedShard
+from ..commands import Command
 from ..replicas import ReplicaGroup
 
 __all__ = ["Episode", "Phase", "Rank", "Starts"]
@@ -47,8 +48,8 @@ class Rank:
 class Phase:
     name: str
     timeout_s: float  # 0: nobody answers
-    build: Callable[[], dict[int, pb.Command]]
-    commands: dict[int, pb.Command] = field(default_factory=dict)
+    build: Callable[[], dict[int, Command]]
+    commands: dict[int, Command] = field(default_factory=dict)
     deadline: float = 0.0
     waiting: set[int] = field(default_factory=set)
     also_wait: tuple[int, ...] = ()  # join: replacements, done when they register
@@ -67,8 +68,8 @@ class Episode:
     reason: str = ""
     phases: list[Phase] = field(default_factory=list)
     record: RecoveryRecord | None = None
-    shards: list = field(default_factory=list)  # pb.ShardFiles of a dump, filled as savers answer
-    own: list = field(default_factory=list)  # pb.FileInfo of every rank's own part in a dump
+    shards: list[SavedShard] = field(default_factory=list)  # of a dump, their files filled in as savers answer
+    own: list[FileInfo] = field(default_factory=list)  # every rank's own part in a dump
     join_store: str = ""  # where replacement processes rendezvous with the survivors
     started: set[int] = field(default_factory=set)  # ranks a replacement was started for
     starts: Starts | None = None

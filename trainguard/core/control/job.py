@@ -11,8 +11,8 @@ given, instead of in attributes of a shared ``self``.
 from __future__ import annotations
 
 from ..api import ControllerState, RecoveryRecord
+from ..commands import Action, Command
 from .episode import Episode, Phase, Rank, Starts
-from ..protocol import trainguard_pb2 as pb
 from .roster import Roster
 from .status import Journal
 from ..transitions import advance
@@ -38,9 +38,9 @@ class Job:
         self.unwanted: set[int] = set()  # start orders given up before their agent answered
         self._next_id = 1
 
-    def command(self, **action) -> pb.Command:
+    def command(self, action: Action) -> Command:
         """A command with a fresh id; one object may go to many ranks."""
-        cmd = pb.Command(id=self._next_id, epoch=self.episode.epoch if self.episode else 0, **action)
+        cmd = Command(self._next_id, self.episode.epoch if self.episode else 0, action)
         self._next_id += 1
         return cmd
 

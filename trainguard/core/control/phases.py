@@ -19,10 +19,11 @@ import logging
 from typing import Callable
 
 from ..api import ControllerState, FaultKind, Plan, Strategy
+from ..checkpoint_parts import SavedShard
+from ..commands import Action, Clean, Command, Exit, Finalize, Rebuild, Repair, Resume, Rollback, Save
 from ..config import ControllerConfig
 from .episode import Phase
 from .job import Job
-from ..protocol import trainguard_pb2 as pb
 from ..replicas import shard_ids
 from .restarts import Restarts
 
@@ -42,20 +43,20 @@ class Phases:
         restarts: starts new processes (respawn), drops ranks and scales back up.
     """
 
-    def __init__(self, job: Job, config: ControllerConfig, send: Callable[[int, pb.Command], None],
+    def __init__(self, job: Job, config: ControllerConfig, send: Callable[[int, Command], None],
                  clock: Callable[[], float], restarts: Restarts) -> None:
         self.job, self.roster, self.config = job, job.roster, config
         self.world_size = job.roster.world_size
         self._send, self._clock, self.restarts = send, clock, restarts
 
-    def _to_all(self, ranks, **action) -> dict[int, pb.Command]:
-        cmd = self.job.command(**action)
+    def _to_all(self, ranks, action: Action) -> dict[int, Command]:
+        cmd = self.job.command(action)
         return dict.fromkeys(ranks, cmd)
 
     def plan(self, plan: Plan, layout) -> list[Phase]:
         cfg, everyone = self.config, list(plan.participants)
         exit_phase = Phase("exit", 0, lambda: self._to_all(
-            everyone, exit=pb.Exit(code=plan.exit_code, reason=self.job.episode.reason)))
+            everyone, Exit(code=plan.exit_code, reason=self.job.episode.reason)))
         if plan.strategy in (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.RECOVER,
                              Strategy.ELASTIC_TRAINING):
             return self._repair_phases(plan)
@@ -65,21 +66,22 @@ class Phases:
             for sid, rank in sorted(plan.savers.items()):
                 key = keys[sid]
                 kinds.setdefault(rank, []).append(key.kind)
-                self.job.episode.shards.append(pb.ShardFiles(kind=key.kind, copies=key.copies, rank=rank,
-                                                         full=layout[rank][key.kind].is_full))
+                self.job.episode.shards.append(SavedShard(kind=key.kind, copies=key.copies, rank=rank,
+                                                          full=layout[rank][key.kind].is_full, files=()))
 
             carry = self._carriers(plan)
 
-            def finalize() -> dict[int, pb.Command]:
+            def finalize() -> dict[int, Command]:
                 history = {"records": [self.job.record().to_dict()],
                            "pids": {str(k): v for k, v in self.roster.pids.items()}}
-                return {plan.finaliser: self.job.command(finalize=pb.Finalize(
-                    step=plan.step, shards=self.job.episode.shards, history_json=json.dumps(history),
-                    own=self.job.episode.own))}
+                return {plan.finaliser: self.job.command(Finalize(
+                    step=plan.step, shards=tuple(self.job.episode.shards), history_json=json.dumps(history),
+                    own=tuple(self.job.episode.own)))}
 
             return [  # every participant saves its own part; the savers their shards too
                 Phase("save", cfg.save_timeout_s, lambda: {
-                    r: self.job.command(save=pb.Save(step=plan.step, kinds=kinds.get(r, []), carry=carry.get(r, [])))
+                    r: self.job.command(Save(step=plan.step, kinds=tuple(kinds.get(r, ())),
+                                             carry=tuple(carry.get(r, ()))))
                     for r in everyone}),
                 Phase("finalize", cfg.handler_timeout_s, finalize),
                 exit_phase,
@@ -127,27 +129,26 @@ class Phases:
             generation = self.job.generation
         involved = sorted({t.src for t in plan.transfers} | {t.dst for t in plan.transfers})
 
-        def clean() -> dict[int, pb.Command]:
-            faulty, healthy = self.job.command(clean=pb.Clean(uce=True)), self.job.command(clean=pb.Clean(uce=False))
+        def clean() -> dict[int, Command]:
+            faulty, healthy = self.job.command(Clean(uce=True)), self.job.command(Clean(uce=False))
             return {r: faulty if r in uce else healthy for r in everyone}
 
         phases = [Phase("clean", cfg.handler_timeout_s, clean)]
         if new:
             if not self.job.episode.grow:  # growing back: they run already
                 phases.append(Phase("respawn", cfg.restart_timeout_s, dict))
-            phases.append(Phase("join", cfg.restart_timeout_s, lambda: self._to_all(everyone, rebuild=pb.Rebuild(
+            phases.append(Phase("join", cfg.restart_timeout_s, lambda: self._to_all(everyone, Rebuild(
                 generation=generation, join_store=self.job.episode.join_store)), also_wait=tuple(new)))
         else:
-            excluded = sorted(set(range(self.world_size)) - set(everyone))
+            excluded = tuple(sorted(set(range(self.world_size)) - set(everyone)))
             phases.append(Phase("rebuild", cfg.handler_timeout_s, lambda: self._to_all(
-                everyone, rebuild=pb.Rebuild(generation=generation, excluded=excluded))))
+                everyone, Rebuild(generation=generation, excluded=excluded))))
         if plan.transfers:
-            transfers = [pb.Transfer(src=t.src, dst=t.dst, kind=t.kind) for t in plan.transfers]
             phases.append(Phase("repair", cfg.handler_timeout_s, lambda: self._to_all(
-                involved, repair=pb.Repair(step=plan.step, transfers=transfers))))
+                involved, Repair(step=plan.step, transfers=tuple(plan.transfers)))))
         phases.append(Phase("rollback", cfg.handler_timeout_s, lambda: self._to_all(
-            after, rollback=pb.Rollback(step=plan.step))))
-        phases.append(Phase("resume", 0, lambda: self._to_all(after, resume=pb.Resume(
+            after, Rollback(step=plan.step))))
+        phases.append(Phase("resume", 0, lambda: self._to_all(after, Resume(
             step=plan.step, record_json=json.dumps(self.job.record().to_dict()) if self.job.episode.faults else "",
             pids_json=json.dumps({str(k): v for k, v in self.roster.pids.items()}) if new else "",
             replicas=len(after)))))

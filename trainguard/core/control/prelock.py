@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
+from ..commands import Action, Command, Stop
 from .episode import Episode, Rank
-from ..protocol import trainguard_pb2 as pb
 
 __all__ = ["Prelock"]
 
@@ -28,8 +28,8 @@ class Prelock:
         timeout_s: how long the ranks have to stop.
     """
 
-    def __init__(self, ranks: Mapping[int, Rank], send: Callable[[int, pb.Command], None],
-                 command: Callable[..., pb.Command], clock: Callable[[], float], timeout_s: float) -> None:
+    def __init__(self, ranks: Mapping[int, Rank], send: Callable[[int, Command], None],
+                 command: Callable[[Action], Command], clock: Callable[[], float], timeout_s: float) -> None:
         self._ranks, self._send, self._command, self._clock = ranks, send, command, clock
         self.timeout_s = timeout_s
 
@@ -37,7 +37,7 @@ class Prelock:
         """Tell every live rank not yet stopped to stop, within the timeout from now."""
         ep.stop_deadline = self._clock() + self.timeout_s
         ep.unstopped = {r.rank for r in self._ranks.values() if r.alive and not r.stopped}
-        stop = self._command(stop=pb.Stop(reason=reason, at_boundary=at_boundary))
+        stop = self._command(Stop(reason=reason, at_boundary=at_boundary))
         for rank in sorted(ep.unstopped):
             self._send(rank, stop)
 
@@ -47,7 +47,7 @@ class Prelock:
             # Ranks that began the next step wait in it for the ones that
             # stopped: release them (they stop mid-step, still consistent).
             ep.escalate_at = 0.0
-            stop = self._command(stop=pb.Stop(reason="scaling back up"))
+            stop = self._command(Stop(reason="scaling back up"))
             for rank in sorted(ep.unstopped):
                 self._send(rank, stop)
 

@@ -7,7 +7,8 @@ controller's event loop:
 * :class:`NodeLink` -- the way back to one node's relay, batching the
   commands of one burst into one delivery;
 * :class:`Abort` and :data:`END` -- what ends a session's outgoing queue;
-* :func:`dispatch` -- a rank's message, once checked, to the core's handler;
+* :func:`dispatch` -- a rank's message, once checked, to the core's handler
+  (in the core's types: see :mod:`.wire` for command results);
 * :func:`check_agent` -- whether a node agent may take its name;
 * :func:`exit_refusal` and :func:`call_exit_refusal` -- whether a worker's
   exit may be reported by a node's relay, or by a call of its own.
@@ -23,6 +24,7 @@ import grpc
 
 from ..protocol import trainguard_pb2 as pb
 from ..rpc import fault_from_pb, rank_status
+from .wire import command_result
 
 __all__ = ["END", "Abort", "NodeLink", "call_exit_refusal", "check_agent", "dispatch", "exit_refusal"]
 
@@ -82,7 +84,7 @@ def dispatch(core: Any, rank: int, body: str, msg: pb.RankMessage) -> None:
     elif body == "fault":
         core.on_fault(rank, fault_from_pb(rank, msg.fault), rank_status(msg.fault.status))
     elif body == "result":
-        core.on_result(rank, msg.result)
+        core.on_result(rank, command_result(msg.result))
     elif body == "goodbye":
         core.on_goodbye(rank, rank_status(msg.goodbye.status))
     elif body == "persist":

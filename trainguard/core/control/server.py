@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 
 from ..api import ControllerState, ProtocolError, TrainguardError
+from ..commands import Command
 from ..loop import LoopThread
 from ..config import ControllerConfig
 from .controller import ControllerCore
@@ -28,6 +29,7 @@ from ..protocol import trainguard_pb2 as pb
 from .routing import END, Abort, NodeLink, call_exit_refusal, check_agent, dispatch, exit_refusal
 from ..rpc import SERVICE, Authenticate, Refusals, Refused, check_token, decoder, empty_stream, validate_rank_message
 from ..secret import TLS, new_token
+from .wire import Wired
 
 __all__ = ["Controller"]
 
@@ -43,8 +45,7 @@ class _Service:
     """
 
     def __init__(self, core: ControllerCore, token: str) -> None:
-        self.core = core
-        self.token = token
+        self.core, self.token = core, token
         self.routes: dict[int, Callable[[pb.Command], None]] = {}
         self.agents: dict[str, NodeLink] = {}  # node agents, by the node name of their relay
         self.agent_keys: dict[str, bytes] = {}  # the key each name was first announced with
@@ -53,13 +54,14 @@ class _Service:
         self.grpc_limit = max(4 * core.config.max_message_bytes, 4 << 20)  # gRPC's own, on the server (_serve)
         self.welcome = pb.ControllerMessage(welcome=pb.Welcome(
             job_id=core.config.job_id, heartbeat_interval_s=core.heartbeat_interval_s))
+        self.wired = Wired()  # a command shared by many ranks becomes one protobuf message
 
-    def deliver(self, rank: int, command: pb.Command) -> None:
+    def deliver(self, rank: int, command: Command) -> None:
         route = self.routes.get(rank)
         if route is None:
             log.debug("no session for rank %d; dropping command %d", rank, command.id)
             return
-        route(command)
+        route(self.wired(command))
 
     def order(self, node: str, order: pb.AgentOrder) -> None:
         link = self.agents.get(node)

@@ -140,5 +140,5 @@ def status_view(core: Any, pids: Mapping[int, Iterable[int]]) -> dict:
         },
         "slow_nodes": None if core.journal.slow_nodes is None else core.journal.slow_nodes.status(),
         "links": core.links.last,
-        "persist": persist_view(core.persist_failing),
+        "persist": persist_view(core.roster.persist_failing),
     }
