@@ -5,7 +5,8 @@ and DDP kept on it.
 A recovery rebuilds it in place, replaces it by one over other ranks
 (elastic training, :meth:`TorchComm.regroup`) or, after survivors met a new
 process (:func:`.join.meet`), rebuilds it on the join's store; DDP's comm
-hook follows the group in use through a :class:`~.process_group.GroupRef`.
+hook follows the group in use through a :class:`GroupRef`, and tells the
+Guard when a step's first gradient bucket leaves.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch.distributed as dist
 from trainguard.core import ConfigError
 
 from .device import Device
-from .process_group import AbortableProcessGroup, GroupRef, allreduce_hook, job_namespace
+from .process_group import AbortableProcessGroup, job_namespace
 
-__all__ = ["TorchComm"]
+__all__ = ["GroupRef", "TorchComm", "allreduce_hook"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -104,3 +105,39 @@ class TorchComm:
             self._hook_group.group = new
             self.attach_ddp()
         log.warning("rank %d goes on with ranks %s", self.rank, list(ranks)[:16])
+
+
+class GroupRef:
+    """The group a comm hook averages over; elastic training points it at a
+    group of fewer ranks (DDP keeps the hook's state object for good).
+
+    ``first_bucket``, when given, is called once per :meth:`arm` (once per
+    step), before the step's first gradient bucket is sent: the last moment
+    this rank's gradients are its own."""
+
+    def __init__(self, group: AbortableProcessGroup, first_bucket: Callable[[], None] | None = None) -> None:
+        self.group = group
+        self.first_bucket = first_bucket
+        self.armed = False
+
+    def arm(self) -> None:
+        self.armed = self.first_bucket is not None
+
+    def sending(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.first_bucket()
+
+
+def allreduce_hook(state, bucket):  # no annotations: DDP compares them to real types
+    """DDP comm hook: average the bucket over ``state`` (an
+    :class:`AbortableProcessGroup`, or a :class:`GroupRef` to one) through a
+    future trainguard can fail; the same arithmetic as DDP's default hook."""
+    if isinstance(state, GroupRef):
+        state.sending()
+        group = state.group
+    else:
+        group = state
+    tensor = bucket.buffer()
+    tensor.div_(group.size())
+    return group.allreduce([tensor]).get_future().then(lambda fut: fut.value()[0])

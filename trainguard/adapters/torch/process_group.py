@@ -30,7 +30,7 @@ import torch._C._distributed_c10d as c10d
 
 from trainguard.core import ForceStop
 
-__all__ = ["AbortableProcessGroup", "GroupRef", "allreduce_hook", "run_cancellable"]
+__all__ = ["AbortableProcessGroup", "job_namespace", "run_cancellable"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -338,28 +338,6 @@ class AbortableProcessGroup(dist.ProcessGroup):
         return "trainguard"
 
 
-class GroupRef:
-    """The group a comm hook averages over; elastic training points it at a
-    group of fewer ranks (DDP keeps the hook's state object for good).
-
-    ``first_bucket``, when given, is called once per :meth:`arm` (once per
-    step), before the step's first gradient bucket is sent: the last moment
-    this rank's gradients are its own."""
-
-    def __init__(self, group: AbortableProcessGroup, first_bucket: Callable[[], None] | None = None) -> None:
-        self.group = group
-        self.first_bucket = first_bucket
-        self.armed = False
-
-    def arm(self) -> None:
-        self.armed = self.first_bucket is not None
-
-    def sending(self) -> None:
-        if self.armed:
-            self.armed = False
-            self.first_bucket()
-
-
 def run_cancellable(fn: Callable[[], Any], cancelled: Callable[[], bool], what: str) -> Any:
     """``fn()`` on a helper thread (a backend build blocks until every peer
     arrives), abandoned when ``cancelled()`` turns true (a new STOP).
@@ -384,20 +362,6 @@ def run_cancellable(fn: Callable[[], Any], cancelled: Callable[[], bool], what: 
     if "error" in done:
         raise done["error"]
     return done["value"]
-
-
-def allreduce_hook(state, bucket):  # no annotations: DDP compares them to real types
-    """DDP comm hook: average the bucket over ``state`` (an
-    :class:`AbortableProcessGroup`, or a :class:`GroupRef` to one) through a
-    future trainguard can fail; the same arithmetic as DDP's default hook."""
-    if isinstance(state, GroupRef):
-        state.sending()
-        group = state.group
-    else:
-        group = state
-    tensor = bucket.buffer()
-    tensor.div_(group.size())
-    return group.allreduce([tensor]).get_future().then(lambda fut: fut.value()[0])
 
 
 def job_namespace() -> str:
