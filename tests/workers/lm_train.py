@@ -13,7 +13,7 @@ restart); LM_DROPOUT sets the dropout (default 0.1); LM_STEP_SLEEP=S
 stretches each step (for faults from outside); LM_KILL_AFTER_BACKWARD=RANK:STEP
 makes that rank SIGKILL itself once (a marker in the checkpoint directory),
 at that step, after its backward pass (its gradients all-reduced with every
-peer) and before its optimizer step, a moment after the peers went on.
+peer) and before its optimizer step, once rank 0 committed the step.
 """
 
 import hashlib
@@ -140,10 +140,14 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if rank == kill_rank and step == kill_step and not killed.exists():
                 killed.touch()
-                time.sleep(0.3)  # the peers finish the step meanwhile
+                deadline = time.time() + 60
+                while not (Path(ckpt) / f"committed-r0-{step}").exists() and time.time() < deadline:
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
             guard.optimizer.step()
             sched.step()
+        if kill_step >= 0 and rank == 0 and kill_rank != 0:
+            (Path(ckpt) / f"committed-r0-{step}").touch()  # the step is committed: the rank to kill may go
     out = guard.report()
     out["data"] = data.state_dict()  # this rank's data position and random streams at the end
     out["rng_sha256"] = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
