@@ -157,11 +157,15 @@ class Checkpoints(JobHistory):
         its update: not until a step showed it does not, and never once one
         showed it does (a rank lost there then has no record of the step,
         and its relaunch says so)."""
-        if self.own_records is None:
+        if self.own_records is None or self._record_when_sent is False:
             return
-        self._sent_own = pack(self.state.own_part())
-        if self._record_when_sent:
-            self.own_records.write(self._step + 1, self._sent_own)
+        try:
+            self._sent_own = pack(self.state.own_part())
+            if self._record_when_sent:
+                self.own_records.write(self._step + 1, self._sent_own)
+        except Exception as e:  # noqa: BLE001 - inside DDP's hook: the update's record raises it on this thread
+            log.debug("rank %d: no record of its own part when its gradients left: %s", self.rank, e)
+            self._sent_own, self._record_when_sent = None, False
 
     def record_own_at_update(self) -> None:
         """The update begins: the step drew its random numbers and batch."""
