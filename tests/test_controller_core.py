@@ -2,12 +2,18 @@
 
 from dataclasses import fields
 
+import pytest
+
 from trainguard.core import EXIT_HUNG, ControllerConfig, ControllerState
-from trainguard.core.api import DataStatus, Fault, FaultKind, RankStatus, RunStatus, Severity, Transfer
+from trainguard.core.agent_messages import (AgentEvent, AgentHello, AgentOrder, Dropped, Kill, LinkProbe, LinkRate,
+                                            Moved, RestartsLeft, StartReplacement)
+from trainguard.core.api import DataStatus, Fault, FaultKind, ProtocolError, RankStatus, RunStatus, Severity, Transfer
+from trainguard.core.reports import Hello, PersistReport
 from trainguard.core.checkpoint_parts import FileInfo, SavedShard
 from trainguard.core.commands import (Clean, Command, CommandResult, Exit, Finalize, Rebuild, Repair, Resume,
                                       Rollback, Save, Stop)
-from trainguard.core.control.wire import Wired, command_result, command_to_pb
+from trainguard.core.control.wire import (Hellos, Wired, agent_event, agent_hello, agent_order_to_pb, command_result,
+                                         command_to_pb, persist_report)
 from trainguard.core.control.controller import ControllerCore
 from trainguard.core.rank.messages import replica_group
 from trainguard.core import ReplicaGroup
@@ -16,10 +22,15 @@ from trainguard.core.protocol import trainguard_pb2 as pb
 WORLD = 4096
 
 
-def hello(rank: int, step: int) -> pb.Hello:
-    return pb.Hello(rank=rank, world_size=WORLD, pid=1000 + rank, host="h",
-                    status=pb.Status(step=step, run=pb.TRAINING, data=pb.UPDATED), device_repairable=True,
-                    replicas=[replica_group(ReplicaGroup.full(range(WORLD)))])
+def hello(parse: Hellos, rank: int, step: int) -> Hello:
+    """Rank ``rank``'s Hello as the server hands it to the core (``parse``: its edge translation)."""
+    return parse(pb.Hello(rank=rank, world_size=WORLD, pid=1000 + rank, host="h",
+                          status=pb.Status(step=step, run=pb.TRAINING, data=pb.UPDATED), device_repairable=True,
+                          replicas=[replica_group(ReplicaGroup.full(range(WORLD)))]))
+
+
+def status(step: int, run: RunStatus = RunStatus.TRAINING, **kw) -> RankStatus:
+    return RankStatus(step=step, run=run, data=DataStatus.UPDATED, **kw)
 
 
 def answer(cmd: Command, step: int, run: RunStatus) -> CommandResult:
@@ -30,10 +41,13 @@ def answer(cmd: Command, step: int, run: RunStatus) -> CommandResult:
 def test_a_retry_reaches_every_rank_of_a_large_job():
     sent: dict[int, list[Command]] = {}
     core = ControllerCore(ControllerConfig(), WORLD, send=lambda r, c: sent.setdefault(r, []).append(c))
+    parse, hellos = Hellos(WORLD), []
     for rank in range(WORLD):
-        core.on_hello(hello(rank, 7))
+        hellos.append(hello(parse, rank, 7))
+        core.on_hello(hellos[-1])
     assert core.state is ControllerState.NORMAL
-    assert len(core.roster.parsed) == 1, "every rank's group must be parsed once and shared"
+    assert len(parse.parsed) == 1 and len({id(h.replicas[0]) for h in hellos}) == 1, \
+        "every rank's group must be parsed once and shared"
     assert core.heartbeat_interval_s == 1.0
 
     core.on_fault(5, Fault(kind=FaultKind.UCE, rank=5, severity=Severity.HIGH, message="UCE ERROR"),
@@ -64,8 +78,7 @@ def test_a_stalled_controller_does_not_declare_everyone_hung():
     sent = []
     core = ControllerCore(ControllerConfig(), 4, send=lambda r, c: sent.append((r, c)), clock=lambda: now[0])
     for rank in range(4):
-        core.on_hello(pb.Hello(rank=rank, world_size=4, pid=1 + rank,
-                               status=pb.Status(step=1, run=pb.TRAINING, data=pb.UPDATED, step_time_s=0.1)))
+        core.on_hello(Hello(rank=rank, pid=1 + rank, status=status(1, step_time_s=0.1)))
     now[0] = 10.0  # the event loop was blocked for 10 s: no tick, no heartbeat processed
     core.tick()
     assert core.state is ControllerState.NORMAL and not sent
@@ -86,8 +99,7 @@ def test_a_rank_silent_before_its_first_step_time_gets_the_first_step_limit():
     core = ControllerCore(ControllerConfig(first_step_silence_s=60), 2, send=lambda r, c: sent.append((r, c)),
                           clock=lambda: now[0])
     for rank in range(2):
-        core.on_hello(pb.Hello(rank=rank, world_size=2, pid=1 + rank,
-                               status=pb.Status(step=0, run=pb.TRAINING, data=pb.UPDATED)))
+        core.on_hello(Hello(rank=rank, pid=1 + rank, status=status(0)))
 
     def silent(until: float, beating: tuple[int, ...] = ()) -> None:
         while now[0] < until:
@@ -116,7 +128,7 @@ def test_a_rank_in_a_section_may_be_silent_for_the_section_s_limit():
     reported the section closed, the usual limit is back."""
     now, sent = [0.0], []
     core = ControllerCore(ControllerConfig(), 1, send=lambda r, c: sent.append((r, c)), clock=lambda: now[0])
-    core.on_hello(pb.Hello(rank=0, world_size=1, pid=1, status=pb.Status(step=0, run=pb.TRAINING, data=pb.UPDATED)))
+    core.on_hello(Hello(rank=0, pid=1, status=status(0)))
 
     def silent_until(t: float) -> None:
         while now[0] < t:
@@ -141,8 +153,7 @@ def test_a_rank_that_does_not_stop_is_told_to_exit_and_the_others_dump():
     core = ControllerCore(ControllerConfig(prelock_timeout_s=5), 4, send=lambda r, c: sent.append((r, c)),
                           clock=lambda: now[0])
     for rank in range(4):
-        core.on_hello(pb.Hello(rank=rank, world_size=4, pid=1 + rank, replicas=[replica_group(ReplicaGroup.full(range(4)))],
-                               status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
+        core.on_hello(Hello(rank=rank, pid=1 + rank, replicas=(ReplicaGroup.full(range(4)),), status=status(3)))
     core.on_process_exit(1, 2, -9)
     for rank in (0, 3):  # their collectives with rank 1 broke; rank 2 waits on rank 0 in another group
         core.on_stopped(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
@@ -169,14 +180,13 @@ def _training_job(world: int, strategies: str, *, max_restarts: int):
     """A controller whose ``world`` ranks (pids 100 + rank) train at step 3,
     recording what it sends to ranks and to node agents."""
     sent: dict[int, list[Command]] = {}
-    orders: list[tuple[str, pb.AgentOrder]] = []
+    orders: list[tuple[str, AgentOrder]] = []
     core = ControllerCore(ControllerConfig(strategies=strategies, max_restarts=max_restarts), world,
                           send=lambda r, c: sent.setdefault(r, []).append(c),
                           send_agent=lambda n, o: orders.append((n, o)))
-    full = [replica_group(ReplicaGroup.full(range(world)))]
+    full = (ReplicaGroup.full(range(world)),)
     for rank in range(world):
-        core.on_hello(pb.Hello(rank=rank, world_size=world, pid=100 + rank, replicas=full,
-                               status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
+        core.on_hello(Hello(rank=rank, pid=100 + rank, replicas=full, status=status(3)))
     return core, sent, orders
 
 
@@ -187,30 +197,30 @@ def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
     get their state and resume with everyone."""
     world = 4
     core, sent, orders = _training_job(world, "recover-in-place,dump", max_restarts=2)
-    full = [replica_group(ReplicaGroup.full(range(world)))]
-    core.on_agent("a", pb.AgentHello(ranks=[0, 1]))
-    core.on_agent("b", pb.AgentHello(ranks=[2, 3]))
+    full = (ReplicaGroup.full(range(world)),)
+    core.on_agent("a", AgentHello(ranks=(0, 1)))
+    core.on_agent("b", AgentHello(ranks=(2, 3)))
     core.on_disconnect(1)
     core.on_disconnect(3)
     for rank in (0, 2):
         core.on_stopped(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     for rank in (0, 2):  # clean
         core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
-    starts = [(n, o) for n, o in orders if o.HasField("start")]
-    assert [(n, o.start.rank, o.start.join_store) for n, o in starts] == [("a", 1, "")]  # one at a time
-    core.on_agent_event("a", pb.AgentEvent(rank=1, order=starts[0][1].id, ok=True, pid=201, join_store="h:1"))
-    starts = [(n, o) for n, o in orders if o.HasField("start")]
-    assert [(n, o.start.rank, o.start.join_store) for n, o in starts] == [("a", 1, ""), ("b", 3, "h:1")]
+    starts = [(n, o) for n, o in orders if isinstance(o.action, StartReplacement)]
+    assert [(n, o.action.rank, o.action.join_store) for n, o in starts] == [("a", 1, "")]  # one at a time
+    core.on_agent_event("a", AgentEvent(rank=1, order=starts[0][1].id, ok=True, pid=201, join_store="h:1"))
+    starts = [(n, o) for n, o in orders if isinstance(o.action, StartReplacement)]
+    assert [(n, o.action.rank, o.action.join_store) for n, o in starts] == [("a", 1, ""), ("b", 3, "h:1")]
     assert not isinstance(sent[0][-1].action, Rebuild), "the survivors wait until every new process runs"
-    core.on_agent_event("b", pb.AgentEvent(rank=3, order=starts[1][1].id, ok=True, pid=203, join_store="h:1"))
+    core.on_agent_event("b", AgentEvent(rank=3, order=starts[1][1].id, ok=True, pid=203, join_store="h:1"))
     assert sent[0][-1].action.join_store == "h:1" and sent[2][-1].action.join_store == "h:1"
     assert core.agents.restarts_left == 0
     for rank in (0, 2):
         core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
     assert core.episode.phases[0].name == "join", "still waiting for the new processes to register"
     for rank in (1, 3):
-        core.on_hello(pb.Hello(rank=rank, world_size=world, pid=200 + rank, replicas=full, joining=True,
-                               status=pb.Status(step=0, run=pb.STARTING, data=pb.UPDATED)))
+        core.on_hello(Hello(rank=rank, pid=200 + rank, replicas=full, joining=True,
+                            status=status(0, RunStatus.STARTING)))
     for phase in ("repair", "rollback"):
         targets = [r for r, cmds in sent.items() if cmds[-1].name == phase]
         assert set(targets) >= {1, 3}, phase
@@ -230,10 +240,9 @@ def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke(capl
     sent: dict[int, list[Command]] = {}
     core = ControllerCore(ControllerConfig(strategies="dump"), world,
                           send=lambda r, c: sent.setdefault(r, []).append(c))
-    full = [replica_group(ReplicaGroup.full(range(world)))]
+    full = (ReplicaGroup.full(range(world)),)
     for rank in range(world):
-        core.on_hello(pb.Hello(rank=rank, world_size=world, pid=100 + rank, replicas=full,
-                               status=pb.Status(step=3, run=pb.TRAINING, data=pb.UPDATED)))
+        core.on_hello(Hello(rank=rank, pid=100 + rank, replicas=full, status=status(3)))
     core.on_fault(0, Fault(kind=FaultKind.COMM, rank=0, message="Connection closed by peer"),
                   RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     core.on_disconnect(1)
@@ -260,7 +269,7 @@ def _elastic_job_waiting_for_its_new_process(world: int = 3):
     """Rank ``world - 1`` of an elastic-training job was lost, the others went
     on, and its agent was ordered to start a new process for it."""
     core, sent, orders = _training_job(world, "elastic-training,dump", max_restarts=1)
-    core.on_agent("a", pb.AgentHello(ranks=list(range(world))))
+    core.on_agent("a", AgentHello(ranks=tuple(range(world))))
     core.on_disconnect(world - 1)
     live = range(world - 1)
     for rank in live:
@@ -268,13 +277,13 @@ def _elastic_job_waiting_for_its_new_process(world: int = 3):
     while core.state is not ControllerState.NORMAL:  # every phase of the plan succeeds
         for rank in live:
             core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
-    (start,) = [o for _, o in orders if o.HasField("start")]
-    assert start.start.rank == world - 1 and core.roster.dropped == {world - 1}
+    (start,) = [o for _, o in orders if isinstance(o.action, StartReplacement)]
+    assert start.action.rank == world - 1 and core.roster.dropped == {world - 1}
     return core, sent, orders, start
 
 
 def _kills(orders) -> list[tuple[str, int]]:
-    return [(n, o.kill) for n, o in orders if o.HasField("kill")]
+    return [(n, o.action.rank) for n, o in orders if isinstance(o.action, Kill)]
 
 
 def test_a_new_process_that_starts_after_the_job_finished_is_ended_not_waited_for():
@@ -287,7 +296,7 @@ def test_a_new_process_that_starts_after_the_job_finished_is_ended_not_waited_fo
         core.on_goodbye(rank, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.FINISHED
     commands = sum(len(cmds) for cmds in sent.values())
-    core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
+    core.on_agent_event("a", AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
     assert core.state is ControllerState.FINISHED
     assert _kills(orders) == [("a", 2)]
     assert sum(len(cmds) for cmds in sent.values()) == commands  # nobody is paused
@@ -300,7 +309,7 @@ def test_a_new_process_that_runs_when_a_rank_already_finished_is_ended_and_the_r
     core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
     core.on_goodbye(0, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     stops = len([c for c in sent[1] if isinstance(c.action, Stop)])
-    core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
+    core.on_agent_event("a", AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
     assert _kills(orders) == [("a", 2)]
     assert len([c for c in sent[1] if isinstance(c.action, Stop)]) == stops
     core.on_goodbye(1, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
@@ -313,11 +322,11 @@ def test_a_survivor_that_finishes_instead_of_stopping_for_the_scale_up_ends_it()
     ended, its end is no fault, the survivor that stopped resumes, and the
     job finishes."""
     core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
-    core.on_agent_event("a", pb.AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
+    core.on_agent_event("a", AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
     assert core.state is ControllerState.ABNORMAL
     assert isinstance(sent[0][-1].action, Stop) and isinstance(sent[1][-1].action, Stop)
-    core.on_hello(pb.Hello(rank=2, world_size=3, pid=202, joining=True, replicas=[replica_group(ReplicaGroup.full(range(3)))],
-                           status=pb.Status(step=0, run=pb.STARTING, data=pb.UPDATED)))
+    core.on_hello(Hello(rank=2, pid=202, joining=True, replicas=(ReplicaGroup.full(range(3)),),
+                        status=status(0, RunStatus.STARTING)))
     core.on_stopped(1, RankStatus(step=16, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     core.on_goodbye(0, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     for _ in range(5):
@@ -367,3 +376,63 @@ def test_commands_and_their_results_cross_the_wire_field_for_field():
         command_id=5, ok=False, code=3, message="no", own=(FileInfo("o", 1, ""),),
         status=RankStatus(step=7, run=RunStatus.RECOVERING, data=DataStatus.UPDATED),
         shards=(SavedShard(kind=1, copies=(), full=False, rank=0, files=(FileInfo("s", 2, "d"),)),))
+
+
+def test_registrations_persist_health_and_agent_messages_cross_the_wire_field_for_field():
+    """What ranks and node agents send reaches the core as its own plain
+    data, a malformed replica group refused at the edge; the core's orders to
+    node agents become the protobuf ``AgentOrder``, one field per action."""
+    parse = Hellos(8)
+    got = parse(pb.Hello(rank=3, world_size=8, pid=42, host="h", joining=True, device_repairable=True,
+                         status=pb.Status(step=5, run=pb.STARTING, data=pb.UPDATED, step_time_s=0.5),
+                         replicas=[pb.ReplicaGroup(range_start=1, range_step=2, range_count=4, replica_cnt=2),
+                                   pb.ReplicaGroup(rank_list=[3, 4], replica_cnt=2)]))
+    assert got == Hello(rank=3, pid=42, host="h", joining=True, device_repairable=True,
+                        status=status(5, RunStatus.STARTING, step_time_s=0.5),
+                        replicas=(ReplicaGroup((1, 3, 5, 7), 2), ReplicaGroup((3, 4), 2)))
+    training = pb.Status(step=5, run=pb.TRAINING, data=pb.UPDATED)
+    again = parse(pb.Hello(rank=4, status=training, replicas=[pb.ReplicaGroup(rank_list=[3, 4], replica_cnt=2)]))
+    assert again.replicas[0] is got.replicas[1] and len(parse.parsed) == 2, "one object per group, however many send it"
+    for bad in (pb.ReplicaGroup(range_step=0, range_count=4, replica_cnt=4),
+                pb.ReplicaGroup(range_step=1, range_count=9, replica_cnt=1)):
+        with pytest.raises(ProtocolError, match="needs a step and at most 8 ranks"):
+            parse(pb.Hello(rank=0, status=training, replicas=[bad]))
+    with pytest.raises(ProtocolError, match="run status has an unknown value"):
+        parse(pb.Hello(rank=0, status=pb.Status(run=99, data=1)))
+
+    assert persist_report(pb.PersistHealth(failing=True, since_step=8, reason="full", last_complete=-1)) == \
+        PersistReport(failing=True, since_step=8, reason="full", last_complete=None)
+    assert persist_report(pb.PersistHealth(failing=True, last_complete=6)).last_complete == 6
+    assert persist_report(pb.PersistHealth()) == PersistReport(failing=False, last_complete=0)
+
+    assert agent_hello(pb.AgentHello(ranks=[0, 1], spare=2, key=b"k", probe="h:1")) == \
+        AgentHello(ranks=(0, 1), spare=2, probe="h:1")
+    assert agent_event(pb.AgentEvent(rank=1, order=9, ok=True, pid=7, join_store="h:2", message="m",
+                                     rates=[pb.LinkRate(node="b", bytes_per_s=1e9, error="e")])) == \
+        AgentEvent(rank=1, order=9, ok=True, pid=7, join_store="h:2", message="m", rates=(LinkRate("b", 1e9, "e"),))
+    actions = [StartReplacement(rank=2, generation=3, step=-1, join_store="h:1"), Kill(2), RestartsLeft(0),
+               Moved(4), Dropped(5), LinkProbe(nodes=("b", "c"), addrs=("b:1", "c:1"), bytes=64)]
+    assert {f.name for f in pb.AgentOrder.DESCRIPTOR.oneofs_by_name["action"].fields} == {
+        AgentOrder(0, a).name for a in actions}, "every action of the protocol, once"
+    for i, action in enumerate(actions, 1):
+        msg = agent_order_to_pb(AgentOrder(i, action))
+        assert (msg.id, msg.WhichOneof("action")) == (i, action.name), action
+        body = getattr(msg, action.name)
+        if len(fields(action)) == 1:  # the field is the value: kill, restarts_left, moved, dropped
+            assert body == getattr(action, fields(action)[0].name), action
+            continue
+        for f in fields(action):
+            value, got = getattr(action, f.name), getattr(body, f.name)
+            assert (tuple(got) if isinstance(value, tuple) else got) == value, (action, f.name)
+
+
+def test_the_state_machine_takes_and_makes_no_protobuf():
+    """Protobuf is read and made at the controller's edge only (its server,
+    routing, wire translation and client), never by the core's state machine
+    or the plain data it takes and makes."""
+    from pathlib import Path
+
+    control = Path(command_to_pb.__code__.co_filename).parent
+    plain = [*control.glob("*.py"), *(control.parent / f for f in ("api.py", "reports.py", "commands.py", "agent_messages.py"))]
+    edge = {"server.py", "routing.py", "wire.py", "client.py"}
+    assert [f.name for f in plain if f.name not in edge and "trainguard_pb2" in f.read_text()] == []

@@ -96,7 +96,7 @@ def test_the_controller_orders_a_survey_and_names_the_slow_host_from_the_answers
     sinks = {"a": "10.0.0.1:5", "b": "10.0.0.2:5", "c": "10.0.0.3:5"}
     assert surveyor.start(sinks, "a job-wide slowdown")
     assert not surveyor.start(sinks, "again")  # one at a time
-    assert {n: (list(o.probe.nodes), list(o.probe.addrs)) for n, o in sent} == {
+    assert {n: (list(o.action.nodes), list(o.action.addrs)) for n, o in sent} == {
         "a": (["b", "c"], ["10.0.0.2:5", "10.0.0.3:5"]), "b": (["c", "a"], ["10.0.0.3:5", "10.0.0.1:5"]),
         "c": (["a", "b"], ["10.0.0.1:5", "10.0.0.2:5"])}
     orders = {n: o.id for n, o in sent}
@@ -169,14 +169,14 @@ def test_an_agent_s_answer_or_hello_cannot_bend_the_survey():
     survey = LinkSurvey({"a": "a:1", "b": "b:1", "c": "c:1"})
     survey.add("a", [("b", float("nan"), ""), ("c", -5.0, ""), ("z", 1e12, ""), ("a", 1e12, "")])
     assert survey.rates == {} and set(survey.errors) == {("a", "b"), ("a", "c")}
+    from trainguard.core.agent_messages import AgentHello
     from trainguard.core.control.agents import AgentTable
-    from trainguard.core.protocol import trainguard_pb2 as pb
 
     table = AgentTable(0)
-    table.hello("good", pb.AgentHello(ranks=[0], probe="10.0.0.1:4000"))
-    table.hello("v6", pb.AgentHello(ranks=[1], probe="[fd00::1]:4000"))
-    table.hello("bad", pb.AgentHello(ranks=[2], probe="10.0.0.3:4000/../x"))
-    table.hello("none", pb.AgentHello(ranks=[3]))
+    table.hello("good", AgentHello(ranks=(0,), probe="10.0.0.1:4000"))
+    table.hello("v6", AgentHello(ranks=(1,), probe="[fd00::1]:4000"))
+    table.hello("bad", AgentHello(ranks=(2,), probe="10.0.0.3:4000/../x"))
+    table.hello("none", AgentHello(ranks=(3,)))
     assert table.sinks() == {"good": "10.0.0.1:4000", "v6": "[fd00::1]:4000"}
 
 

@@ -17,13 +17,12 @@ import pytest
 
 from trainguard.core import CheckpointError, ControllerConfig, ControllerState, ResumeError
 from trainguard.core.api import DataStatus, Fault, FaultKind, RankStatus, RunStatus, Severity
+from trainguard.core.reports import Hello
 from trainguard.core.checkpoint import FileInfo
 from trainguard.core.checkpoint_parts import SavedShard
 from trainguard.core.commands import CommandResult, Exit, Finalize, Rebuild, Repair, Save
 from trainguard.core.control.controller import ControllerCore
-from trainguard.core.rank.messages import replica_group as _pb_group
 from trainguard.core import ReplicaGroup
-from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.rank.resume import resume
 
 
@@ -168,10 +167,10 @@ def test_a_snapshot_that_fails_its_check_on_one_rank_sends_every_rank_to_storage
 
 
 # ----------------------------------------------------------- the controller
-def hello(rank: int, world: int, step: int) -> pb.Hello:
-    return pb.Hello(rank=rank, world_size=world, pid=100 + rank, host="h",
-                    status=pb.Status(step=step, run=pb.TRAINING, data=pb.UPDATED), device_repairable=True,
-                    replicas=[_pb_group(ReplicaGroup.full(range(world)))])
+def hello(rank: int, world: int, step: int, host: str = "h") -> Hello:
+    return Hello(rank=rank, pid=100 + rank, host=host, device_repairable=True,
+                 status=RankStatus(step=step, run=RunStatus.TRAINING, data=DataStatus.UPDATED),
+                 replicas=(ReplicaGroup.full(range(world)),))
 
 
 def test_a_fault_before_every_rank_registered_ends_the_job_without_a_save():
@@ -195,9 +194,7 @@ def test_a_dump_asks_every_survivor_for_its_own_part_and_a_survivor_on_the_lost_
     sent: dict[int, list] = {}
     core = ControllerCore(ControllerConfig(strategies="dump"), 4, send=lambda r, c: sent.setdefault(r, []).append(c))
     for rank in range(4):
-        h = hello(rank, 4, 6)
-        h.host = "a" if rank < 2 else "b"
-        core.on_hello(h)
+        core.on_hello(hello(rank, 4, 6, host="a" if rank < 2 else "b"))
     core.on_process_exit(1, 101, -9)
     for rank in (0, 2, 3):
         core.on_stopped(rank, RankStatus(step=6, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
@@ -222,9 +219,7 @@ def test_a_lost_rank_with_no_survivor_on_its_host_is_named_in_the_reason():
     sent: dict[int, list] = {}
     core = ControllerCore(ControllerConfig(strategies="dump"), 2, send=lambda r, c: sent.setdefault(r, []).append(c))
     for rank in range(2):
-        h = hello(rank, 2, 6)
-        h.host = f"host{rank}"
-        core.on_hello(h)
+        core.on_hello(hello(rank, 2, 6, host=f"host{rank}"))
     core.on_process_exit(1, 101, -9)
     core.on_stopped(0, RankStatus(step=6, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
     assert isinstance(sent[0][-1].action, Save) and not sent[0][-1].action.carry

@@ -28,9 +28,10 @@ import torch
 from conftest import WORKERS
 from trainguard.adapters.torch.snapshot import Snapshots
 from trainguard.core import CheckpointError, ControllerConfig
+from trainguard.core.api import DataStatus, RankStatus, RunStatus
+from trainguard.core.reports import Hello, PersistReport
 from trainguard.core.checkpoint import CheckpointStore, FileInfo, io_error
 from trainguard.core.control.controller import ControllerCore
-from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.snapshot.persist import _persist
 from trainguard.core.snapshot.records import write_record
 
@@ -249,17 +250,17 @@ def test_health_tells_once_per_streak_counting_saves_not_files(caplog):
 def test_the_controller_shows_whose_saves_fail_in_its_status():
     core = ControllerCore(ControllerConfig(), 2, send=lambda r, c: None)
     for rank in range(2):
-        core.on_hello(pb.Hello(rank=rank, world_size=2, pid=1 + rank,
-                               status=pb.Status(step=1, run=pb.TRAINING, data=pb.UPDATED)))
+        core.on_hello(Hello(rank=rank, pid=1 + rank,
+                            status=RankStatus(step=1, run=RunStatus.TRAINING, data=DataStatus.UPDATED)))
     assert core.snapshot()["persist"] is None
-    core.on_persist(1, pb.PersistHealth(failing=True, since_step=8, reason="the disk is full", last_complete=6))
-    core.on_persist(0, pb.PersistHealth(failing=True, since_step=10, reason="Input/output error", last_complete=-1))
+    core.on_persist(1, PersistReport(failing=True, since_step=8, reason="the disk is full", last_complete=6))
+    core.on_persist(0, PersistReport(failing=True, since_step=10, reason="Input/output error", last_complete=None))
     status = core.snapshot()["persist"]
     assert status["failing"] == "persist failing since step 8 on ranks [0, 1]: the disk is full; " \
                                 "last complete checkpoint: step 6"
     assert status["ranks"]["0"] == {"since_step": 10, "reason": "Input/output error", "last_complete": None}
-    core.on_persist(1, pb.PersistHealth())
-    core.on_persist(0, pb.PersistHealth())
+    core.on_persist(1, PersistReport(failing=False))
+    core.on_persist(0, PersistReport(failing=False))
     assert core.snapshot()["persist"] is None
 
 

@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .agent_messages import LinkProbe
 from .protocol import trainguard_pb2 as pb
 
 __all__ = ["LinkSink", "LinkSurvey", "Surveyor", "answer_probe", "measure", "probe_peers", "PROBE_BYTES",
@@ -262,7 +263,7 @@ class Surveyor:
     and the last verdict (for ``trainguard status`` and the event log).
 
     Args:
-        order: makes an agent order (``AgentTable.order``).
+        order: makes an agent order of an action (``AgentTable.order``).
         send: sends an order to a node agent.
         clock: monotonic seconds.
         timeout_s: a survey ends with the answers it has after this long
@@ -285,7 +286,7 @@ class Surveyor:
         self.survey, self._since, self._asked = LinkSurvey(dict(sinks)), self._clock(), {}
         log.info("surveying the links of %d node agents (%s)", len(sinks), why)
         for node, peers in self.survey.plan().items():
-            order = self._order(probe=pb.LinkProbe(nodes=peers, addrs=[sinks[p] for p in peers], bytes=PROBE_BYTES))
+            order = self._order(LinkProbe(nodes=tuple(peers), addrs=tuple(sinks[p] for p in peers), bytes=PROBE_BYTES))
             self._asked[order.id] = node
             self._send(node, order)
         return True

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from ..agent_messages import AgentAction, AgentHello, AgentOrder
 from .decide import Agents
 from ..links import sink_address
-from ..protocol import trainguard_pb2 as pb
 
 __all__ = ["AgentTable"]
 
@@ -44,7 +44,7 @@ class AgentTable:
         #: lost, frozen or cut off, and recover moved them): none may come back.
         self.vacated: list[str] = []
 
-    def hello(self, node: str, hello: pb.AgentHello) -> None:
+    def hello(self, node: str, hello: AgentHello) -> None:
         probe = sink_address(hello.probe)
         if hello.probe and not probe:
             log.warning("node agent %s: its link-probe sink %r is no host:port; its links are not surveyed",
@@ -80,8 +80,9 @@ class AgentTable:
         spare = {a.node: a.spare - len(a.adopted) for a in self._agents.values()}
         return Agents(home=home, spare=spare, restarts_left=self.restarts_left, max_restarts=self.max_restarts)
 
-    def order(self, **action) -> pb.AgentOrder:
-        order = pb.AgentOrder(id=self._next_order, **action)
+    def order(self, action: AgentAction) -> AgentOrder:
+        """An order carrying ``action``, with the next order id."""
+        order = AgentOrder(self._next_order, action)
         self._next_order += 1
         return order
 

@@ -3,9 +3,10 @@
 :class:`ControllerCore` holds no sockets and no threads. The gRPC server
 (:mod:`trainguard.core.control.server`) feeds it events (``on_hello``,
 ``on_fault``...) from one event loop and it answers by calling ``send(rank,
-command)``, with a plain :class:`~trainguard.core.commands.Command` (the
-server makes it protobuf, :mod:`.wire`). Its clocks are injected, so tests
-drive it by hand.
+command)``, with a plain :class:`~trainguard.core.commands.Command`, or
+``send_agent(node, order)`` with an :class:`~trainguard.core.agent_messages.AgentOrder`.
+Events and answers are plain data too; the server translates protobuf both
+ways (:mod:`.wire`). Its clocks are injected, so tests drive it by hand.
 
 An *episode* begins with the first fault while training runs normally:
 
@@ -21,8 +22,8 @@ An *episode* begins with the first fault while training runs normally:
    timeout or a new fault abandons the plan: the strategy is marked tried,
    every rank is stopped again and the next strategy is decided.
 
-Costs stay linear in the number of ranks: groups are interned at
-registration, a phase's command is built when the phase starts and shared by
+Costs stay linear in the number of ranks: groups are parsed once at the
+edge and interned at registration, a phase's command is built when the phase starts and shared by
 every rank it goes to, and the prelock counts the ranks still to stop.
 
 Parts it owns and calls, each an object given what it uses: :mod:`.job`
@@ -40,7 +41,9 @@ import time
 from dataclasses import replace
 from typing import Callable
 
+from ..agent_messages import AgentEvent, AgentHello, AgentOrder
 from ..api import EXIT_HUNG, EXIT_UNRECOVERABLE, ControllerState, Fault, FaultKind, RankStatus, Strategy
+from ..reports import Hello, PersistReport
 from .agents import AgentTable
 from ..commands import Command, CommandResult, Exit
 from ..config import ControllerConfig
@@ -48,7 +51,6 @@ from ..links import Surveyor
 from .episode import Episode, Rank
 from .job import Job
 from .liveness import Liveness
-from ..protocol import trainguard_pb2 as pb
 from .phases import Phases
 from .planning import STATE_OF, next_plan
 from .prelock import Prelock
@@ -80,7 +82,7 @@ class ControllerCore:
         world_size: int,
         *,
         send: Callable[[int, Command], None],
-        send_agent: Callable[[str, pb.AgentOrder], None] | None = None,
+        send_agent: Callable[[str, AgentOrder], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -120,7 +122,7 @@ class ControllerCore:
     ranks = property(lambda self: self.roster.ranks, doc="The registered ranks (rank -> Rank), the roster's.")
 
     # ----------------------------------------------------------------- events
-    def on_hello(self, hello: pb.Hello) -> None:
+    def on_hello(self, hello: Hello) -> None:
         """Register a rank (its first message).
 
         Raises:
@@ -197,7 +199,7 @@ class ControllerCore:
         if not phase.waiting:
             self.phases.next()
 
-    def on_persist(self, rank: int, health: pb.PersistHealth) -> None:
+    def on_persist(self, rank: int, health: PersistReport) -> None:
         """A rank's periodic saves stopped reaching storage, or reach it again:
         only shown (``trainguard status``); training goes on."""
         self.roster.persist(rank, health)
@@ -379,7 +381,7 @@ class ControllerCore:
         self._stop_all(why)
 
     # ----------------------------------------------------------- node agents
-    def on_agent(self, node: str, hello: pb.AgentHello) -> None:
+    def on_agent(self, node: str, hello: AgentHello) -> None:
         self.restarts.on_agent(node, hello)
 
     def on_agent_lost(self, node: str) -> None:
@@ -389,7 +391,7 @@ class ControllerCore:
         """Ask the node agents to measure their links (the job slowed down as a whole)."""
         self.restarts.survey_links(why)
 
-    def on_agent_event(self, node: str, event: pb.AgentEvent) -> None:
+    def on_agent_event(self, node: str, event: AgentEvent) -> None:
         """A node agent answered an order: a start, or a link survey."""
         self.restarts.on_agent_event(node, event)
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from ..agent_messages import AgentEvent, AgentHello, AgentOrder, Dropped, Kill, Moved, RestartsLeft, StartReplacement
 from ..api import ControllerState, DataStatus, Plan, Strategy
 from .agents import AgentTable
 from .episode import Episode, Phase, Starts
 from .job import Job
 from ..links import Surveyor
-from ..protocol import trainguard_pb2 as pb
 from ..replicas import choose_sources
 
 __all__ = ["Restarts"]
@@ -50,7 +50,7 @@ class Restarts:
         stop_all: stops every live rank, for a reason (at a step boundary).
     """
 
-    def __init__(self, job: Job, agents: AgentTable, links: Surveyor, send_agent: Callable[[str, pb.AgentOrder], None],
+    def __init__(self, job: Job, agents: AgentTable, links: Surveyor, send_agent: Callable[[str, AgentOrder], None],
                  clock: Callable[[], float], wall: Callable[[], float], *, next_phase: Callable[[], None],
                  plan_failed: Callable[[str], None], stop_all: Callable[..., None]) -> None:
         self.job, self.roster, self.agents, self.links = job, job.roster, agents, links
@@ -59,7 +59,7 @@ class Restarts:
         self._next_phase, self._plan_failed, self._stop_all = next_phase, plan_failed, stop_all
 
     # ------------------------------------------------------------ agents
-    def on_agent(self, node: str, hello: pb.AgentHello) -> None:
+    def on_agent(self, node: str, hello: AgentHello) -> None:
         self.agents.hello(node, hello)
 
     def on_agent_lost(self, node: str) -> None:
@@ -71,7 +71,7 @@ class Restarts:
         """Ask the node agents to measure their links (the job slowed down as a whole)."""
         self.links.start(self.agents.sinks(), why)
 
-    def on_agent_event(self, node: str, event: pb.AgentEvent) -> None:
+    def on_agent_event(self, node: str, event: AgentEvent) -> None:
         """A node agent answered an order: a start, or a link survey."""
         if self.links.answer(event.order, node, [(r.node, r.bytes_per_s, r.error) for r in event.rates]):
             return
@@ -102,7 +102,7 @@ class Restarts:
         starts.started[event.rank] = event.pid
         starts.store = starts.store or event.join_store
         for other in self.agents.started(event.rank, node):
-            self._send_agent(other, self.agents.order(restarts_left=self.agents.restarts_left))
+            self._send_agent(other, self.agents.order(RestartsLeft(self.agents.restarts_left)))
         log.warning("rank %d restarted as pid %d by %s (%d process restarts left)", event.rank, event.pid, node,
                     self.agents.restarts_left)
         self.order_starts(starts)
@@ -120,7 +120,7 @@ class Restarts:
         for rank, node in sorted(starts.placement.items()):
             if rank in starts.orders:
                 continue
-            order = self.agents.order(start=pb.StartReplacement(
+            order = self.agents.order(StartReplacement(
                 rank=rank, generation=starts.generation, step=starts.step, join_store=starts.store))
             starts.orders[rank] = order.id
             self._send_agent(node, order)
@@ -204,15 +204,15 @@ class Restarts:
         for rank in sorted(ranks - self.roster.dropped):
             home = self.agents.home(rank)
             if home is not None:
-                self._send_agent(home, self.agents.order(dropped=rank))
+                self._send_agent(home, self.agents.order(Dropped(rank)))
         self.roster.dropped |= ranks
 
     def kill_new(self, rank: int, node: str) -> None:
         """End a new process that will not join; a rank elastic-training
         dropped stays dropped for its agent."""
-        self._send_agent(node, self.agents.order(kill=rank))
+        self._send_agent(node, self.agents.order(Kill(rank)))
         if rank in self.roster.dropped:
-            self._send_agent(node, self.agents.order(dropped=rank))
+            self._send_agent(node, self.agents.order(Dropped(rank)))
 
     def respawn(self, phase: Phase, plan: Plan) -> None:
         """Order each replacement's agent to start it (and tell a rank's old
@@ -220,7 +220,7 @@ class Restarts:
         for rank, node in sorted(plan.replacements.items()):
             home = self.agents.home(rank)
             if home is not None and home != node:
-                self._send_agent(home, self.agents.order(moved=rank))
+                self._send_agent(home, self.agents.order(Moved(rank)))
         starts = Starts(placement=dict(plan.replacements), generation=self.job.generation, step=plan.step)
         self.job.episode.starts = starts
         self.order_starts(starts)

@@ -2,7 +2,7 @@
 
 :class:`~trainguard.core.control.controller.ControllerCore` owns one :class:`Roster`.
 It keeps the bookkeeping of ranks that needs no decision: registering a
-rank (its replica groups parsed once and shared, its pids kept), updating a
+rank (its replica groups checked against its peers', its pids kept), updating a
 rank from its messages, the sets of ranks leaving, finished or dropped, the
 ranks whose periodic saves fail, and the views :func:`~trainguard.core.control.decide.decide`
 takes. The core decides what a change means (a fault, a phase done).
@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Callable
 
 from ..api import ConfigError, DataStatus, ProtocolError, RankState, RankStatus, RunStatus
+from ..reports import Hello, PersistReport
 from .episode import Rank
-from ..protocol import trainguard_pb2 as pb
 from ..replicas import Layout, Registry, ReplicaGroup
-from ..rpc import rank_status
 
 __all__ = ["Roster"]
 
@@ -35,13 +34,12 @@ class Roster:
         self.ranks: dict[int, Rank] = {}
         self.registry = Registry(world_size)
         self.pids: dict[int, list[int]] = {}  # rank -> every pid that registered as it, oldest first
-        self.parsed: dict[tuple, ReplicaGroup] = {}  # replica groups, interned (see group)
         self.exiting: set[int] = set()  # told to exit: their end is no fault
         self.finished: set[int] = set()  # said goodbye
         self.dropped: set[int] = set()  # ranks elastic-training went on without
         self.persist_failing: dict[int, dict] = {}  # rank -> its streak of saves that do not reach storage
 
-    def register(self, hello: pb.Hello) -> Rank:
+    def register(self, hello: Hello) -> Rank:
         """Add a rank from its first message (a new process replaces the lost one).
 
         Raises:
@@ -53,33 +51,16 @@ class Roster:
         if old is not None and old.alive:
             raise ProtocolError(f"rank {rank} is already registered by pid {old.pid} on {old.host}")
         try:
-            groups = self.registry.register(rank, [self.group(g) for g in hello.replicas]
-                                            or [ReplicaGroup.full([rank])])
+            groups = self.registry.register(rank, hello.replicas or [ReplicaGroup.full([rank])])
         except ConfigError as e:
             raise ProtocolError(f"rank {rank}: {e}") from None
         self.pids.setdefault(rank, []).append(hello.pid)
         self.exiting.discard(rank)
         r = Rank(rank=rank, pid=hello.pid, host=hello.host, repairable=hello.device_repairable, groups=groups,
                   step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock())
-        r.update(rank_status(hello.status))
+        r.update(hello.status)
         self.ranks[rank] = r
         return r
-
-    def group(self, g: pb.ReplicaGroup) -> ReplicaGroup:
-        """Parse a group, reusing the object when many ranks send the same one."""
-        if g.range_count:
-            key = ("range", g.range_start, g.range_step, g.range_count, g.replica_cnt, g.replica_shift)
-        else:
-            key = ("list", tuple(g.rank_list), g.replica_cnt, g.replica_shift)
-        group = self.parsed.get(key)
-        if group is None:
-            if g.range_count and (g.range_step == 0 or not 0 < g.range_count <= self.world_size):
-                raise ProtocolError(f"replica group range of {g.range_count} ranks in steps of {g.range_step}: "
-                                    f"needs a step and at most {self.world_size} ranks")
-            ranks = (tuple(range(g.range_start, g.range_start + g.range_step * g.range_count, g.range_step))
-                     if g.range_count else key[1])
-            group = self.parsed[key] = ReplicaGroup(ranks, g.replica_cnt, g.replica_shift)
-        return group
 
     def known(self, rank: int) -> Rank:
         """A registered rank.
@@ -99,12 +80,12 @@ class Roster:
         r.update(status)
         return r
 
-    def persist(self, rank: int, health: pb.PersistHealth) -> None:
+    def persist(self, rank: int, health: PersistReport) -> None:
         """A rank's periodic saves stopped reaching storage (a streak begins), or reach it again."""
         self.known(rank)
         if health.failing:
             self.persist_failing[rank] = {"since_step": health.since_step, "reason": health.reason,
-                                          "last_complete": health.last_complete if health.last_complete >= 0 else None}
+                                          "last_complete": health.last_complete}
         else:
             self.persist_failing.pop(rank, None)
 

@@ -8,7 +8,7 @@ controller's event loop:
   commands of one burst into one delivery;
 * :class:`Abort` and :data:`END` -- what ends a session's outgoing queue;
 * :func:`dispatch` -- a rank's message, once checked, to the core's handler
-  (in the core's types: see :mod:`.wire` for command results);
+  (in the core's types: see :mod:`.wire` for command results and persist health);
 * :func:`check_agent` -- whether a node agent may take its name;
 * :func:`exit_refusal` and :func:`call_exit_refusal` -- whether a worker's
   exit may be reported by a node's relay, or by a call of its own.
@@ -24,7 +24,7 @@ import grpc
 
 from ..protocol import trainguard_pb2 as pb
 from ..rpc import fault_from_pb, rank_status
-from .wire import command_result
+from .wire import command_result, persist_report
 
 __all__ = ["END", "Abort", "NodeLink", "call_exit_refusal", "check_agent", "dispatch", "exit_refusal"]
 
@@ -88,7 +88,7 @@ def dispatch(core: Any, rank: int, body: str, msg: pb.RankMessage) -> None:
     elif body == "goodbye":
         core.on_goodbye(rank, rank_status(msg.goodbye.status))
     elif body == "persist":
-        core.on_persist(rank, msg.persist)
+        core.on_persist(rank, persist_report(msg.persist))
 
 
 def check_agent(node: str, agent: pb.AgentHello, world_size: int, keys: dict[str, bytes]) -> Abort | None:

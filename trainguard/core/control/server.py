@@ -2,11 +2,10 @@
 
 One asyncio loop serves every session (a rank's own, or a node relay's
 carrying all of that node's ranks; see :mod:`trainguard.core.relay`) and is
-the only thread that touches :class:`~trainguard.core.control.controller.ControllerCore`. Launchers use
-:class:`Controller`, whose methods are safe to call from any thread. The ways
-back to ranks and nodes, and the checks on what node agents send, are in
-:mod:`trainguard.core.control.routing`.
-"""
+the only thread that touches :class:`~.controller.ControllerCore`, in the
+core's own types (:mod:`.wire` translates). Launchers use :class:`Controller`,
+safe to call from any thread; :mod:`.routing` has the ways back to ranks and
+nodes, and the checks on what node agents send."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
+from ..agent_messages import AgentOrder
 from ..api import ControllerState, ProtocolError, TrainguardError
 from ..commands import Command
 from ..loop import LoopThread
@@ -29,7 +29,7 @@ from ..protocol import trainguard_pb2 as pb
 from .routing import END, Abort, NodeLink, call_exit_refusal, check_agent, dispatch, exit_refusal
 from ..rpc import SERVICE, Authenticate, Refusals, Refused, check_token, decoder, empty_stream, validate_rank_message
 from ..secret import TLS, new_token
-from .wire import Wired
+from .wire import Hellos, Wired, agent_event, agent_hello, agent_order_to_pb
 
 __all__ = ["Controller"]
 
@@ -54,7 +54,7 @@ class _Service:
         self.grpc_limit = max(4 * core.config.max_message_bytes, 4 << 20)  # gRPC's own, on the server (_serve)
         self.welcome = pb.ControllerMessage(welcome=pb.Welcome(
             job_id=core.config.job_id, heartbeat_interval_s=core.heartbeat_interval_s))
-        self.wired = Wired()  # a command shared by many ranks becomes one protobuf message
+        self.wired, self.hellos = Wired(), Hellos(core.world_size)  # a command made protobuf once, a group parsed once
 
     def deliver(self, rank: int, command: Command) -> None:
         route = self.routes.get(rank)
@@ -63,12 +63,12 @@ class _Service:
             return
         route(self.wired(command))
 
-    def order(self, node: str, order: pb.AgentOrder) -> None:
+    def order(self, node: str, order: AgentOrder) -> None:
         link = self.agents.get(node)
         if link is None:
             log.warning("no relay for node agent %s; dropping order %d", node, order.id)
             return
-        link.queue.put_nowait(pb.NodeCommands(orders=[order]))
+        link.queue.put_nowait(pb.NodeCommands(orders=[agent_order_to_pb(order)]))
 
     def _restore_route(self, rank: int, previous) -> None:
         if previous is None:
@@ -113,7 +113,7 @@ class _Service:
             previous = self.routes.get(rank)
             self.routes[rank] = route
             try:
-                self.core.on_hello(first.hello)
+                self.core.on_hello(self.hellos(first.hello))
             except ProtocolError:
                 if self.routes.get(rank) is route:
                     self._restore_route(rank, previous)
@@ -196,10 +196,10 @@ class _Service:
                         return
                     seen["agent"] = node
                     self.agents[node] = link
-                    self.core.on_agent(node, msg.agent)
+                    self.core.on_agent(node, agent_hello(msg.agent))
                 for event in msg.events:
                     if seen.get("agent") == node:
-                        self.core.on_agent_event(node, event)
+                        self.core.on_agent_event(node, agent_event(event))
                 for exit_ in msg.exits:
                     self._agent_exit(seen.get("agent"), node, exit_)
                 for item in msg.items:
@@ -229,7 +229,7 @@ class _Service:
                 previous, route = self.routes.get(rank), partial(link.send, rank)
                 self.routes[rank] = route
                 try:
-                    self.core.on_hello(item.message.hello)
+                    self.core.on_hello(self.hellos(item.message.hello))
                 except ProtocolError:
                     self._restore_route(rank, previous)
                     raise

@@ -1,24 +1,39 @@
-"""Commands and their results between the controller's core and the wire.
+"""Between the controller's core and the wire: protobuf in and out.
 
-The core builds :class:`~trainguard.core.commands.Command` and reads
-:class:`~trainguard.core.commands.CommandResult`; protobuf is made and read
-here, at the edge only: :func:`command_to_pb` when a command leaves for its
-ranks (:class:`Wired`, in the server's ``deliver``: once per command, however
-many ranks it goes to), :func:`command_result` when an answer arrives
-(:func:`.routing.dispatch`).
+The core takes and makes plain data (:mod:`trainguard.core.commands`,
+:mod:`trainguard.core.api`, :mod:`trainguard.core.reports`,
+:mod:`trainguard.core.agent_messages`);
+protobuf is made and read here, at the edge only:
+
+* commands: :func:`command_to_pb` when a command leaves for its ranks
+  (:class:`Wired`, in the server's ``deliver``: once per command, however
+  many ranks it goes to), :func:`command_result` when an answer arrives
+  (:func:`.routing.dispatch`);
+* a rank's registration: :class:`Hellos` (in the server's sessions), which
+  parses its replica groups once for every rank that sends the same one;
+* a rank's persist health: :func:`persist_report` (:func:`.routing.dispatch`);
+* node agents: :func:`agent_hello` and :func:`agent_event` when they
+  announce themselves and answer (the server's node sessions),
+  :func:`agent_order_to_pb` when an order leaves (the server's ``order``).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from ..agent_messages import (AgentEvent, AgentHello, AgentOrder, Dropped, Kill, LinkProbe, LinkRate, Moved,
+                              RestartsLeft, StartReplacement)
+from ..api import ProtocolError
+from ..reports import Hello, PersistReport
 from ..checkpoint_parts import FileInfo, SavedShard
 from ..commands import (Clean, Command, CommandResult, Exit, Finalize, Rebuild, Repair, Resume, Rollback, Save,
                         Stop)
 from ..protocol import trainguard_pb2 as pb
+from ..replicas import ReplicaGroup
 from ..rpc import rank_status
 
-__all__ = ["Wired", "command_result", "command_to_pb"]
+__all__ = ["Hellos", "Wired", "agent_event", "agent_hello", "agent_order_to_pb", "command_result", "command_to_pb",
+           "persist_report"]
 
 
 def _file(f: FileInfo) -> pb.FileInfo:
@@ -82,3 +97,77 @@ class Wired:
             if len(self._done) > self._keep:
                 del self._done[next(iter(self._done))]
         return message
+
+
+class Hellos:
+    """A rank's ``Hello`` as the core takes it, for a job of ``world_size``
+    ranks. The replica groups are parsed once: every rank that sends the same
+    group (all 16k ranks of a DP group) gets the same object (:attr:`parsed`)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.parsed: dict[tuple, ReplicaGroup] = {}  # replica groups, by what was sent
+
+    def __call__(self, hello: pb.Hello) -> Hello:
+        """Raises:
+            ProtocolError: a malformed replica group, or a status of no known value.
+        """
+        replicas = tuple(self.group(g) for g in hello.replicas)
+        return Hello(rank=hello.rank, pid=hello.pid, status=rank_status(hello.status), host=hello.host,
+                     replicas=replicas, joining=hello.joining, device_repairable=hello.device_repairable)
+
+    def group(self, g: pb.ReplicaGroup) -> ReplicaGroup:
+        """Parse a group, reusing the object when many ranks send the same one.
+
+        Raises:
+            ProtocolError: a range of ranks with no step, or more ranks than the world.
+        """
+        if g.range_count:
+            key = ("range", g.range_start, g.range_step, g.range_count, g.replica_cnt, g.replica_shift)
+        else:
+            key = ("list", tuple(g.rank_list), g.replica_cnt, g.replica_shift)
+        group = self.parsed.get(key)
+        if group is None:
+            if g.range_count and (g.range_step == 0 or not 0 < g.range_count <= self.world_size):
+                raise ProtocolError(f"replica group range of {g.range_count} ranks in steps of {g.range_step}: "
+                                    f"needs a step and at most {self.world_size} ranks")
+            ranks = (tuple(range(g.range_start, g.range_start + g.range_step * g.range_count, g.range_step))
+                     if g.range_count else key[1])
+            group = self.parsed[key] = ReplicaGroup(ranks, g.replica_cnt, g.replica_shift)
+        return group
+
+
+def persist_report(health: pb.PersistHealth) -> PersistReport:
+    """A rank's persist health as the core takes it (``last_complete`` -1 on the wire: None)."""
+    return PersistReport(failing=health.failing, since_step=health.since_step, reason=health.reason,
+                         last_complete=health.last_complete if health.last_complete >= 0 else None)
+
+
+def agent_hello(hello: pb.AgentHello) -> AgentHello:
+    """A node agent's announcement as the core takes it (its key stays at
+    the edge: :func:`.routing.check_agent` checked it)."""
+    return AgentHello(ranks=tuple(hello.ranks), spare=hello.spare, probe=hello.probe)
+
+
+def agent_event(event: pb.AgentEvent) -> AgentEvent:
+    """A node agent's answer to an order as the core takes it."""
+    return AgentEvent(order=event.order, rank=event.rank, ok=event.ok, pid=event.pid, join_store=event.join_store,
+                      message=event.message,
+                      rates=tuple(LinkRate(r.node, r.bytes_per_s, r.error) for r in event.rates))
+
+
+#: Each agent order's action as the value of its protobuf field, by the action's type.
+_AGENT_TO_PB: dict[type, Callable] = {
+    StartReplacement: lambda a: pb.StartReplacement(rank=a.rank, generation=a.generation, step=a.step,
+                                                    join_store=a.join_store),
+    Kill: lambda a: a.rank,
+    RestartsLeft: lambda a: a.count,
+    Moved: lambda a: a.rank,
+    Dropped: lambda a: a.rank,
+    LinkProbe: lambda a: pb.LinkProbe(nodes=a.nodes, addrs=a.addrs, bytes=a.bytes),
+}
+
+
+def agent_order_to_pb(order: AgentOrder) -> pb.AgentOrder:
+    """The protobuf ``AgentOrder`` of ``order``."""
+    return pb.AgentOrder(id=order.id, **{order.name: _AGENT_TO_PB[type(order.action)](order.action)})
