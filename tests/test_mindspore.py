@@ -67,6 +67,9 @@ def test_retry_after_a_device_memory_error_is_bit_identical_and_keeps_every_pid(
     assert job.rc == 0 and job.report is not None, job
     r = job.report
     assert r["final_state_sha256"] == baseline.report["final_state_sha256"], job
+    # The retried step drew the random numbers the abandoned one drew: every rank's streams end as without a fault.
+    assert {k: v["rng_sha256"] for k, v in job.ranks.items()} == \
+        {k: v["rng_sha256"] for k, v in baseline.ranks.items()} and len(job.ranks) == 2, job
     assert r["steps_completed"] == STEPS and r["lost_steps"] == 0, job
     assert [rec["strategy"] for rec in r["recoveries"]] == ["retry"], job
     assert r["recoveries"][0]["fault"] == "uce" and r["recoveries"][0]["rank"] == rank, job

@@ -3,12 +3,15 @@ fault tests (launched by msrun).
 
     ms_train.py STEPS REPORT CHECKPOINT_DIR [SAVE_EVERY]
 
-Batches are a function of (step, rank); rank 0 writes the Guard's report to
+Batches are a function of (step, rank); each step also draws from Python's
+and NumPy's global random streams (a script's own draws: the report holds
+their hash, ``rng_sha256``). Rank 0 writes the Guard's report to
 REPORT, every rank to REPORT.<rank>. ``TRAIN_SNAPSHOT_EVERY=N`` snapshots
 every N steps, ``TRAIN_SNAPSHOT_SHARED=1`` one per machine for the replicas.
 """
 
 import json
+import random
 import sys
 
 import mindspore as ms
@@ -16,6 +19,7 @@ import numpy as np
 from mindspore import Tensor, nn
 from mindspore.communication import get_rank, init
 
+from trainguard.adapters.mindspore.state import streams_sha256
 from trainguard.mindspore import Guard
 
 steps, report, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -54,9 +58,11 @@ for step in guard.steps(steps):
             data = np.random.default_rng(1000 * step + rank)
             x = Tensor(data.standard_normal((8, 16)).astype(np.float32))
             y = Tensor(data.integers(0, 4, 8).astype(np.int32))
+            random.random(), np.random.random()  # the script's own draws (an augmentation, say)
         loss, grads = grad_fn(x, y)
         guard.optimizer(grads)
 out = guard.report()
+out["rng_sha256"] = streams_sha256()
 guard.close()
 with open(f"{report}.{rank}", "w") as f:
     json.dump(out, f)

@@ -262,6 +262,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             self._skipped = True
             return
         self._phase = _UPDATING
+        self.state.updating(self._step + 1)
         self.processor.start_update()
         self.injector.strike("optimizer", self._step)
         self._updated = True
@@ -277,6 +278,11 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         wait. (Voting after the all-reduce, as MindSpore's compiled wrapper
         does, made a PyNative step 14-60% slower on 2 CPU cores.)"""
         self.injector.strike("backward", self._step)
+        # The step drew its random numbers. Kept now: reading them waits for
+        # the queued kernels, which must not include the gradient all-reduce
+        # (a lost peer would hold this rank there, outside the collective's
+        # care); the vote waits for this rank's backward pass anyway.
+        self.state.updating(self._step + 1)
         if not self._vote(not self.processor.stop_event.is_set()):
             self._phase = _SETTLED
             self._skipped = True

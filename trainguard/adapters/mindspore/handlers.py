@@ -136,6 +136,10 @@ class MindSporeHandlers(Handlers):
         if not self._repaired and g.state.snapshot_step != step:
             raise RecoveryError(f"rank {g.rank} committed step {g.state.snapshot_step} and was not repaired; "
                                 f"it cannot roll back to step {step}")
+        if not g.state.restore_streams(step):  # an abandoned step drew random numbers the retried one draws again
+            log.warning("rank %d holds no random streams of step %d (it committed step %s): they go on as they "
+                        "are, so the job is no longer bit-identical to a fault-free run", g.rank, step,
+                        g.state.snapshot_step)
         g.rolled_back(step)
 
     def save(self, step: int, kind: int) -> Sequence[FileInfo]:

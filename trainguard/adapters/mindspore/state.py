@@ -1,5 +1,9 @@
 """The state a MindSpore replica holds, gathered from the network and the
-optimizer, and the per-step snapshot a retry rolls back to.
+optimizer, and the per-step snapshot a retry rolls back to: the buffers a
+forward pass moves, and this rank's random streams (Python's, NumPy's
+global one, MindSpore's default generator), so a retried step draws what
+the abandoned one drew. (MindSpore's older random operators on CPU keep
+their state inside each kernel, which MindSpore cannot save or set.)
 
 MindSpore keeps everything in named ``Parameter`` objects: trainable weights,
 buffers such as BatchNorm's moving statistics (``requires_grad=False``), and
@@ -12,10 +16,14 @@ for a broadcast and a checkpoint.
 from __future__ import annotations
 
 import hashlib
+import random
+from typing import Any
+
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-__all__ = ["ModelState"]
+__all__ = ["ModelState", "streams", "streams_sha256"]
 
 
 class ModelState:
@@ -35,16 +43,40 @@ class ModelState:
         # Changed by a forward pass (BatchNorm statistics): restored when a step is abandoned.
         self.buffers = [p for p in network.get_parameters() if id(p) not in trainable]
         self._buffer_snapshot: list[np.ndarray] = []
+        self._streams: dict[str, Any] | None = None
+        self._update_streams: tuple[int, dict[str, Any]] | None = None  # (step, streams) when its update began
         self.snapshot_step: int | None = None
 
     def commit(self, step: int) -> None:
-        """Remember the buffers of a consistent ``step`` (they are small)."""
+        """Remember the buffers and the random streams of a consistent
+        ``step`` (they are small)."""
         self._buffer_snapshot = [p.asnumpy().copy() for p in self.buffers]
+        self._streams = streams()
         self.snapshot_step = step
 
     def restore_buffers(self) -> None:
         for p, value in zip(self.buffers, self._buffer_snapshot):
             ops.assign(p, Tensor(value))  # Tensor copies; assign: in place, kernels keep using the same storage
+
+    def updating(self, step: int) -> None:
+        """The update to ``step`` begins: the step drew its random numbers."""
+        self._update_streams = (step, streams())
+
+    def restore_streams(self, step: int) -> bool:
+        """Set this rank's random streams to those it had at ``step``: at its
+        commit of ``step``, or when its update to ``step`` began (a rank whose
+        update failed, then repaired to ``step`` from a replica). False when
+        it knows neither (its streams stay as they are)."""
+        if self.snapshot_step == step and self._streams is not None:
+            now = self._streams
+        elif self._update_streams is not None and self._update_streams[0] == step:
+            now = self._update_streams[1]
+        else:
+            return False
+        random.setstate(now["python"])
+        np.random.set_state(now["numpy"])
+        ms.set_rng_state(now["mindspore"])
+        return True
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: p.asnumpy() for name, p in self.params.items()}
@@ -69,3 +101,19 @@ class ModelState:
             h.update(f"{name}:{a.dtype}:{a.shape};".encode())
             h.update(a.tobytes())
         return h.hexdigest()
+
+
+def streams() -> dict[str, Any]:
+    """This process's random streams, as copies."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "mindspore": Tensor(ms.get_rng_state().asnumpy().copy())}
+
+
+def streams_sha256() -> str:
+    """A hash of this process's random streams (for reports and tests)."""
+    now = streams()
+    h = hashlib.sha256(repr(now["python"]).encode())
+    kind, keys, pos, gauss, cached = now["numpy"]
+    h.update(f"{kind}:{pos}:{gauss}:{cached};".encode() + keys.tobytes())
+    h.update(now["mindspore"].asnumpy().tobytes())
+    return h.hexdigest()
