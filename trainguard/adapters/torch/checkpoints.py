@@ -375,8 +375,8 @@ class Checkpoints(JobHistory):
         log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
         if not self.state.rng_loaded:
             log.warning("rank %d: %s holds no random streams or data position of this rank (the dump that "
-                        "wrote it could not carry them; its log says why): they go on as this process seeded them, so the job is no longer bit-identical to "
-                        "a fault-free run", self.rank, found.path.name)
+                        "wrote it could not carry them; its log says why): they go on as this process seeded "
+                        "them, so the job is no longer bit-identical to a fault-free run", self.rank, found.path.name)
         return found.step
 
 
