@@ -12,7 +12,7 @@ Each order's action is one field of the protobuf ``AgentOrder``'s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar, NamedTuple, Union
 
 __all__ = ["AgentAction", "AgentEvent", "AgentHello", "AgentOrder", "Dropped", "Kill", "LinkProbe", "LinkRate",
            "Moved", "RestartsLeft", "StartReplacement"]
@@ -29,8 +29,7 @@ class AgentHello:
     probe: str = ""
 
 
-@dataclass(frozen=True)
-class LinkRate:
+class LinkRate(NamedTuple):
     """What one probe of a link measured: ``bytes_per_s`` to ``node``, or ``error``."""
 
     node: str

@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from .agent_messages import LinkProbe
 from .protocol import trainguard_pb2 as pb
@@ -291,7 +292,7 @@ class Surveyor:
             self._send(node, order)
         return True
 
-    def answer(self, order_id: int, node: str, rates: list[tuple[str, float, str]]) -> bool:
+    def answer(self, order_id: int, node: str, rates: Sequence[tuple[str, float, str]]) -> bool:
         """An agent's answer; False when ``order_id`` is no survey order of ``node``'s."""
         if self._asked.get(order_id) != node or self.survey is None:
             return False

@@ -73,7 +73,7 @@ class Restarts:
 
     def on_agent_event(self, node: str, event: AgentEvent) -> None:
         """A node agent answered an order: a start, or a link survey."""
-        if self.links.answer(event.order, node, [(r.node, r.bytes_per_s, r.error) for r in event.rates]):
+        if self.links.answer(event.order, node, event.rates):
             return
         ep = self.job.episode
         phase = self.job.current_phase()
