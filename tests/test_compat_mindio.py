@@ -110,6 +110,26 @@ def _save(store, step, model, opt):
     ckpt.finalize(store, step, [SavedShard(kind=0, copies=(0, 1), full=True, rank=0, files=tuple(files))], {}, 0)
 
 
+def test_a_checkpoint_carries_every_random_stream_numpys_included(tmp_path):
+    """Megatron-LM's ``rng_state`` holds Python's, NumPy's and torch's
+    streams; NumPy's is kept as tensors, so the file still loads with
+    ``weights_only=True``, and a load sets each stream back."""
+    import random
+
+    import numpy as np
+
+    store = ckpt.megatron_store(tmp_path)
+    model, opt = _trained(3)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    _save(store, 3, model, opt)
+    expected = (random.random(), np.random.random(), torch.rand(1).item())
+    random.seed(7), np.random.seed(8), torch.manual_seed(9)  # other streams, then the load
+    saved = torch.load(tmp_path / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    assert {"random_rng_state", "np_rng_state", "torch_rng_state"} <= set(saved["rng_state"][0])
+    assert ckpt.load(store, *_trained(9), None)[0] == 3
+    assert (random.random(), np.random.random(), torch.rand(1).item()) == expected
+
+
 def test_checkpoints_use_megatrons_layout_and_skip_a_corrupted_one(tmp_path):
     store = ckpt.megatron_store(tmp_path)
     m2, o2 = _trained(2)

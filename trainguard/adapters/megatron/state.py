@@ -11,6 +11,7 @@ loads one back.
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any, Mapping
 
 import torch
@@ -36,7 +37,15 @@ def chunks(model: Any) -> list[torch.nn.Module]:
 
 
 def rng_state() -> dict:
+    """This process's random streams, under Megatron-LM's keys. NumPy's
+    global stream (when NumPy is loaded) is held as tensors and scalars, so
+    the file still loads with ``torch.load(weights_only=True)``."""
     state = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        name, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state["np_rng_state"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss),
+                                 float(cached))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
         from megatron.core import tensor_parallel
@@ -49,6 +58,12 @@ def set_rng_state(state: dict) -> None:
     cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731 (generator states are host tensors)
     random.setstate(state["random_rng_state"])
     torch.set_rng_state(cpu(state["torch_rng_state"]))
+    if "np_rng_state" in state:
+        import numpy
+
+        name, keys, pos, has_gauss, cached = state["np_rng_state"]
+        keys = cpu(keys).numpy() if torch.is_tensor(keys) else numpy.asarray(keys)  # Megatron-LM's: an array
+        numpy.random.set_state((name, keys.astype(numpy.uint32), int(pos), int(has_gauss), float(cached)))
     if "cuda_rng_state" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(cpu(state["cuda_rng_state"]))
         from megatron.core import tensor_parallel
