@@ -5,10 +5,17 @@ outcomes -- the steps it yields, the body it insists on, a fault raised
 where no controller can recover it, the report's keys, a checkpoint it
 resumes from to the same state.
 
-The scenarios run in a subprocess per framework (``workers/rank_contract.py``,
-world size 1, no controller): MindSpore is never imported into the test
-process. The fault and recovery paths with a controller and several ranks
-are the subject of each adapter's own job tests.
+The loop's scenarios run in a subprocess per framework
+(``workers/rank_contract.py``, world size 1, no controller): MindSpore is
+never imported into the test process.
+
+The job's scenarios (:class:`RankJobContract`) need a replica, so they run
+two ranks under ``trainguard run`` with its controller
+(``workers/rank_job.py``: the same training in each framework, drawing from
+every random stream), and include Megatron driven through MindIO's TTP API,
+whose flow has no loop: a device memory error is retried in place by the
+same processes and ends bit-identical to the fault-free run, random streams
+included.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import sys
 
 import pytest
 
-from conftest import WORKERS
+from conftest import WORKERS, run_job
+from ms_jobs import run_ms
 
 REPORT_KEYS = {"steps_completed", "lost_steps", "pids", "recoveries", "final_state_sha256", "compile_cache"}
 
@@ -78,4 +86,77 @@ class TestTorch(RankContract):
 @pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore")
 @pytest.mark.timeout(300)
 class TestMindSpore(RankContract):
+    framework = "mindspore"
+
+
+JOB_STEPS = 6
+UCE = "uce:rank=1,step=2,phase=backward"
+
+
+def _run_job(framework: str, tmp, name: str, fault: str | None) -> dict:
+    """Launch ``workers/rank_job.py`` on two ranks; every rank's report by rank."""
+    env = {"CONTRACT_FRAMEWORK": framework}
+    if framework == "mindspore":
+        job = run_ms(tmp, name, fault=fault, script=WORKERS / "rank_job.py", env=env, steps=JOB_STEPS)
+        ranks = job.ranks
+    else:
+        job = run_job(tmp, name, nproc=2, steps=JOB_STEPS, fault=fault, script=WORKERS / "rank_job.py", env=env)
+        ranks = {int(p.suffix[1:]): json.loads(p.read_text()) for p in tmp.glob(f"{name}.json.[0-9]")}
+    assert job.rc == 0, job
+    assert sorted(ranks) == [0, 1], job
+    return {"ranks": ranks, "ckpt": job.ckpt, "log": job.log}
+
+
+class RankJobContract:
+    """The two-rank suite; a subclass names its framework in ``framework``."""
+
+    framework = ""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def jobs(cls, tmp_path_factory) -> dict:
+        tmp = tmp_path_factory.mktemp(f"contract-job-{cls.framework}")
+        return {"reference": _run_job(cls.framework, tmp, "reference", None),
+                "uce": _run_job(cls.framework, tmp, "uce", UCE)}
+
+    def test_the_fault_free_run_completes_every_step_with_no_recovery(self, jobs):
+        for rank, report in jobs["reference"]["ranks"].items():
+            assert report["steps_completed"] == JOB_STEPS and report["lost_steps"] == 0, (rank, report)
+            assert report["recoveries"] == [] and report["pids"][str(rank)] == [report["pid"]], (rank, report)
+
+    def test_a_device_memory_error_is_retried_in_place_at_its_step(self, jobs):
+        for rank, report in jobs["uce"]["ranks"].items():
+            (record,) = report["recoveries"]
+            assert (record["fault"], record["rank"], record["step"], record["strategy"]) == ("uce", 1, 2, "retry")
+            assert record["detect_s"] is not None and record["recover_s"] is not None, record
+            assert report["steps_completed"] == JOB_STEPS and report["lost_steps"] == 0, (rank, report)
+
+    def test_no_process_was_restarted(self, jobs):
+        ranks = jobs["uce"]["ranks"]
+        for rank, report in ranks.items():
+            assert report["pids"] == {str(r): [ranks[r]["pid"]] for r in ranks}, (rank, report["pids"])
+
+    def test_every_rank_ends_bit_identical_to_the_fault_free_run_random_streams_included(self, jobs):
+        reference, uce = jobs["reference"]["ranks"], jobs["uce"]["ranks"]
+        for rank in reference:
+            assert uce[rank]["state_sha256"] == reference[rank]["state_sha256"], (rank, jobs["uce"]["log"][-4000:])
+            assert uce[rank]["streams_sha256"] == reference[rank]["streams_sha256"], rank
+
+    def test_a_retry_writes_no_checkpoint(self, jobs):
+        ckpt = jobs["uce"]["ckpt"]
+        assert not ckpt.exists() or not [p for p in ckpt.iterdir() if not p.name.startswith(".")], \
+            sorted(p.name for p in ckpt.iterdir())
+
+
+class TestTorchJob(RankJobContract):
+    framework = "torch"
+
+
+class TestMegatronTtpJob(RankJobContract):
+    framework = "ttp"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore")
+@pytest.mark.timeout(400)
+class TestMindSporeJob(RankJobContract):
     framework = "mindspore"

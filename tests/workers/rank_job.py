@@ -1,0 +1,175 @@
+"""One two-rank job of the rank-runtime contract (``tests/test_rank_contract.py``),
+launched by ``trainguard run``: the same small training under one framework's
+adapter, ``CONTRACT_FRAMEWORK`` = ``torch`` | ``mindspore`` | ``ttp`` (Megatron's
+parallel_state driven through MindIO's TTP API).
+
+    rank_job.py STEPS REPORT CHECKPOINT_DIR
+
+Every step draws from the process's random streams -- torch's (dropout;
+MindSpore's generator is hashed too), Python's ``random`` and NumPy's global
+stream -- and each draw changes the update, so a stream not set back after a
+recovery shows in the state as well as in the streams' hash. Batches are a
+function of (step, rank). ``TRAINGUARD_FAULT`` picks a fault. Every rank
+writes ``REPORT.<rank>``: the same keys whatever the framework (``KEYS``).
+"""
+
+import hashlib
+import json
+import os
+import random
+import sys
+
+import numpy as np
+
+KEYS = ("steps_completed", "lost_steps", "pids", "recoveries", "state_sha256", "streams_sha256", "pid")
+STEPS, REPORT, CKPT = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+FRAMEWORK = os.environ["CONTRACT_FRAMEWORK"]
+random.seed(0)
+np.random.seed(0)
+
+
+def script_draws() -> float:
+    """The script's own draws of a step (an augmentation, say): one number
+    from Python's stream and one from NumPy's global stream."""
+    return 1.0 + 0.1 * random.random() + 0.1 * float(np.random.random())
+
+
+def streams_sha256(framework_stream: bytes) -> str:
+    h = hashlib.sha256(repr(random.getstate()).encode())
+    kind, keys, pos, gauss, cached = np.random.get_state()
+    h.update(f"{kind}:{pos}:{gauss}:{cached};".encode() + keys.tobytes() + framework_stream)
+    return h.hexdigest()
+
+
+def write(rank: int, out: dict) -> None:
+    out = {**out, "pid": os.getpid(), "pids": {str(k): v for k, v in out["pids"].items()}}
+    with open(f"{REPORT}.{rank}", "w") as f:
+        json.dump({k: out[k] for k in KEYS}, f)
+
+
+def torch_job() -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainguard.torch import Guard
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), checkpoint_dir=CKPT)
+    for step in guard.steps(STEPS):
+        with guard.protect():
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank)) * script_draws()
+            loss = model(x).square().mean()
+            guard.optimizer.zero_grad()
+            loss.backward()
+            guard.optimizer.step()
+    out = guard.report()
+    write(rank, {**out, "state_sha256": out["final_state_sha256"],
+                 "streams_sha256": streams_sha256(torch.get_rng_state().numpy().tobytes())})
+    guard.close()
+    dist.destroy_process_group()
+
+
+def mindspore_job() -> None:
+    import mindspore as ms
+    from mindspore import Tensor, nn
+    from mindspore.communication import get_rank, init
+
+    from trainguard.mindspore import Guard
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    init()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    ms.set_seed(0)
+    rank = get_rank()
+    net = nn.Dense(8, 1, weight_init="ones", bias_init="zeros")
+    guard = Guard(net, nn.Momentum(net.trainable_params(), 0.1, 0.9), checkpoint_dir=CKPT)
+    grad_fn = ms.value_and_grad(nn.WithLossCell(net, nn.MSELoss()), None, guard.optimizer.parameters)
+    for step in guard.steps(STEPS):
+        with guard.protect():
+            data = np.random.default_rng(100 * step + rank)
+            x = Tensor(data.standard_normal((4, 8)).astype(np.float32) * script_draws())
+            _, grads = grad_fn(x, Tensor(data.standard_normal((4, 1)).astype(np.float32)))
+            guard.optimizer(grads)
+    out = guard.report()
+    write(rank, {**out, "state_sha256": out["final_state_sha256"],
+                 "streams_sha256": streams_sha256(ms.get_rng_state().asnumpy().tobytes())})
+    guard.close()
+
+
+def ttp_job() -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+
+    import trainguard.compat.mindio_ttp.framework_ttp as ttp
+    import trainguard.compat.mindio_ttp.megatron_ttp as mega
+    from trainguard.adapters.megatron.session import TTP
+    from trainguard.adapters.torch import backend  # noqa: F401 - init_process_group("trainguard")
+    from trainguard.adapters.torch.state import state_sha256
+    from trainguard.core import FaultInjector
+
+    @ttp.ttp_to_persist
+    def train(model, optimizer, iteration: int, injector: FaultInjector) -> int:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        master, port = os.environ["MASTER_ADDR"], int(os.environ.get("TTP_PORT", "8000"))
+        dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
+        if rank == 0:
+            ttp.ttp_init_controller(rank, world, 2, False)
+            ttp.ttp_start_controller(master, port)
+        ttp.ttp_init_processor(rank, dp_ranks, len(dp_ranks), world, 2, False)
+        ttp.ttp_start_processor(master, port)
+        ttp.ttp_register_save_ckpt_handler(mega.ttp_save_checkpoint)
+        ttp.ttp_register_rename_handler(mega.rename_save_result)
+        mega.register_recovery_handlers()
+        if ttp.tft_get_repair_step() >= 0:
+            iteration = ttp.tft_get_repair_step()
+        ttp.ttp_set_ckpt_args((iteration, model, optimizer, None))
+        while iteration < STEPS:
+            injector.strike("forward", iteration)
+            g = torch.Generator().manual_seed(100 * iteration + rank)
+            x = torch.randn(4, 8, generator=g) * script_draws()
+            optimizer.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            injector.strike("backward", iteration)
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                p.grad /= len(dp_ranks)
+            ttp.ttp_start_updating_os(-1)
+            optimizer.step()
+            ttp.ttp_end_updating_os(iteration + 1)
+            injector.strike("optimizer", iteration)
+            iteration += 1
+            ttp.ttp_set_ckpt_args((iteration, model, optimizer, None))
+        return iteration
+
+    os.environ["TRAINGUARD_CHECKPOINT_DIR"] = CKPT
+    dist.init_process_group("trainguard")
+    ps.initialize_model_parallel()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    start = mega.load_checkpoint(model, optimizer, None)
+    injector = FaultInjector.from_env(dist.get_rank(), world_size=dist.get_world_size())
+    steps = train(model, optimizer, start, injector)
+    write(dist.get_rank(), {"steps_completed": steps, **TTP.history_report(),
+                            "state_sha256": state_sha256({"model": model.state_dict(),
+                                                          "optimizer": optimizer.state_dict()}),
+                            "streams_sha256": streams_sha256(torch.get_rng_state().numpy().tobytes())})
+    TTP.processor.close(finished=True)
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    {"torch": torch_job, "mindspore": mindspore_job, "ttp": ttp_job}[FRAMEWORK]()
+    __import__("gc").freeze()  # exit without a last full collection of the heap: ~1 s of CPU per worker
