@@ -12,8 +12,8 @@ from trainguard.core.reports import Hello, PersistReport
 from trainguard.core.checkpoint_parts import FileInfo, SavedShard
 from trainguard.core.commands import (Clean, Command, CommandResult, Exit, Finalize, Rebuild, Repair, Resume,
                                       Rollback, Save, Stop)
-from trainguard.core.control.wire import (Hellos, Wired, agent_event, agent_hello, agent_order_to_pb, command_result,
-                                         command_to_pb, persist_report)
+from trainguard.core.control.wire import (Hellos, Wired, agent_event, agent_event_to_pb, agent_hello, agent_order,
+                                         agent_order_to_pb, command_result, command_to_pb, persist_report)
 from trainguard.core.control.controller import ControllerCore
 from trainguard.core.rank.messages import replica_group
 from trainguard.core import ReplicaGroup
@@ -410,6 +410,8 @@ def test_registrations_persist_health_and_agent_messages_cross_the_wire_field_fo
     assert agent_event(pb.AgentEvent(rank=1, order=9, ok=True, pid=7, join_store="h:2", message="m",
                                      rates=[pb.LinkRate(node="b", bytes_per_s=1e9, error="e")])) == \
         AgentEvent(rank=1, order=9, ok=True, pid=7, join_store="h:2", message="m", rates=(LinkRate("b", 1e9, "e"),))
+    answer = AgentEvent(rank=1, order=9, ok=True, pid=7, join_store="h:2", message="m", rates=(LinkRate("b", 1e9, "e"),))
+    assert agent_event(agent_event_to_pb(answer)) == answer, "the agent's side makes what the controller's reads"
     actions = [StartReplacement(rank=2, generation=3, step=-1, join_store="h:1"), Kill(2), RestartsLeft(0),
                Moved(4), Dropped(5), LinkProbe(nodes=("b", "c"), addrs=("b:1", "c:1"), bytes=64)]
     assert {f.name for f in pb.AgentOrder.DESCRIPTOR.oneofs_by_name["action"].fields} == {
@@ -424,15 +426,20 @@ def test_registrations_persist_health_and_agent_messages_cross_the_wire_field_fo
         for f in fields(action):
             value, got = getattr(action, f.name), getattr(body, f.name)
             assert (tuple(got) if isinstance(value, tuple) else got) == value, (action, f.name)
+    assert [agent_order(agent_order_to_pb(AgentOrder(i, a))) for i, a in enumerate(actions, 1)] == \
+        [AgentOrder(i, a) for i, a in enumerate(actions, 1)], "the agent's side reads what the controller's makes"
+    with pytest.raises(ProtocolError, match="carries no action"):
+        agent_order(pb.AgentOrder(id=3))
 
 
 def test_the_state_machine_takes_and_makes_no_protobuf():
     """Protobuf is read and made at the controller's edge only (its server,
-    routing, wire translation and client), never by the core's state machine
-    or the plain data it takes and makes."""
+    routing, wire translation and client), never by the core's state machine,
+    the plain data it takes and makes, or the link survey (both sides)."""
     from pathlib import Path
 
     control = Path(command_to_pb.__code__.co_filename).parent
-    plain = [*control.glob("*.py"), *(control.parent / f for f in ("api.py", "reports.py", "commands.py", "agent_messages.py"))]
+    plain = [*control.glob("*.py"), *(control.parent / f for f in ("api.py", "reports.py", "commands.py",
+                                                                     "agent_messages.py", "links.py"))]
     edge = {"server.py", "routing.py", "wire.py", "client.py"}
     assert [f.name for f in plain if f.name not in edge and "trainguard_pb2" in f.read_text()] == []

@@ -10,7 +10,10 @@ import struct
 
 import pytest
 
-from trainguard.core.links import MAX_BYTES, LinkSink, LinkSurvey, Surveyor, measure, probe_key, probe_peers
+from trainguard.core.agent_messages import AgentOrder, LinkProbe
+from trainguard.core.control.wire import agent_event, agent_event_to_pb, agent_order, agent_order_to_pb
+from trainguard.core.links import (MAX_BYTES, LinkSink, LinkSurvey, Surveyor, answer_probe, measure, probe_key,
+                                   probe_peers)
 from trainguard.core.profiling.detect import Detector, DetectorConfig
 from trainguard.core.profiling.records import StepRow
 
@@ -31,6 +34,17 @@ def test_a_probe_measures_the_link_to_a_sink(sink):
     assert measure(sink, SECRET, 1 << 40, seconds=0.2) > 0  # a TiB asked for: capped, and stopped in time
     (node, rate, error), = probe_peers(["b"], [sink], SECRET, 1 << 20)
     assert (node, error) == ("b", "") and rate > 0
+
+
+def test_an_agent_answers_a_survey_order_as_it_came_over_the_wire(sink):
+    """The agent's side, as the node agent runs it: the order read from
+    protobuf, each link probed, the answer made protobuf again."""
+    order = LinkProbe(nodes=("b", "gone"), addrs=(sink, "127.0.0.1:1"), bytes=1 << 20)
+    answer = answer_probe(agent_order(agent_order_to_pb(AgentOrder(7, order))), SECRET)
+    assert agent_event(agent_event_to_pb(answer)) == answer
+    (b, b_rate, b_error), (gone, gone_rate, gone_error) = answer.rates
+    assert (answer.order, answer.ok, b, b_error, gone, gone_rate) == (7, True, "b", "", "gone", 0.0), answer
+    assert b_rate > 0 and gone_error.startswith("ConnectionRefusedError"), answer
 
 
 @pytest.mark.parametrize("what", ["wrong key", "not a probe", "too many bytes"])

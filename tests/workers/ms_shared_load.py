@@ -16,6 +16,7 @@ import numpy as np
 
 from trainguard.adapters.mindspore.checkpoints import Checkpoints, ParamSnapshots
 from trainguard.core.faults import FaultInjector
+from trainguard.core.rank import RankRuntime
 from trainguard.core.snapshot import SnapshotDir, State
 from trainguard.core.snapshot.shared import DENSE_FROM, Sharing
 
@@ -42,11 +43,12 @@ class Params:
 
 
 class Replica(Checkpoints):
-    """What the Guard's load needs: rank 1 of a world it gathers alone."""
+    """What the Guard's load (:meth:`RankRuntime._load` over these
+    checkpoints) needs: rank 1 of a world it gathers alone."""
 
     def __init__(self, snapshots: ParamSnapshots) -> None:
         self.rank, self.world_size, self.snapshots, self.store = 1, 1, snapshots, None
-        self.sharing, self._dense, self.state = Sharing(1, 1, True, {0, 1}), {}, Params()
+        self.sharing, self.state = Sharing(1, 1, True, {0, 1}), Params()
         self.injector = FaultInjector([], 1)  # no faults: a load strikes phase=resume faults
 
     def all_gather_ints(self, values: list[int]) -> list[int]:
@@ -69,7 +71,7 @@ try:
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
     again = Replica(ParamSnapshots(SnapshotDir.attach(shm.path), 1, count=3))
-    step = again._load()
+    step = RankRuntime._load(again)  # the runtime's load, without the rest of a Guard
     want = arrays(step)
     print(json.dumps({"step": step, "resumed_from": again.resumed_from, "own_bytes": own_bytes,
                       "loads": len(again.state.loads),

@@ -36,8 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .agent_messages import LinkProbe
-from .protocol import trainguard_pb2 as pb
+from .agent_messages import AgentEvent, AgentOrder, LinkProbe, LinkRate
 
 __all__ = ["LinkSink", "LinkSurvey", "Surveyor", "answer_probe", "measure", "probe_peers", "PROBE_BYTES",
            "MAX_BYTES"]
@@ -252,11 +251,11 @@ def probe_peers(nodes: list[str], addrs: list[str], secret: str, nbytes: int) ->
     return out
 
 
-def answer_probe(order: pb.AgentOrder, secret: str) -> pb.AgentEvent:
-    """A node agent's answer to a survey order (``order.probe``): each link measured in turn."""
-    rates = probe_peers(list(order.probe.nodes), list(order.probe.addrs), secret, order.probe.bytes)
-    return pb.AgentEvent(order=order.id, ok=True, rates=[pb.LinkRate(node=n, bytes_per_s=bps, error=err)
-                                                         for n, bps, err in rates])
+def answer_probe(order: AgentOrder, secret: str) -> AgentEvent:
+    """A node agent's answer to a survey order (its action a :class:`LinkProbe`): each link measured in turn."""
+    probe = order.action
+    rates = probe_peers(list(probe.nodes), list(probe.addrs), secret, probe.bytes)
+    return AgentEvent(order=order.id, ok=True, rates=tuple(LinkRate(*rate) for rate in rates))
 
 
 class Surveyor:

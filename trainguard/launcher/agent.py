@@ -47,13 +47,14 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.control.client import ControllerClient
+from trainguard.core.control.wire import agent_event_to_pb, agent_order
 from trainguard.core.links import LinkSink, answer_probe
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.secret import TLS
 from trainguard.core.snapshot import PeerServer, SnapshotDir
 
-from .watch import FrozenWatch, report_exit
+from .watch import FrozenWatch, report_exit, stop_controller
 from .restart import Replacements
 
 __all__ = ["TrainguardAgent"]
@@ -129,7 +130,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._fresh_worker_store(worker_group)
         world_size = worker_group.workers[0].world_size
         if worker_group.group_rank == 0:
-            self._stop_controller()
+            self.last_status, self.controller = stop_controller(self.controller, self.last_status), None
             if worker_group.group_world_size > 1 and self._config.host in ("127.0.0.1", "localhost", "::1"):
                 log.warning("the controller listens on %s: only agents on this host can reach it; for nodes "
                             "on other hosts pass --controller-host (or TRAINGUARD_HOST)", self._config.host)
@@ -204,9 +205,9 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _probe_links(self, order: pb.AgentOrder) -> None:
         """A link survey's order, on a thread of its own: measure, answer."""
-        event, relay = answer_probe(order, self._secret), self.relay
+        event, relay = answer_probe(agent_order(order), self._secret), self.relay
         if relay is not None:
-            relay.report(event)
+            relay.report(agent_event_to_pb(event))
 
     def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:
         """Give each round's workers a store of their own.
@@ -227,15 +228,6 @@ class TrainguardAgent(LocalElasticAgent):
         # node replacing a lost one starts at 0): the workers' store prefix.
         os.environ["TRAINGUARD_STORE_ROUND"] = str(worker_group.master_port)
 
-    def _stop_controller(self) -> None:
-        if self.controller is not None:
-            try:
-                self.last_status = self.controller.snapshot()
-            except Exception:  # a controller that already stopped has nothing more to say
-                pass
-            self.controller.stop()
-            self.controller = None
-
     def shutdown_controller(self) -> None:
         """After the run: stop the relay, the controller (keeping its last
         status) and the peer server, and remove the node's snapshots."""
@@ -245,7 +237,7 @@ class TrainguardAgent(LocalElasticAgent):
         if self.replacements is not None:
             self.replacements.close()
             self.replacements = None
-        self._stop_controller()
+        self.last_status, self.controller = stop_controller(self.controller, self.last_status), None
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -43,7 +43,7 @@ from trainguard.core.faults import check_ranks
 from trainguard.core.secret import TLS, job_secret
 from trainguard.core.snapshot import SnapshotDir
 
-from .watch import FrozenWatch, report_exit
+from .watch import FrozenWatch, report_exit, stop_controller
 
 __all__ = ["MsrunPlugin", "attach", "main", "strategies_from_env"]
 
@@ -270,12 +270,7 @@ class MsrunPlugin:
         return [(local, p.poll(), p.pid) for local, p in sorted(self.manager.proc_rank_map.items())]
 
     def _stop(self) -> None:
-        if self.controller is not None:
-            try:
-                self.last_status = self.controller.snapshot()
-            except Exception:  # a controller that already stopped has nothing more to say
-                pass
-            self.controller.stop()
+        self.last_status = stop_controller(self.controller, self.last_status)
         if self.client is not None:
             self.client.close()
         self.manager.kill_tail_log_processes()  # `tail -f` of each worker log (--join=True) would outlive msrun

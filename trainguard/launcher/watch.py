@@ -1,7 +1,8 @@
 """Watching workers, for both node agents (torchrun's and msrun's; no
 framework imports): a process found stopped (state ``T`` in ``/proc``) on two
 checks :data:`STOPPED_CONFIRM_S` apart is hung, as a stuck host or frozen
-container leaves it; a worker's end is reported to the controller at once."""
+container leaves it; a worker's end is reported to the controller at once;
+at the end, the controller an agent runs is stopped, its last status kept."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["STOPPED_CONFIRM_S", "FrozenWatch", "process_state", "report_exit"]
+__all__ = ["STOPPED_CONFIRM_S", "FrozenWatch", "process_state", "report_exit", "stop_controller"]
 
 log = logging.getLogger("trainguard.launcher")
 
@@ -62,3 +63,15 @@ def report_exit(controller: Any, client: Any, rank: int, pid: int, code: int, re
             client.report_process_exit(rank, pid, code, reason, last_running)
     except Exception as e:  # the controller also notices through the broken session
         log.warning("could not report the exit of rank %d to the controller: %s", rank, e)
+
+
+def stop_controller(controller: Any, last_status: dict | None) -> dict | None:
+    """Stop the controller a node agent runs (``None``: none) and return its
+    last status, or ``last_status`` when it has none to give."""
+    if controller is not None:
+        try:
+            last_status = controller.snapshot()
+        except Exception as e:  # noqa: BLE001 - a controller that already stopped has nothing more to say
+            log.debug("no last status from the controller: %s", e)
+        controller.stop()
+    return last_status

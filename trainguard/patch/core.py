@@ -14,7 +14,9 @@ the code to insert). Everything else here is generic:
 * :func:`execute` writes a plan: the original is saved beside the file as
   ``<file>.trainguard-orig`` before the first edit, every write is atomic
   (temporary file in the same directory, then ``os.replace``) and keeps the
-  file's mode.
+  file's mode;
+* :func:`handing_over` writes a target's block: the launcher hands over to
+  trainguard unless ``TRAINGUARD_DISABLE`` is set or trainguard is missing.
 
 The inserted block's first line records the SHA-256 of the original file, so
 a revert can prove it restores the exact original bytes: from the backup
@@ -30,11 +32,12 @@ import os
 import re
 import subprocess
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["Located", "PatchError", "Plan", "Target", "backup_path", "check_version", "check_writable", "execute",
-           "locate", "plan_apply", "plan_revert", "read_backup", "state"]
+           "handing_over", "locate", "plan_apply", "plan_revert", "read_backup", "state"]
 
 BACKUP_SUFFIX = ".trainguard-orig"
 _START = re.compile(rb"^([ \t]*)# >>> trainguard:[^\n]*\n", re.M)
@@ -78,6 +81,24 @@ class Target:
     def supported(self) -> str:
         low, high = (".".join(map(str, v)) for v in (self.min_version, self.max_version))
         return f"{low} <= {self.package} < {high}"
+
+
+def handing_over(name: str, imports: str, call: str) -> str:
+    """A :attr:`Target.body` for launcher ``name``: unless ``TRAINGUARD_DISABLE``
+    is set (it is taken out of the environment, so the workers never see it),
+    import ``imports`` (``"module import function as _tg_alias"``) and run
+    ``call``; where trainguard cannot be imported, say so and how to undo the
+    patch, and let the launcher run on as it would without it."""
+    return f"""\
+import os, sys
+if os.environ.pop("TRAINGUARD_DISABLE", "") in ("", "0"):
+    try:
+        from {imports}
+    except ImportError as _tg_error:
+        print(f"trainguard: cannot import trainguard ({{_tg_error}}); running plain {name} "
+              f"(undo the patch with `adapters-patch {name} --revert`)", file=sys.stderr)
+    else:
+{textwrap.indent(call, " " * 8)}"""
 
 
 @dataclass(frozen=True)

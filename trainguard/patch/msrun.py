@@ -25,21 +25,9 @@ environment, MindSpore's own code runs on: taskd if it is configured, else
 plain msrun.
 """
 
-from .core import Target
+from .core import Target, handing_over
 
 __all__ = ["TARGET"]
-
-BODY = """\
-import os, sys
-if os.environ.pop("TRAINGUARD_DISABLE", "") in ("", "0"):
-    try:
-        from trainguard.launcher.msrun import attach as _tg_attach
-    except ImportError as _tg_error:
-        print(f"trainguard: cannot import trainguard ({_tg_error}); running plain msrun "
-              f"(undo the patch with `adapters-patch msrun --revert`)", file=sys.stderr)
-    else:
-        if _tg_attach(self):
-            return"""
 
 TARGET = Target(
     name="msrun",
@@ -50,5 +38,6 @@ TARGET = Target(
     min_version=(2, 10),
     max_version=(2, 11),
     anchor='        """check if enable taskd."""',
-    body=BODY,
+    body=handing_over("msrun", "trainguard.launcher.msrun import attach as _tg_attach",
+                      "if _tg_attach(self):\n    return"),
 )

@@ -16,20 +16,9 @@ leaves plain torchrun. ``python -m torch.distributed.launch`` calls ``run()``
 directly and is not rerouted.
 """
 
-from .core import Target
+from .core import Target, handing_over
 
 __all__ = ["TARGET"]
-
-BODY = """\
-import os, sys
-if os.environ.pop("TRAINGUARD_DISABLE", "") in ("", "0"):
-    try:
-        from trainguard.launcher.run import main as _tg_main
-    except ImportError as _tg_error:
-        print(f"trainguard: cannot import trainguard ({_tg_error}); running plain torchrun "
-              f"(undo the patch with `adapters-patch torchrun --revert`)", file=sys.stderr)
-    else:
-        sys.exit(_tg_main(sys.argv[1:] if args is None else list(args)))"""
 
 TARGET = Target(
     name="torchrun",
@@ -40,5 +29,6 @@ TARGET = Target(
     min_version=(2, 4),
     max_version=(2, 14),
     anchor="def main(args=None):",
-    body=BODY,
+    body=handing_over("torchrun", "trainguard.launcher.run import main as _tg_main",
+                      "sys.exit(_tg_main(sys.argv[1:] if args is None else list(args)))"),
 )

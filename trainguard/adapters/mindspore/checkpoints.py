@@ -30,9 +30,8 @@ from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import Verified
 from trainguard.core.rank.history import JobHistory
 from trainguard.core.snapshot import Entry, SnapshotDir, SnapshotRing, payload_header
-from trainguard.core.rank.resume import resume
 from trainguard.core.snapshot.ring import FORMAT, check_settings, directory_for, load_verified
-from trainguard.core.snapshot.shared import Sharing, with_holders
+from trainguard.core.snapshot.shared import Sharing
 
 from .handlers import load_checkpoint, shard_name
 
@@ -119,7 +118,6 @@ class Checkpoints(JobHistory):
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
         here = self.hosts[self.rank]
         self.sharing = Sharing(self.rank, every, shared, {r for r, h in self.hosts.items() if h == here})
-        self._dense: dict = {}  # at load: step -> the holder's slot of a snapshot naming it
         if every:
             directory = directory_for(f"{self.settings.job_id or 'ms'}-r{self.rank}-{os.getpid()}")
             self.snapshots = ParamSnapshots(directory, self.rank, count=count)
@@ -146,16 +144,6 @@ class Checkpoints(JobHistory):
         machine (see :meth:`~trainguard.core.snapshot.shared.Sharing.holder`)."""
         return self.sharing.holder(self.groups[0].copies(self.rank), range(self.world_size),
                                    self.snapshots.directory.slots_of)
-
-    def close_snapshots(self, wait_s: float) -> None:
-        if self.snapshots is not None:
-            self.snapshots.shutdown(wait_s)
-
-    def snapshot_report(self) -> dict:
-        if self.snapshots is None:
-            return {}
-        return {"snapshots": {**self.snapshots.report(self.resumed_from),
-                              **self.sharing.report(self.snapshot_holder())}}
 
     def write_snapshot_file(self, step: int):
         """The dying-gasp file of ``step`` from its snapshot (taken now
@@ -201,32 +189,18 @@ class Checkpoints(JobHistory):
             shard = self._handlers.write(self._step)
             self._handlers.finalize_files(self._step, [shard], copies, self.merged_history({}))
 
-    # ----------------------------------------------------------------- load
-    def _load(self) -> int:
-        """Resume at the newest step every rank can load: from memory where
-        a sealed snapshot holds it (and passes its checksum when read), else
-        from storage."""
-        memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
-        if memory and self.sharing.enabled:
-            memory, self._dense = with_holders(memory, self.snapshots.replica_slots)
-        found: list[Verified | None] = [None]  # the newest sound checkpoint (a dying gasp's history is newer)
+    # ------------------------------------------------- load (RankRuntime._load)
+    def _gather_steps(self, steps: list[int], width: int = 64) -> list[list[int]]:
+        """Every rank's short list of steps (at most ``width``), through the
+        Guard's integer all-gather (-1 pads)."""
+        padded = (sorted(steps)[-width:] + [-1] * width)[:width]
+        flat = self.all_gather_ints(padded)
+        return [[v for v in flat[r * width:(r + 1) * width] if v >= 0] for r in range(self.world_size)]
 
-        def newest(dropped: set[int]) -> Verified | None:
-            found[0] = self.store.latest(exclude=dropped) if self.store is not None else None
-            return found[0]
-        try:
-            return resume(memory, newest, gather=lambda steps: _gather_lists(self, steps),
-                          outcomes=lambda code: self.all_gather_ints([code]), rank=self.rank,
-                          load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found[0]),
-                          load_stored=self._load_stored, before=lambda step: self.injector.strike("resume", step))
-        finally:
-            for slot in self._dense.values():
-                slot.close()
-            self._dense = {}
+    def _gather_outcomes(self, code: int) -> list[int]:
+        return self.all_gather_ints([code])
 
-    def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
-        holder = self._dense.pop(step, None)  # a replica whose snapshot of the step holds the parameters
-
+    def _load_memory(self, step: int, slot, source: str, found: Verified | None, holder) -> None:
         def load(read: tuple) -> dict:  # from the slot, still mapped, once its checksum matched
             self._load_arrays(read[1], str(slot.path))
             return read[2]
@@ -234,7 +208,7 @@ class Checkpoints(JobHistory):
         views = lambda payload: read_arrays(payload, copy=False)  # noqa: E731
         if holder is None:
             history = load_verified(slot, views, load)
-        else:  # this rank's own slot holds only a header naming the holder
+        else:  # this rank's own slot holds only a header naming the replica whose snapshot holds the parameters
             history = load_verified(slot, views)[2]
             load_verified(holder, views, load)
         stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
@@ -266,11 +240,3 @@ class Checkpoints(JobHistory):
 
 def _snapshot_name(guard, step: int) -> str:
     return shard_name(guard.rank, step, guard.steps_per_epoch).removesuffix(".ckpt") + ".safetensors"
-
-
-def _gather_lists(guard, values: list[int], width: int = 64) -> list[list[int]]:
-    """Every rank's short list of steps (at most ``width``), through the
-    Guard's integer all-gather (-1 pads)."""
-    padded = (sorted(values)[-width:] + [-1] * width)[:width]
-    flat = guard.all_gather_ints(padded)
-    return [[v for v in flat[r * width:(r + 1) * width] if v >= 0] for r in range(guard.world_size)]

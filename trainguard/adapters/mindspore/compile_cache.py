@@ -58,14 +58,9 @@ def key_parts(network: nn.Cell, parameters, *, rank: int, world_size: int,
 
 class MindSporeCompileCache:
     """``MS_COMPILER_CACHE_PATH`` for this process, restored from and
-    published to the job's entry for this rank.
-
-    Args:
-        root: the job's cache directory, or ``None`` for none.
-        parts: see :func:`key_parts`.
-        warn: an unusable entry is a warning here (else INFO).
-        owner: ``rank N`` for logs and the manifest.
-    """
+    published to the job's entry for this rank: a
+    :class:`~trainguard.core.compile_cache.LocalCache` (its arguments;
+    ``parts`` from :func:`key_parts`) that MindSpore is pointed at."""
 
     def __init__(self, root: Path | None, parts: Mapping[str, Any], *, warn: bool = True, owner: str = "") -> None:
         self.note = "off" if root is None else ""

@@ -37,11 +37,10 @@ import torch
 from trainguard.core import CheckpointError, ConfigError
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified, shard_file
 from trainguard.core.rank.history import JobHistory
-from trainguard.core.rank.resume import resume
 from trainguard.core.snapshot.health import PersistHealth
 from trainguard.core.snapshot.ring import check_settings, directory_for, load_verified
 from trainguard.core.snapshot.own import OwnRecords, read_own
-from trainguard.core.snapshot.shared import Sharing, local_ranks, with_holders
+from trainguard.core.snapshot.shared import Sharing, local_ranks
 
 from .handlers import read_shard, shard_name
 from .own import own_file, pack, unpack
@@ -72,8 +71,7 @@ class Checkpoints(JobHistory):
                               "each need their holder's copy from the peer; choose one")
         self.snapshot_overlap = self.settings.snapshot_overlap
         self.snapshot_every, self.snapshots, self.resumed_from = every, None, None
-        self.snapshot_shared, self.sharing = shared, Sharing(self.rank, every, shared, local_ranks())
-        self._dense: dict = {}  # at load: step -> the holder's slot of an own-part snapshot
+        self.sharing = Sharing(self.rank, every, shared, local_ranks())
         self._save_health = PersistHealth(self.rank)  # synchronous saves' (the ring has its own)
         if not every:
             return
@@ -123,16 +121,6 @@ class Checkpoints(JobHistory):
         """Wait for a snapshot copy still running (before the state changes)."""
         if self.snapshots is not None:
             self.snapshots.settle()
-
-    def close_snapshots(self, wait_s: float) -> None:
-        if self.snapshots is not None:
-            self.snapshots.shutdown(wait_s)
-
-    def snapshot_report(self) -> dict:
-        if self.snapshots is None:
-            return {}
-        return {"snapshots": {**self.snapshots.report(self.resumed_from),
-                              **self.sharing.report(self.snapshot_holder())}}
 
     # ------------------------------------------------------------ own part
     def setup_own_records(self) -> None:
@@ -307,35 +295,19 @@ class Checkpoints(JobHistory):
         health.failed(step, mine.get("failed", failed[0]),
                       self.store.tracked_step() if health.failing is None else None)
 
-    def _load(self) -> int:
-        """Load the newest step every rank can load -- from this node's
-        memory where a sealed snapshot holds it, else the newest complete
-        checkpoint on storage -- and return it (0: nothing to load)."""
-        memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
-        if memory and self.snapshot_shared:
-            memory, self._dense = with_holders(memory, self.snapshots.replica_slots)
-        found: list[Verified | None] = [None]  # the newest sound checkpoint (a dying gasp's history is newer)
+    # ------------------------------------------------------------ loads (RankRuntime._load)
+    def _gather_steps(self, steps: list[int]) -> list[list[int]]:
+        return self.process_group.all_gather_json(steps, self.device.torch_device)
 
-        def newest(dropped: set[int]) -> Verified | None:
-            found[0] = self.store.latest(exclude=dropped) if self.store is not None else None
-            return found[0]
-        gather = lambda value: self.process_group.all_gather_json(value, self.device.torch_device)  # noqa: E731
-        try:
-            return resume(memory, newest, gather=gather, outcomes=gather, rank=self.rank,
-                          load_memory=lambda step, slot, source: self._load_memory(step, slot, source, found[0]),
-                          load_stored=self._load_stored, before=lambda step: self.injector.strike("resume", step))
-        finally:
-            for slot in self._dense.values():
-                slot.close()
-            self._dense = {}
+    def _gather_outcomes(self, code: int) -> list[int]:
+        return self.process_group.all_gather_json(code, self.device.torch_device)
 
-    def _load_memory(self, step: int, slot, source: str, found: Verified | None) -> None:
+    def _load_memory(self, step: int, slot, source: str, found: Verified | None, holder) -> None:
         # Straight into the parameters and whatever optimizer state exists, once the checksum passed.
         into = destinations({"state": self.state.state_dict()})
         read = lambda payload: read_payload_into(payload, self.device.torch_device, into)  # noqa: E731
         held = load_verified(slot, read, filled)[1]
-        state, holder = held["state"], self._dense.pop(step, None)
-        own = None
+        state, own = held["state"], None
         if holder is not None:  # this rank's own part: the rest is in its holder's snapshot of the step
             state, own = load_verified(holder, read, filled)[1]["state"], state
         self.state.load_state_dict(state)

@@ -65,14 +65,9 @@ def key_parts(model: torch.nn.Module, device: torch.device, extra: Mapping[str, 
 
 class TorchCompileCache:
     """Inductor's cache directory for this process, restored from and
-    published to the job's entry.
-
-    Args:
-        root: the job's cache directory, or ``None`` for none.
-        parts: see :func:`key_parts`.
-        warn: an unusable entry is a warning here (else INFO).
-        owner: ``rank N`` for logs and the manifest.
-    """
+    published to the job's entry: a
+    :class:`~trainguard.core.compile_cache.LocalCache` (its arguments;
+    ``parts`` from :func:`key_parts`) that Inductor is pointed at."""
 
     def __init__(self, root: Path | None, parts: Mapping[str, Any], *, warn: bool = True, owner: str = "") -> None:
         self.note = "off" if root is None else ""

@@ -14,7 +14,9 @@ protobuf is made and read here, at the edge only:
 * a rank's persist health: :func:`persist_report` (:func:`.routing.dispatch`);
 * node agents: :func:`agent_hello` and :func:`agent_event` when they
   announce themselves and answer (the server's node sessions),
-  :func:`agent_order_to_pb` when an order leaves (the server's ``order``).
+  :func:`agent_order_to_pb` when an order leaves (the server's ``order``);
+  on the agent's side, :func:`agent_order` when it arrives and
+  :func:`agent_event_to_pb` when the answer leaves (a link survey's).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from ..protocol import trainguard_pb2 as pb
 from ..replicas import ReplicaGroup
 from ..rpc import rank_status
 
-__all__ = ["Hellos", "Wired", "agent_event", "agent_hello", "agent_order_to_pb", "command_result", "command_to_pb",
-           "persist_report"]
+__all__ = ["Hellos", "Wired", "agent_event", "agent_event_to_pb", "agent_hello", "agent_order", "agent_order_to_pb",
+           "command_result", "command_to_pb", "persist_report"]
 
 
 def _file(f: FileInfo) -> pb.FileInfo:
@@ -171,3 +173,33 @@ _AGENT_TO_PB: dict[type, Callable] = {
 def agent_order_to_pb(order: AgentOrder) -> pb.AgentOrder:
     """The protobuf ``AgentOrder`` of ``order``."""
     return pb.AgentOrder(id=order.id, **{order.name: _AGENT_TO_PB[type(order.action)](order.action)})
+
+
+#: Each agent order's action from the value of its protobuf field, by the field's name.
+_AGENT_FROM_PB: dict[str, Callable] = {
+    "start": lambda v: StartReplacement(rank=v.rank, generation=v.generation, step=v.step, join_store=v.join_store),
+    "kill": Kill,
+    "restarts_left": RestartsLeft,
+    "moved": Moved,
+    "dropped": Dropped,
+    "probe": lambda v: LinkProbe(nodes=tuple(v.nodes), addrs=tuple(v.addrs), bytes=v.bytes),
+}
+
+
+def agent_order(order: pb.AgentOrder) -> AgentOrder:
+    """An order as the node agent takes it (the inverse of :func:`agent_order_to_pb`).
+
+    Raises:
+        ProtocolError: an order with no action.
+    """
+    name = order.WhichOneof("action")
+    if name is None:
+        raise ProtocolError(f"agent order {order.id} carries no action")
+    return AgentOrder(order.id, _AGENT_FROM_PB[name](getattr(order, name)))
+
+
+def agent_event_to_pb(event: AgentEvent) -> pb.AgentEvent:
+    """The protobuf ``AgentEvent`` of a node agent's answer (the inverse of :func:`agent_event`)."""
+    rates = [pb.LinkRate(node=r.node, bytes_per_s=r.bytes_per_s, error=r.error) for r in event.rates]
+    return pb.AgentEvent(order=event.order, rank=event.rank, ok=event.ok, pid=event.pid, join_store=event.join_store,
+                         message=event.message, rates=rates)

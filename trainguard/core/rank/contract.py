@@ -7,7 +7,9 @@ writes the loop once (:mod:`.runtime`); an adapter supplies the rest:
 ``_begin`` and ``_commit`` (a step's body starts; it ended cleanly: finish
 the update, count the step, then ``_after_commit``), ``_handle`` (the body
 raised: report it, release the peers where the framework needs it, then
-``_recover``), ``_reset_step``, ``_state_sha256`` and ``_connect_details``.
+``_recover``), ``_reset_step``, ``_state_sha256`` and ``_connect_details``;
+for the load at start (``_load``), ``_gather_steps`` and ``_gather_outcomes``
+(its collectives), ``_load_memory`` and ``_load_stored`` (its state I/O).
 Overridable with defaults: ``_fingerprints``, ``_final_extras``,
 ``_report_extras``, ``_snapshot_after_step``, ``_detach``,
 ``_close_snapshots`` and ``_exit``.
@@ -30,8 +32,13 @@ Overridable with defaults: ``_fingerprints``, ``_final_extras``,
                      (repair, rollback, save, finalise)
 ``store``,           where checkpoints go and how often (``None``/0: none);
 ``save_every``       ``save()`` writes one
-``snapshot_every``   in-memory snapshots (``take_snapshot``,
-                     ``close_snapshots``, ``snapshot_report``)
+``snapshot_every``,  in-memory snapshots, every that many steps, in a ring
+``snapshots``        (:class:`~trainguard.core.snapshot.SnapshotRing`;
+                     ``None``: none), with ``take_snapshot(step)``
+``sharing``          whose snapshots hold each replica's state
+                     (:class:`~trainguard.core.snapshot.shared.Sharing`),
+                     with ``snapshot_holder()`` naming this rank's holder
+``resumed_from``     where ``_load`` found the state (``None``: nowhere)
 ``rehearsal``        a ``trainguard rehearse`` run's recorder, or ``None``
 ``compile_cache``    the framework's compile cache (``after_step``,
                      ``report``, ``close``)

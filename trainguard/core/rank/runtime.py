@@ -8,7 +8,8 @@ connection to the job's controller, the end of a step once the update is in
 (rehearsal fingerprints, compile cache, injected faults, periodic saves and
 snapshots, profiling), the way out of a failed step (carry out the
 controller's recovery, or leave with its exit code), the rollback's step
-counter, the report and the goodbye.
+counter, the load at start (:mod:`.resume`: from this node's snapshots or
+from storage), the snapshots' report and end, the report and the goodbye.
 
 What differs by framework -- how a step begins and commits, how a failed
 step releases its peers, the state's hash and fingerprints, how the process
@@ -27,8 +28,10 @@ from typing import Iterable, Iterator
 from ..api import ConfigError, ControllerLostError, DataStatus, ForceStop
 from ..config import ProcessorConfig
 from .processor import Processor
+from ..snapshot.shared import with_holders
 from .recovery import Outcome, recover
 from .history import JobHistory, Protected
+from .resume import resume
 
 __all__ = ["RankRuntime"]
 
@@ -75,6 +78,28 @@ class RankRuntime(JobHistory, abc.ABC):
         """What the controller is told of this rank's device:
         ``device``, ``device_repairable`` (and ``restart_count``)."""
 
+    @abc.abstractmethod
+    def _gather_steps(self, steps: list[int]) -> list[list[int]]:
+        """Every rank's ``steps`` (a collective of :meth:`_load`)."""
+
+    @abc.abstractmethod
+    def _gather_outcomes(self, code: int) -> list[int]:
+        """Every rank's outcome ``code`` (a collective of :meth:`_load`)."""
+
+    @abc.abstractmethod
+    def _load_memory(self, step: int, slot, source: str, found, holder) -> None:
+        """Load ``step`` from ``slot``, a sealed snapshot in ``source``;
+        ``holder``: the slot of the replica's snapshot that holds this
+        rank's state where ``slot`` only names it (``snapshot_shared``),
+        else ``None``; ``found``: the newest sound checkpoint on storage
+        (one of the same step knows a newer history). Raises
+        ``CheckpointError`` when the snapshot is unusable."""
+
+    @abc.abstractmethod
+    def _load_stored(self, found) -> int:
+        """Load ``found``, a verified checkpoint on storage, and return its
+        step. Raises ``CheckpointError`` when one of its files does not load."""
+
     def _fingerprints(self) -> dict:
         """What a rehearsal compares after each step (default: the state's hash)."""
         return {"model": self._state_sha256()}
@@ -106,6 +131,41 @@ class RankRuntime(JobHistory, abc.ABC):
     def save_timeout_s(self) -> float:
         """How long a save (and the last persists at the end) may take."""
         return self.settings.save_timeout_s
+
+    # ------------------------------------------------------ snapshots and the start
+    def close_snapshots(self, wait_s: float) -> None:
+        """End the snapshots, waiting up to ``wait_s`` for persists still running."""
+        if self.snapshots is not None:
+            self.snapshots.shutdown(wait_s)
+
+    def snapshot_report(self) -> dict:
+        """The report's ``snapshots`` (nothing without them)."""
+        if self.snapshots is None:
+            return {}
+        return {"snapshots": {**self.snapshots.report(self.resumed_from),
+                              **self.sharing.report(self.snapshot_holder())}}
+
+    def _load(self) -> int:
+        """Load the newest step every rank can load -- from this node's
+        memory where a sealed snapshot holds it, else the newest complete
+        checkpoint on storage -- and return it (0: nothing to load)."""
+        memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
+        holders: dict = {}  # step -> the holder's slot, for a snapshot that only names it
+        if memory and self.sharing.enabled:
+            memory, holders = with_holders(memory, self.snapshots.replica_slots)
+        found: list = [None]  # the newest sound checkpoint (a dying gasp's history is newer)
+
+        def newest(dropped: set[int]):
+            found[0] = self.store.latest(exclude=dropped) if self.store is not None else None
+            return found[0]
+        try:
+            return resume(memory, newest, gather=self._gather_steps, outcomes=self._gather_outcomes, rank=self.rank,
+                          load_memory=lambda step, slot, source: self._load_memory(
+                              step, slot, source, found[0], holders.get(step)),
+                          load_stored=self._load_stored, before=lambda step: self.injector.strike("resume", step))
+        finally:  # a read closes its slots; these were not all read
+            for slot in holders.values():
+                slot.close()
 
     # ------------------------------------------------------------- the controller
     def _connect(self, *, joining: bool = False) -> Processor:
