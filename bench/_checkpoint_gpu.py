@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import common
-from checkpoint import FINALIZE, NAME, clock, mean, med, resnet_state, synthetic_state, table_rows, torch_saves
+from _checkpoint_states import FINALIZE, NAME, clock, mean, med, resnet_state, synthetic_state, table_rows, torch_saves
 from trainguard.adapters.torch.snapshot import Snapshots, staging_bytes
 from trainguard.adapters.torch.state import flatten
 from trainguard.adapters.torch.trainstate import TrainState

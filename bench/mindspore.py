@@ -70,133 +70,21 @@ usage: python bench/mindspore.py [--quick]   (about 15 minutes on 2 cores; --qui
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
-SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "resnet50" / "train_mindspore.py"
-NPROC = 2
-LAUNCH_TIMEOUT_S = 300  # a launch takes 1-2 min; one whose worker died at start waits forever
-
-
-@dataclass(frozen=True)
-class Settings:
-    steps: int  # per launch (every launch, so each has a fault-free reference)
-    warmup: int  # steps dropped from step-time statistics
-    k: int  # periodic checkpoint interval
-    pairs: int  # overhead launch pairs
-    positions: tuple[int, ...]  # fault after this many completed steps
-    batch: int = 4
-    image: int = 16
-
+from _mindspore_dying_gasp import dying_gasp  # noqa: E402
+from _mindspore_launch import NPROC, LaunchFailed, Settings, attempts, events, fault_time, launch  # noqa: E402
 
 FULL = Settings(steps=14, warmup=3, k=6, pairs=3, positions=(8, 11))
 QUICK = Settings(steps=5, warmup=2, k=2, pairs=1, positions=(3,))
-
-
-class LaunchFailed(RuntimeError):
-    pass
-
-
-@dataclass
-class Launch:
-    rc: int
-    started: float
-    ended: float
-    report: dict | None
-    log: Path
-
-    @property
-    def wall_s(self) -> float:
-        return self.ended - self.started
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(run_dir: Path, *, guard: bool, s: Settings, fault: str | None = None, attempt: str = "") -> Launch:
-    """One launch of the example in ``run_dir`` (its checkpoints, timeline
-    and report live there; relaunching with the same ``run_dir`` is the same
-    command)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # msrun runs `python SCRIPT`
-    env["PYTHONUNBUFFERED"] = "1"
-    if guard:
-        env["TRAINGUARD_STRATEGIES"] = "retry,dump,exit"
-    if fault:
-        env["TRAINGUARD_FAULT"] = fault
-    launcher = ["-m", "trainguard.cli", "run", "--framework", "mindspore"] if guard else \
-        ["-m", "mindspore.parallel.cluster.run"]
-    cmd = [sys.executable, *launcher, f"--worker_num={NPROC}", f"--local_worker_num={NPROC}",
-           f"--master_port={free_port()}", "--join=True", f"--log_dir={run_dir / 'logs'}", str(SCRIPT),
-           f"steps={s.steps}", "seed=0", f"batch_size={s.batch}", f"image_size={s.image}", "log_every=0",
-           f"guard={str(guard).lower()}", f"save_every={s.k}", f"checkpoint_dir={run_dir / 'ckpt'}",
-           f"timeline={run_dir / 'timeline.jsonl'}", f"report={run_dir / 'report.json'}"]
-    report = run_dir / "report.json"
-    report.unlink(missing_ok=True)
-    log = run_dir / f"launch{attempt}.log"
-    started = time.time()
-    with open(log, "w") as out:  # msrun tails every worker log: a file, not a pipe
-        try:
-            rc = subprocess.run(cmd, env=env, cwd=run_dir, stdout=out, stderr=subprocess.STDOUT,
-                                timeout=LAUNCH_TIMEOUT_S).returncode
-        except subprocess.TimeoutExpired:
-            rc = -1
-            _kill_processes_under(run_dir)  # msrun's workers run in sessions of their own
-    ended = time.time()
-    return Launch(rc, started, ended, json.loads(report.read_text()) if report.exists() else None, log)
-
-
-def _kill_processes_under(run_dir: Path) -> None:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if str(run_dir) in cmdline and int(pid) != os.getpid():
-                os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            continue
-
-
-def events(run_dir: Path, kind: str, after: float = 0.0) -> list[dict]:
-    path = run_dir / "timeline.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, lines) if e["event"] == kind and e["t"] > after]
-
-
-def fault_time(run_dir: Path) -> float:
-    (struck,) = [json.loads(line) for line in (run_dir / "ckpt" / ".trainguard" / "faults.jsonl").read_text()
-                 .splitlines() if line.strip()]
-    return struck["time"]
-
-
-def attempts(what: str, failures: dict, key: str, fn, tries: int = 3):
-    """``fn(attempt)``, again after a failed launch (counted in ``failures``)."""
-    for attempt in range(tries):
-        try:
-            return fn(attempt)
-        except LaunchFailed as e:
-            failures[key] += 1
-            print(f"{what} failed, retrying: {str(e)[-2000:]}", file=sys.stderr)
-    raise RuntimeError(f"{what} failed {tries} times")
 
 
 # ---------------------------------------------------------------- 1. overhead
@@ -346,112 +234,6 @@ def side_by_side(step: dict, cpu: dict, rec: list[dict], s: Settings) -> list[di
             rows.append({"measure": f"{label}: {name}", "baseline": b_mean, "trainguard": o_mean,
                          "unit": "steps" if key == "lost_steps" else "s", "result": ratio})
     return rows
-
-
-# ------------------------------------------------------------ dying gasp
-WORKERS = Path(__file__).resolve().parent.parent / "tests" / "workers"
-DYING_GASP_FAULT = "crash:rank=1,step=3,phase=backward"
-
-
-def dying_gasp_once(tmp: Path, framework: str, comm_timeout_s: int | None = None) -> dict:
-    """One job whose rank 1 is lost at step 3: fault -> dump finalised, and the command's wall time."""
-    name = f"{framework}-{comm_timeout_s or 'default'}"
-    ckpt, report = tmp / f"{name}-ckpt", tmp / f"{name}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MS_"))}
-    env.update({"TRAINGUARD_FAULT": DYING_GASP_FAULT, "TRAINGUARD_STRATEGIES": "dump,exit",
-                "TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1",
-                "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
-    if framework == "mindspore":
-        env.update({"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"})
-        if comm_timeout_s is not None:
-            env["MS_CPU_COMM_OP_TIMEOUT"] = str(comm_timeout_s)
-        cmd = [sys.executable, "-m", "trainguard.cli", "run", "--framework", "mindspore", f"--worker_num={NPROC}",
-               f"--local_worker_num={NPROC}", f"--master_port={free_port()}", "--join=True",
-               f"--log_dir={tmp / (name + '-logs')}", str(WORKERS / "ms_train.py"), "6", str(report), str(ckpt)]
-        tracker = ckpt / "latest_tft_step.txt"
-    else:
-        cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(NPROC), "--monitor-interval",
-               "0.1", str(WORKERS / "tiny_train.py"), "6", str(report), str(ckpt), "0"]
-        tracker = ckpt / "latest_step.txt"
-    started = time.time()
-    done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
-                          start_new_session=True)
-    wall = time.time() - started
-    faults = [json.loads(line) for line in (ckpt / ".trainguard" / "faults.jsonl").read_text().splitlines()
-              if line.strip()] if (ckpt / ".trainguard" / "faults.jsonl").exists() else []
-    if done.returncode != 75 or not faults or not tracker.exists():
-        raise RuntimeError(f"{name}: exit {done.returncode}, expected 75 and a dump; log tail:\n"
-                           f"{(done.stdout + done.stderr)[-3000:]}")
-    return {"framework": framework, "comm_timeout_s": comm_timeout_s, "fault_to_dump_s":
-            round(tracker.stat().st_mtime - faults[0]["time"], 3), "command_s": round(wall, 2)}
-
-
-PROBE_WAYS = ("read", "direct", "finalize", "release", "destroy", "async")
-
-
-def release_probe(tmp: Path, how: str, comm_timeout_s: int = 10) -> list[dict]:
-    """``tests/workers/ms_collective_probe.py`` with ``HOW=how``: a scheduler
-    and two workers as msrun starts them; rank 0's ``PROBE`` lines."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MS_"))}
-    env.update({"MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": str(free_port()), "MS_WORKER_NUM": "2",
-                "MS_CPU_COMM_OP_TIMEOUT": str(comm_timeout_s), "MS_RETRY_INTERVAL_LOWER": "1",
-                "MS_RETRY_INTERVAL_UPPER": "1", "GLOG_v": "3", "HOW": how})
-    script = str(WORKERS / "ms_collective_probe.py")
-    logs = {name: open(tmp / f"probe-{how}-{name}.log", "w") for name in ("sched", "r0", "r1")}
-    procs = [subprocess.Popen([sys.executable, script], env=dict(env, MS_ROLE=role, **extra), stdout=logs[name],
-                              stderr=subprocess.STDOUT, cwd=tmp)
-             for name, role, extra in (("sched", "MS_SCHED", {}), ("r0", "MS_WORKER", {"MS_NODE_ID": "0"}),
-                                       ("r1", "MS_WORKER", {"MS_NODE_ID": "1"}))]
-    try:
-        procs[1].wait(timeout=120)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        for f in logs.values():
-            f.close()
-    text = (tmp / f"probe-{how}-r0.log").read_text(errors="replace")
-    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("PROBE ")]
-
-
-def dying_gasp(args) -> None:
-    began = time.time()
-    with tempfile.TemporaryDirectory(prefix="bench-ms-gasp-") as tmp:
-        runs = [dying_gasp_once(Path(tmp), "torch"), dying_gasp_once(Path(tmp), "mindspore"),
-                dying_gasp_once(Path(tmp), "mindspore", 5)]
-        probes = {how: release_probe(Path(tmp), how) for how in PROBE_WAYS}
-    torch_run, ms_run, ms_short = runs
-    rows = [
-        {"measure": "fault -> dying-gasp checkpoint finalised", "torch": torch_run["fault_to_dump_s"],
-         "mindspore": ms_run["fault_to_dump_s"], "mindspore, MS_CPU_COMM_OP_TIMEOUT=5": ms_short["fault_to_dump_s"],
-         "unit": "s"},
-        {"measure": "whole command (start to exit 75)", "torch": torch_run["command_s"],
-         "mindspore": ms_run["command_s"], "mindspore, MS_CPU_COMM_OP_TIMEOUT=5": ms_short["command_s"],
-         "unit": "s"},
-    ]
-    for how, events in probes.items():  # when the collective and the releasing call returned, 10 s timeout
-        ended = next((e for e in events if e["event"].startswith("collective")), {})
-        call = [e for e in events if e["event"] in ("returned", "raised", "parameter read")]
-        rows.append({"measure": f"release probe '{how}': collective left after (timeout 10 s)",
-                     "mindspore": ended.get("t"), "unit": "s",
-                     "note": "; ".join(f"{e['event']} at {e['t']} s" + (f" ({e['error']})" if "error" in e else "")
-                                        for e in call) or None})
-    goals = [common.Goal("MindSpore: fault -> dying-gasp checkpoint (default collective timeout)",
-                         ms_run["fault_to_dump_s"], 2.0, "s"),
-             common.Goal("torch: fault -> dying-gasp checkpoint", torch_run["fault_to_dump_s"], 2.0, "s")]
-    common.report("mindspore-dying-gasp", rows, ["measure", "torch", "mindspore",
-                                                 "mindspore, MS_CPU_COMM_OP_TIMEOUT=5", "unit", "note"],
-                  goals, quick=False, out=args.out, extra={
-                      "mindspore": importlib.metadata.version("mindspore"), "nproc": NPROC,
-                      "fault": DYING_GASP_FAULT, "strategies": "dump,exit",
-                      "mindspore_default_comm_timeout_s":
-                          "15 (trainguard's msrun, when MS_CPU_COMM_OP_TIMEOUT is unset)",
-                      "what_bounds_it": "the survivor waits in a MindSpore CPU collective with the lost rank until "
-                                        "MS_CPU_COMM_OP_TIMEOUT; nothing in MindSpore 2.10 releases it sooner "
-                                        "(docs/mindspore.md, 'Why a dying gasp takes the collective timeout')",
-                      "release_probe": {"script": "tests/workers/ms_collective_probe.py",
-                                        "comm_timeout_s": 10, "events": probes},
-                      "runs": runs, "bench_minutes": round((time.time() - began) / 60, 1)})
 
 
 def main() -> None:

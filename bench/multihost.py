@@ -284,7 +284,7 @@ def main() -> int:
 
     import common
     import netns
-    import test_multihost as tm
+    import multihost_jobs as tm
 
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--keep", type=Path, default=None, help="run in this directory and keep the jobs' files")

@@ -10,10 +10,8 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -24,35 +22,8 @@ from trainguard.core import annotations as ann
 from trainguard.core.api import Strategy
 from trainguard.core.config import ENV, parse_strategies
 
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy" / "k8s"
-MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
-
-
-def go_quote(value: str) -> str:
-    """Go's strconv.Quote (what fmt's %q writes), for the runes these tests use."""
-    out = ['"']
-    for ch in value:
-        r = ord(ch)
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ch in "\a\b\f\n\r\t\v":
-            out.append({"\a": r"\a", "\b": r"\b", "\f": r"\f", "\n": r"\n", "\r": r"\r", "\t": r"\t",
-                        "\v": r"\v"}[ch])
-        elif r < 0x20 or r == 0x7F:
-            out.append(f"\\x{r:02x}")
-        elif ch == " " or ch.isprintable():
-            out.append(ch)
-        elif r < 0x10000:
-            out.append(f"\\u{r:04x}")
-        else:
-            out.append(f"\\U{r:08x}")
-    return "".join(out) + '"'
-
-
-def kubelet_file(annotations: dict[str, str]) -> str:
-    """The Downward API file the kubelet writes (fieldpath.FormatMap)."""
-    return "\n".join(f"{k}={go_quote(v)}" for k, v in sorted(annotations.items()))
+from k8s_files import (DEPLOY, MANIFESTS, by_kind, containers, env_of, expand, flag, jobs, kubelet_file,
+                       manifest_docs, mounted, mutations, validate)
 
 
 @pytest.fixture
@@ -283,30 +254,8 @@ def test_run_says_first_where_its_strategies_came_from(tmp_path):
 
 # ------------------------------------------------------------ manifests
 
-def _validator():
-    spec = importlib.util.spec_from_file_location("k8s_validate", DEPLOY / "validate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-validate = _validator()
-
-
-def _docs() -> dict[str, list[dict]]:
-    return {p.name: validate.load(p) for p in MANIFESTS}
-
-
-def _jobs():
-    return [(name, d) for name, docs in _docs().items() for d in docs if list(validate.pod_templates(d))]
-
-
-def _by_kind(kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for docs in _docs().values() for d in docs if d["kind"] == kind}
-
-
 def test_the_manifests_are_there():
-    kinds = sorted((d["apiVersion"], d["kind"]) for docs in _docs().values() for d in docs)
+    kinds = sorted((d["apiVersion"], d["kind"]) for docs in manifest_docs().values() for d in docs)
     assert kinds == [("batch.volcano.sh/v1alpha1", "Job"), ("kubeflow.org/v1", "PyTorchJob"),
                      ("v1", "ConfigMap"), ("v1", "ConfigMap"), ("v1", "Secret")]
 
@@ -316,34 +265,12 @@ def test_every_manifest_is_valid_against_the_pinned_schemas(path):
     assert validate.check_file(path) == []
 
 
-def _mutations():
-    def pod(doc):
-        return next(validate.pod_templates(doc))[1]["spec"]
-
-    def container(doc):
-        return pod(doc)["containers"][0]
-
-    return {
-        "misspelt container field": (
-            lambda d: container(d).__setitem__("volumeMount", container(d).pop("volumeMounts")),
-            "'volumeMount' was unexpected"),
-        "env value not a string": (lambda d: container(d)["env"].append({"name": "TRAINGUARD_PORT", "value": 9601}),
-                                   "9601 is not of type 'string'"),
-        "port as a string": (lambda d: container(d)["ports"][0].__setitem__("containerPort", "9601"),
-                             "'9601' is not of type 'integer'"),
-        "misspelt CRD field": (lambda d: d["spec"].__setitem__("runPolice", {}), "'runPolice' was unexpected"),
-        "mount without a volume": (lambda d: container(d)["volumeMounts"].append({"name": "nope", "mountPath": "/x"}),
-                                   "'nope' names no volume of the pod"),
-        "misspelt metadata": (lambda d: d["metadata"].__setitem__("label", {}), "'label' was unexpected"),
-    }
-
-
-@pytest.mark.parametrize("mutation", list(_mutations()))
+@pytest.mark.parametrize("mutation", list(mutations()))
 @pytest.mark.parametrize("job", ["pytorchjob.yaml", "mindspore-vcjob.yaml"])
 def test_a_broken_copy_is_refused(job, mutation):
     [doc] = validate.load(DEPLOY / job)
     assert validate.problems(doc) == []
-    change, message = _mutations()[mutation]
+    change, message = mutations()[mutation]
     broken = copy.deepcopy(doc)
     change(broken)
     found = validate.problems(broken)
@@ -374,32 +301,7 @@ def test_the_command_passes_the_shipped_manifests():
     assert ok.returncode == 0 and f"{len(MANIFESTS)} file(s) checked" in ok.stdout, ok.stdout + ok.stderr
 
 
-def _containers(template):
-    return template["spec"]["containers"]
-
-
-def _env(container) -> dict[str, str]:
-    return {e["name"]: e.get("value") for e in container.get("env", [])}
-
-
-def _mounted(template, container, predicate) -> list[str]:
-    """Paths at which ``container`` sees the items of the volumes ``predicate`` picks."""
-    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
-    out = []
-    for m in container.get("volumeMounts", []):
-        volume = volumes[m["name"]]
-        for item in predicate(volume):
-            assert "subPath" not in m, "a subPath mount is never updated: the switch could not change"
-            out.append(f"{m['mountPath'].rstrip('/')}/{item}")
-    return out
-
-
-def _flag(container, name):
-    values = [a.split("=", 1)[1] for a in container.get("args", []) if a.startswith(f"{name}=")]
-    return values[0] if values else None
-
-
-@pytest.mark.parametrize("name, job", _jobs(), ids=lambda x: x if isinstance(x, str) else x["kind"])
+@pytest.mark.parametrize("name, job", jobs(), ids=lambda x: x if isinstance(x, str) else x["kind"])
 def test_the_jobs_mount_what_trainguard_reads(name, job):
     from trainguard.compat.taskd.api.taskd_worker_api import TASKD_SWITCH
     from trainguard.core.profiling import ProfilingConfig
@@ -407,18 +309,18 @@ def test_the_jobs_mount_what_trainguard_reads(name, job):
     from trainguard.core.secret import MIN_SECRET_CHARS
 
     job_name = job["metadata"]["name"]
-    secrets, config_maps = _by_kind("Secret"), _by_kind("ConfigMap")
+    secrets, config_maps = by_kind("Secret"), by_kind("ConfigMap")
     for where, template in validate.pod_templates(job):
-        for c in _containers(template):
-            env = _env(c)
+        for c in containers(template):
+            env = env_of(c)
             # the pod's annotations, where trainguard reads them by default
-            annotations = _mounted(template, c, lambda v: [i["path"] for i in v.get("downwardAPI", {}).get("items", [])
+            annotations = mounted(template, c, lambda v: [i["path"] for i in v.get("downwardAPI", {}).get("items", [])
                                                           if i.get("fieldRef", {}).get("fieldPath")
                                                           == "metadata.annotations"])
             assert annotations == [ann.DEFAULT_PATH], where
             assert env.get("TRAINGUARD_ANNOTATIONS", ann.DEFAULT_PATH) == ann.DEFAULT_PATH
             # the data-trace ConfigMap's profilingSwitch, where the profiling recorder reads it
-            switches = _mounted(template, c, lambda v: [i["path"] for i in v.get("configMap", {}).get("items", [])
+            switches = mounted(template, c, lambda v: [i["path"] for i in v.get("configMap", {}).get("items", [])
                                                        if v["configMap"]["name"] == f"data-trace-{job_name}"
                                                        and i["key"] == "profilingSwitch"])
             assert len(switches) == 1, where
@@ -427,20 +329,20 @@ def test_the_jobs_mount_what_trainguard_reads(name, job):
             assert profiling is not None and str(profiling.switch_path) == switches[0] == TASKD_SWITCH
             parse_switch(config_maps[f"data-trace-{job_name}"]["data"]["profilingSwitch"])
             # the job secret, from the Secret manifest
-            token_file = _flag(c, "--token-file") or env.get("TRAINGUARD_TOKEN_FILE")
-            tokens = _mounted(template, c, lambda v: [i["path"] for i in v.get("secret", {}).get("items", [])
+            token_file = flag(c, "--token-file") or env.get("TRAINGUARD_TOKEN_FILE")
+            tokens = mounted(template, c, lambda v: [i["path"] for i in v.get("secret", {}).get("items", [])
                                                      if v["secret"]["secretName"] in secrets
                                                      and i["key"] == "token"])
             assert tokens == [token_file], where
             [secret] = secrets.values()
             assert len(secret["stringData"]["token"]) >= MIN_SECRET_CHARS
             # the controller's port is declared, the same one trainguard binds
-            port = _flag(c, "--controller-port") or env.get("TRAINGUARD_PORT")
+            port = flag(c, "--controller-port") or env.get("TRAINGUARD_PORT")
             assert {"name": "trainguard", "containerPort": int(port), "protocol": "TCP"} in c["ports"]
             assert env["TRAINGUARD_HOST"] == "$(POD_IP)"
 
 
-@pytest.mark.parametrize("name, job", _jobs(), ids=lambda x: x if isinstance(x, str) else x["kind"])
+@pytest.mark.parametrize("name, job", jobs(), ids=lambda x: x if isinstance(x, str) else x["kind"])
 def test_the_strategy_annotation_reaches_trainguard(tmp_path, no_default_file, name, job):
     for where, template in validate.pod_templates(job):
         meta = template["metadata"]
@@ -455,34 +357,29 @@ def test_the_strategy_annotation_reaches_trainguard(tmp_path, no_default_file, n
         assert choice.strategies == parse_strategies(value) and choice.source == f"annotation file {path}"
 
 
-def _expand(args: list[str]) -> list[str]:
-    return [re.sub(r"\$\((\w+)\)", lambda m: {"VC_TASK_INDEX": "0", "MASTER_PORT": "23456"}.get(m[1], "x"), a)
-            for a in args]
-
-
 def test_the_pytorchjob_command_is_one_trainguard_run_accepts():
     from trainguard.launcher.run import parser
 
-    [job] = _by_kind("PyTorchJob").values()
+    [job] = by_kind("PyTorchJob").values()
     for name, replica in job["spec"]["pytorchReplicaSpecs"].items():
-        [c] = _containers(replica["template"])
+        [c] = containers(replica["template"])
         assert c["name"] == "pytorch" and c["command"] == ["trainguard", "run"]
         assert any(p["name"] == "pytorchjob-port" for p in c["ports"])  # the operator's MASTER_PORT
-        args = parser().parse_args(_expand(c["args"]))
+        args = parser().parse_args(expand(c["args"]))
         assert args.rdzv_backend == "c10d" and args.max_restarts >= 1 and args.token_file
 
 
 def test_the_volcano_job_command_is_one_msrun_accepts():
     if importlib.util.find_spec("mindspore") is None:
         pytest.skip("needs MindSpore")
-    [job] = _by_kind("Job").values()
+    [job] = by_kind("Job").values()
     [task] = job["spec"]["tasks"]
-    [c] = _containers(task["template"])
+    [c] = containers(task["template"])
     assert c["command"] == ["trainguard", "run", "--framework", "mindspore"]
     # msrun's own parser, in a process of its own (as the other tests run MindSpore)
     code = ("import json, sys; from mindspore.parallel.cluster.run import get_args; "
             "sys.argv = ['msrun', *json.loads(sys.argv[1])]; print(json.dumps(vars(get_args())))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(_expand(c["args"]))], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(expand(c["args"]))], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     args = json.loads(out.stdout.strip().splitlines()[-1])

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+from contextlib import closing
 
 import pytest
 import torch
@@ -25,52 +24,19 @@ from trainguard.core.snapshot import PeerServer, SnapshotDir, State, fetch, push
 from trainguard.core.snapshot.ring import load_verified
 from trainguard.core.snapshot.segment import PAGE, Slot
 
-WORKERS = Path(__file__).parent / "workers"
-
-
-def one_rank(name: str = "shard_k0_r0.safetensors") -> dict:
-    """A one-rank job's layout: rank 0 saved the whole state in ``name``."""
-    return {"world_size": 1, "shards": [{"kind": 0, "copies": [0], "full": True, "saved_by": 0, "files": [name]}]}
-
-
-def _state(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"state": {"model": {"w": torch.randn(300, 70, generator=g), "b": torch.randn(70, generator=g).half(),
-                                "n": torch.tensor(step)},
-                      "optimizer": {"state": {0: {"step": torch.tensor(float(step)),
-                                                  "exp_avg": torch.randn(300, 70, generator=g)}},
-                                    "param_groups": [{"lr": 0.01, "params": [0]}]},
-                      "host": {"sched": {"last_epoch": step}}, "step": step},
-            "history": {"records": [], "pids": {"0": [1]}}}
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def _wait_sealed(snaps: Snapshots, index: int) -> None:
-    deadline = time.monotonic() + 30
-    while snaps.slots[index].info().state is not State.SEALED:
-        assert time.monotonic() < deadline, "the persist worker never sealed the snapshot"
-        snaps.poll(timeout=0.05)
-
+from conftest import WORKERS
+from snapshot_states import (equal, flip_byte, one_rank, persist_whole, sample_state, thread_count, unshare_ok,
+                             wait_sealed)
 
 def test_snapshot_round_trip_persist_and_safetensors(shm, tmp_path):
-    snaps = Snapshots(shm, 0, count=2)
-    try:
-        i1 = snaps.take(_state(1), 1)
-        i2 = snaps.take(_state(2), 2)
+    with closing(Snapshots(shm, 0, count=2)) as snaps:
+        i1 = snaps.take(sample_state(1), 1)
+        i2 = snaps.take(sample_state(2), 2)
         assert {i1, i2} == {0, 1}
-        i3 = snaps.take(_state(3), 3)  # the oldest slot is reused
+        i3 = snaps.take(sample_state(3), 3)  # the oldest slot is reused
         assert i3 == i1
-        _wait_sealed(snaps, i3)
-        _wait_sealed(snaps, i2)
+        wait_sealed(snaps, i3)
+        wait_sealed(snaps, i2)
         memory = snaps.available()
         assert sorted(memory) == [2, 3] and memory[3][1] == "memory"
         slot = memory[3][0]
@@ -78,20 +44,19 @@ def test_snapshot_round_trip_persist_and_safetensors(shm, tmp_path):
         step, held = read_payload(slot.payload())
         raw = bytes(slot.payload())
         slot.close()
-        assert step == 3 and _equal(held, _state(3))
+        assert step == 3 and equal(held, sample_state(3))
         # The payload is a safetensors file as it stands.
         tensors = st_load(raw)
-        assert torch.equal(tensors[".state.model.w"], _state(3)["state"]["model"]["w"])
+        assert torch.equal(tensors[".state.model.w"], sample_state(3)["state"]["model"]["w"])
 
         root = tmp_path / "ckpt"
-        snaps.persist(i3, 3, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
+        persist_whole(snaps, i3, 3, root)
         snaps.wait(60)
         assert snaps.errors == [] and snaps.persisted[-1]["step"] == 3
         found = CheckpointStore(root).latest()
         assert found.step == 3 and sorted(found.manifest["files"]) == ["shard_k0_r0.safetensors"]
         assert not (found.path / ".records").exists()
-        assert _equal(read_stored_snapshot(found.file("shard_k0_r0.safetensors"), "cpu"), _state(3)["state"])
+        assert equal(read_stored_snapshot(found.file("shard_k0_r0.safetensors"), "cpu"), sample_state(3)["state"])
         with safe_open(str(found.file("shard_k0_r0.safetensors")), "pt") as f:
             assert json.loads(f.metadata()["trainguard"])["step"] == 3
         # Its checksum is the XXH3-64 the slot was sealed with; a flipped byte is caught at load.
@@ -102,8 +67,6 @@ def test_snapshot_round_trip_persist_and_safetensors(shm, tmp_path):
             f.write(b"\x00\x01")
         with pytest.raises(CheckpointError, match="fails its checksum"):
             CheckpointStore(root).verify(found.path)
-    finally:
-        snaps.close()
 
 
 def test_a_persist_of_a_slot_being_sealed_takes_the_seal_threads_checksum(shm, tmp_path, monkeypatch):
@@ -115,10 +78,9 @@ def test_a_persist_of_a_slot_being_sealed_takes_the_seal_threads_checksum(shm, t
 
     from trainguard.core.snapshot import persist as worker
 
-    snaps = Snapshots(shm, 0, count=1)
-    monkeypatch.setattr(snaps.worker, "submit", lambda op, **kw: 0)  # no worker: the slot stays unsealed
-    try:
-        index = snaps.take(_state(4), 4)
+    with closing(Snapshots(shm, 0, count=1)) as snaps:
+        monkeypatch.setattr(snaps.worker, "submit", lambda op, **kw: 0)  # no worker: the slot stays unsealed
+        index = snaps.take(sample_state(4), 4)
         slot = snaps.slots[index]
         assert slot.info().state is State.COMPLETE
         req = {"slot": str(slot.path), "step": 4, "root": str(tmp_path / "ckpt"), "naming": "torch",
@@ -132,8 +94,6 @@ def test_a_persist_of_a_slot_being_sealed_takes_the_seal_threads_checksum(shm, t
         failed.set_result(None)  # the seal thread could not seal it
         got = worker._persist({**req, "step": 4}, os.getpid(), failed)["file"][3]
         assert slot.info().state is State.SEALED and got == slot.info().checksum
-    finally:
-        snaps.close()
 
 
 def test_a_background_copy_commits_and_seals_on_its_own_and_a_persist_waits_for_it(shm, tmp_path, monkeypatch):
@@ -152,44 +112,38 @@ def test_a_background_copy_commits_and_seals_on_its_own_and_a_persist_waits_for_
     monkeypatch.setattr(module, "_copy", held_copy)
     snaps = Snapshots(shm, 0, count=2)
     try:
-        index = snaps.take(_state(1), 1, background=True)
+        index = snaps.take(sample_state(1), 1, background=True)
         slot = snaps.slots[index]
         assert snaps.pending is not None and slot.info().state is State.WRITING
         assert snaps.available() == {}  # nothing loadable while it copies
         root = tmp_path / "ckpt"
-        snaps.persist(index, 1, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
+        persist_whole(snaps, index, 1, root)
         assert snaps.worker.pending == {}  # held back until the copy lands
         gate.set()
-        _wait_sealed(snaps, index)  # committed and sealed without settle()
+        wait_sealed(snaps, index)  # committed and sealed without settle()
         snaps.wait(60)  # settles, sends the persist, waits for it
         assert snaps.pending is None and snaps.errors == [] and [p["step"] for p in snaps.persisted] == [1]
-        assert _equal(read_stored_snapshot(CheckpointStore(root).latest().file("shard_k0_r0.safetensors"), "cpu"),
-                      _state(1)["state"])
+        assert equal(read_stored_snapshot(CheckpointStore(root).latest().file("shard_k0_r0.safetensors"), "cpu"),
+                     sample_state(1)["state"])
 
         def broken(views, tensors):
             raise RuntimeError("no memory")
         monkeypatch.setattr(module, "_copy", broken)
-        bad = snaps.take(_state(2), 2, background=True)
-        snaps.persist(bad, 2, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
+        bad = snaps.take(sample_state(2), 2, background=True)
+        persist_whole(snaps, bad, 2, root)
         snaps.wait(60)
         assert snaps.errors == ["step 2: the snapshot copy failed: no memory",
                                 f"step 2: slot {snaps.slots[bad].path.name} no longer holds step 2"]
         assert snaps.slots[bad].info().state is State.WRITING and snaps.holding(2) is None
         assert CheckpointStore(root).steps() == [1]
         monkeypatch.setattr(module, "_copy", real)
-        _wait_sealed(snaps, snaps.take(_state(3), 3, background=True))
+        wait_sealed(snaps, snaps.take(sample_state(3), 3, background=True))
         assert sorted(snaps.available()) == [1, 3]
         snaps.settle()
         assert snaps.report(None)["taken"] == 2
     finally:
         gate.set()
         snaps.close()
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="torch runs one intra-op thread here: no OpenMP team")
@@ -201,18 +155,15 @@ def test_a_background_copy_leaves_the_training_threads_cores_alone(shm):
     big = torch.randn(4 << 20)  # 16 MB: copied in parallel by torch
     state = {"big": big, "strided": torch.randn(64, 32).t(), "bf16": torch.randn(300).bfloat16(),
              "empty": torch.empty(0, 3), "n": 7}
-    snaps = Snapshots(shm, 0, count=2)
-    try:
-        _wait_sealed(snaps, snaps.take(state, 1))  # in line: this thread's team, the persist worker's reader
-        before = _threads()
+    with closing(Snapshots(shm, 0, count=2)) as snaps:
+        wait_sealed(snaps, snaps.take(state, 1))  # in line: this thread's team, the persist worker's reader
+        before = thread_count()
         index = snaps.take(state, 2, background=True)
         snaps.settle()
-        assert _threads() == before + 1  # the ring's copy thread, and nothing it started
-        _wait_sealed(snaps, index)
+        assert thread_count() == before + 1  # the ring's copy thread, and nothing it started
+        wait_sealed(snaps, index)
         step, held = read_payload(snaps.slots[index].payload())
-        assert step == 2 and _equal(held, state)
-    finally:
-        snaps.close()
+        assert step == 2 and equal(held, state)
 
 
 def test_a_save_overtaken_by_a_newer_final_checkpoint_is_not_finalised(shm, tmp_path):
@@ -222,34 +173,25 @@ def test_a_save_overtaken_by_a_newer_final_checkpoint_is_not_finalised(shm, tmp_
     store = CheckpointStore(root)
     info = store.write(6, "shard_k0_r0.pt", lambda f: f.write(b"dump"))
     store.finalize(6, [info], layout=one_rank("shard_k0_r0.pt"))
-    snaps = Snapshots(shm, 0, count=2)
-    try:
-        index = snaps.take(_state(4), 4)
-        snaps.persist(index, 4, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
+    with closing(Snapshots(shm, 0, count=2)) as snaps:
+        index = snaps.take(sample_state(4), 4)
+        persist_whole(snaps, index, 4, root)
         snaps.wait(60)
         assert snaps.persisted == [] and snaps.errors == \
             ["step 4: step 4 not finalised: the newer step 6 is final already"]
         assert CheckpointStore(root).tracked_step() == 6 and CheckpointStore(root).steps() == [6]
-    finally:
-        snaps.close()
 
 
 def test_background_saves_keep_only_the_newest_checkpoints_the_job_asked_for(shm, tmp_path):
     """``keep`` travels with the finalise request; the persist worker pruned
     nothing before, and a long job filled its disk."""
     root = tmp_path / "ckpt"
-    snaps = Snapshots(shm, 0, count=2)
-    try:
+    with closing(Snapshots(shm, 0, count=2)) as snaps:
         for step in (2, 4, 6):
-            index = snaps.take(_state(step), step)
-            snaps.persist(index, step, root=str(root), name="shard_k0_r0.safetensors",
-                          finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {},
-                                    "keep": 2})
+            index = snaps.take(sample_state(step), step)
+            persist_whole(snaps, index, step, root, keep=2)
             snaps.wait(60)
         assert snaps.errors == [] and CheckpointStore(root).steps() == [6, 4]
-    finally:
-        snaps.close()
 
 
 def test_a_shard_that_fails_on_its_rank_stops_the_finaliser_waiting(shm, tmp_path):
@@ -261,8 +203,8 @@ def test_a_shard_that_fails_on_its_rank_stops_the_finaliser_waiting(shm, tmp_pat
            "meta": {}}
     zero, one = Snapshots(shm, 0, count=1), Snapshots(shm, 1, count=1)
     try:
-        one.persist(one.take(_state(1), 1), 5, root=str(root), name="b.safetensors", finalize=None)
-        zero.persist(zero.take(_state(5), 5), 5, root=str(root), name="a.safetensors", finalize=fin)
+        one.persist(one.take(sample_state(1), 1), 5, root=str(root), name="b.safetensors", finalize=None)
+        zero.persist(zero.take(sample_state(5), 5), 5, root=str(root), name="a.safetensors", finalize=fin)
         one.wait(60)
         zero.wait(60)
         assert one.errors == [f"step 5: slot {one.slots[0].path.name} no longer holds step 5"]
@@ -283,10 +225,10 @@ def test_staged_copies_gather_small_tensors_and_read_back_exactly(shm):
              "bf": torch.randn(9, generator=g).bfloat16(), "i": torch.arange(300), "m": torch.rand(11, generator=g) > 0.5,
              "empty": torch.empty(0, 3), "t": torch.randn(20, 8, generator=g).t(), "big": big,
              "host": torch.tensor(5.0), "x": 3}
-    snaps = Snapshots(shm, 0, count=1)
-    snaps.staging_bytes = 4096
-    snaps._stage = lambda t: t.numel() != 1  # "host" stays a host copy, as a CPU tensor in a CUDA state does
-    try:
+    with closing(Snapshots(shm, 0, count=1)) as snaps:
+        snaps.staging_bytes = 4096
+        # "host" stays a host copy, as a CPU tensor in a CUDA state does
+        snaps._stage = lambda t: t.numel() != 1
         for step in (1, 2):  # the plan is built once and reused
             state["a"] += 1
             assert snaps.take(state, step) == 0
@@ -294,12 +236,10 @@ def test_staged_copies_gather_small_tensors_and_read_back_exactly(shm):
             slot.lock(False, block=True)
             got_step, back = read_payload(slot.payload())
             slot.unlock()
-            assert got_step == step and _equal(back, state)
+            assert got_step == step and equal(back, state)
         report = snaps.report(None)
         assert report["staged_copies"] >= 2 and report["direct_copies"] == 1, report
         assert report["staging_MB"] == 0 and snaps._staging.host  # the one-element tensor went the host way
-    finally:
-        snaps.close()
 
 
 def test_staging_size_is_read_from_the_environment(monkeypatch):
@@ -314,17 +254,12 @@ def test_staging_size_is_read_from_the_environment(monkeypatch):
 
 
 def test_corrupt_unsealed_and_half_written_snapshots_are_never_loaded(shm, caplog):
-    snaps = Snapshots(shm, 0, count=3)
-    try:
+    with closing(Snapshots(shm, 0, count=3)) as snaps:
         for step in (1, 2):
-            _wait_sealed(snaps, snaps.take(_state(step), step))
+            wait_sealed(snaps, snaps.take(sample_state(step), step))
         # Flip one byte of step 2's tensors: checksum mismatch.
         slot2 = next(s for s in snaps.slots if s.info() and s.info().step == 2)
-        with open(slot2.path, "r+b") as f:
-            f.seek(os.path.getsize(slot2.path) - 5)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0xFF]))
+        flip_byte(slot2.path, 5)
         # A third slot left mid-copy (a trainer killed while writing).
         third = next(s for s in snaps.slots if s.info() is None)
         third.lock(True)
@@ -333,64 +268,49 @@ def test_corrupt_unsealed_and_half_written_snapshots_are_never_loaded(shm, caplo
         memory = snaps.available()
         assert sorted(memory) == [1]
         assert "fails its checksum" in caplog.text and "snapshot is writing, not sealed" in caplog.text
-    finally:
-        snaps.close()
 
 
 def test_a_load_fills_the_tensors_a_restart_has_in_place_and_only_once_the_checksum_passed(shm):
-    snaps = Snapshots(shm, 0, count=1)
-    try:
-        index = snaps.take(_state(4), 4)
-        _wait_sealed(snaps, index)
+    with closing(Snapshots(shm, 0, count=1)) as snaps:
+        index = snaps.take(sample_state(4), 4)
+        wait_sealed(snaps, index)
         # What a restarted process has: its model (the half-precision bias saved in its
         # own dtype here: no place for it), and no optimizer state.
         model = {"w": torch.zeros(300, 70), "b": torch.zeros(70), "n": torch.tensor(0)}
         into = destinations({"state": {"model": model}})
         w = model["w"]
         slot = Slot(snaps.slots[index].path)
-        with open(slot.path, "r+b") as f:  # one byte of the payload's end (the optimizer's moments) flipped
-            f.seek(-5, 2)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0xFF]))
+        flip_byte(slot.path, 5)  # one byte of the payload's end (the optimizer's moments) flipped
         read = lambda payload: read_payload_into(payload, "cpu", into)  # noqa: E731
         with pytest.raises(CheckpointError, match="fails its checksum"):
             load_verified(slot, read, filled)
         assert not w.any(), "a destination was written before the checksum was checked"
 
-        with open(slot.path, "r+b") as f:  # flipped back
-            f.seek(-5, 2)
-            f.write(b)
+        flip_byte(slot.path, 5)  # flipped back
         step, loaded = load_verified(Slot(slot.path), read, filled)
-        state, want = loaded["state"], _state(4)["state"]
-        assert step == 4 and _equal(state, want)
+        state, want = loaded["state"], sample_state(4)["state"]
+        assert step == 4 and equal(state, want)
         held = state["model"]
         assert held["w"] is w and held["n"] is model["n"]  # filled in place
         assert held["b"] is not model["b"] and not model["b"].any()  # another dtype: copied out
-        _wait_sealed(snaps, snaps.take(_state(5), 5))  # the slot written again: what was copied out stays
-        assert _equal(state["optimizer"], want["optimizer"]) and _equal(state["model"]["b"], want["model"]["b"])
-    finally:
-        snaps.close()
+        wait_sealed(snaps, snaps.take(sample_state(5), 5))  # the slot written again: what was copied out stays
+        assert equal(state["optimizer"], want["optimizer"]) and equal(state["model"]["b"], want["model"]["b"])
 
 
 def test_the_persist_worker_and_its_threads_run_below_the_trainers_priority(shm):
     from trainguard.core.snapshot.persist import NICE
 
-    snaps = Snapshots(shm, 0, count=2)
-    try:
-        _wait_sealed(snaps, snaps.take(_state(1), 1))  # the worker has started its seal thread
+    with closing(Snapshots(shm, 0, count=2)) as snaps:
+        wait_sealed(snaps, snaps.take(sample_state(1), 1))  # the worker has started its seal thread
         pid, mine = snaps.worker.pid, os.getpriority(os.PRIO_PROCESS, 0)
         threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         assert len(threads) > 1
         assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {min(mine + NICE, 19)}
-    finally:
-        snaps.close()
 
 
 def test_persist_worker_killed_mid_persist_is_restarted_and_nothing_partial_is_final(shm, tmp_path):
     root = tmp_path / "ckpt"
-    snaps = Snapshots(shm, 0, count=2)
-    try:
+    with closing(Snapshots(shm, 0, count=2)) as snaps:
         big = {"state": {"w": torch.ones(64 << 20 >> 2), "step": 1}, "history": {}}  # 64 MiB
         index = snaps.take(big, 1)
         snaps.persist(index, 1, root=str(root), name="shard_k0_r0.safetensors",
@@ -404,13 +324,10 @@ def test_persist_worker_killed_mid_persist_is_restarted_and_nothing_partial_is_f
         assert CheckpointStore(root).latest() is None
         # The next request starts a new worker, which serves it.
         index = snaps.take({"state": {"w": torch.zeros(4), "step": 2}, "history": {}}, 2)
-        snaps.persist(index, 2, root=str(root), name="shard_k0_r0.safetensors",
-                      finalize={"expected": ["shard_k0_r0.safetensors"], "layout": one_rank(), "meta": {}})
+        persist_whole(snaps, index, 2, root)
         snaps.wait(60)
         assert snaps.worker.restarts == 1 and snaps.worker.pid != pid
         assert CheckpointStore(root).latest().step == 2
-    finally:
-        snaps.close()
 
 
 def test_peer_copy_is_authenticated_checked_and_fetched_back(shm, tmp_path, monkeypatch):
@@ -421,8 +338,8 @@ def test_peer_copy_is_authenticated_checked_and_fetched_back(shm, tmp_path, monk
     address = server.start()
     snaps = Snapshots(shm, 3, count=1)
     try:
-        index = snaps.take(_state(5), 5)
-        _wait_sealed(snaps, index)
+        index = snaps.take(sample_state(5), 5)
+        wait_sealed(snaps, index)
         slot = snaps.slots[index]
         with pytest.raises(CheckpointError, match="wrong job token"):
             push(address, slot, rank=3, token="guess")
@@ -453,7 +370,7 @@ def test_peer_copy_is_authenticated_checked_and_fetched_back(shm, tmp_path, monk
             assert {s: src for s, (_, src) in got.items()} == {5: "peer memory"}
             slot = got[5][0]
             slot.lock(False, block=True)
-            assert _equal(read_payload(slot.payload())[1], _state(5))
+            assert equal(read_payload(slot.payload())[1], sample_state(5))
             fresh.close()
         finally:
             new_node.remove()
@@ -463,16 +380,7 @@ def test_peer_copy_is_authenticated_checked_and_fetched_back(shm, tmp_path, monk
         other.remove()
 
 
-def _unshare_ok() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-                            "mount -t tmpfs -o size=1m tmpfs /mnt 2>/dev/null || "
-                            "mount -t tmpfs -o size=1m tmpfs /tmp"], capture_output=True)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _unshare_ok(), reason="needs unprivileged user and mount namespaces to mount a small tmpfs")
+@pytest.mark.skipif(not unshare_ok(), reason="needs unprivileged user and mount namespaces to mount a small tmpfs")
 def test_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()

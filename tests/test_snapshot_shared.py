@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from test_snapshot import _equal, _state, _wait_sealed
+from snapshot_states import equal, sample_state, wait_sealed
 from trainguard.adapters.torch.snapshot import Snapshots, read_payload
 
 
@@ -19,16 +19,16 @@ def test_a_replica_can_load_the_steps_its_holder_holds_sealed_on_the_node(shm, c
     holder, replica = Snapshots(shm, 0, count=2), Snapshots(shm, 1, count=3)
     try:
         for step in (1, 2):
-            _wait_sealed(holder, holder.take(_state(step), step))
+            wait_sealed(holder, holder.take(sample_state(step), step))
         for step in (1, 2, 3):  # rank 0 holds no step 3
             own = {"state": {"rng": {"1": {"torch": torch.tensor([step])}}, "step": step}, "history": {}}
-            _wait_sealed(replica, replica.take(own, step, meta={DENSE_FROM: 0}))
+            wait_sealed(replica, replica.take(own, step, meta={DENSE_FROM: 0}))
         memory, dense = with_holders(replica.available(), replica.replica_slots)
         assert sorted(memory) == sorted(dense) == [1, 2]
         assert "rank 0's snapshot of that step is not sealed in this node's memory" in caplog.text
         _, own = read_payload(memory[2][0].payload())
         _, state = read_payload(dense[2].payload())
-        assert own["state"]["rng"]["1"]["torch"].item() == 2 and _equal(state, _state(2))
+        assert own["state"]["rng"]["1"]["torch"].item() == 2 and equal(state, sample_state(2))
         for slot in [s for s, _ in memory.values()] + list(dense.values()):
             slot.close()
     finally:
@@ -49,7 +49,7 @@ def test_sharing_follows_the_holder_while_its_snapshots_keep_up(shm, caplog):
     holder = Snapshots(shm, 0, count=2)
     try:
         for step in (1, 2):
-            _wait_sealed(holder, holder.take(_state(step), step))
+            wait_sealed(holder, holder.take(sample_state(step), step))
         assert Sharing(1, 1, False, {0, 1}).holder([0, 1], [0, 1], shm.slots_of) == 1  # sharing off
         assert Sharing(0, 1, True, {0, 1}).holder([0, 1], [0, 1], shm.slots_of) == 0  # the holder itself
         assert Sharing(1, 1, True, {1}).holder([0, 1], [0, 1], shm.slots_of) == 1  # rank 0 on another node
