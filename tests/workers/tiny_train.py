@@ -8,7 +8,10 @@ makes every step last at least S seconds more (for the watchdog tests);
 TINY_ELASTIC_LR sets the Guard's elastic_lr; TINY_ALL_REPORTS=1 makes every
 rank write its report (REPORT.rank<r>); TINY_EVAL_HOLD=STEP,S runs an
 "evaluation" section after that step that holds the GIL for S seconds (as a
-graph compile does: the heartbeat thread cannot run).
+graph compile does: the heartbeat thread cannot run). TINY_HOLD_UPDATE=RANK,STEP
+holds that rank's update of that step until every other rank has committed
+the step (each writes a marker file beside REPORT), so a fault in that update
+finds the others one step ahead, however loaded the machine.
 """
 
 import json
@@ -60,6 +63,20 @@ def main() -> None:
     rank = dist.get_rank()
     step_sleep = float(os.environ.get("TINY_STEP_SLEEP", "0"))
     hold_step, hold_s = map(float, os.environ.get("TINY_EVAL_HOLD", "-1,0").split(","))
+    held_rank, held_step = map(int, os.environ.get("TINY_HOLD_UPDATE", "-1,-1").split(","))
+    marker = lambda r, s: f"{report}.committed-r{r}-{s}"  # noqa: E731
+    if rank == held_rank:
+        update = opt.step  # inside the Guard's update window: after its collectives (BatchNorm buffers)
+
+        def held_update(*args, **kwargs):
+            if guard.step == held_step and not os.path.exists(marker(rank, held_step)):
+                open(marker(rank, held_step), "w").close()  # once: a retried step goes on at once
+                others = [marker(r, held_step) for r in range(dist.get_world_size()) if r != rank]
+                deadline = time.time() + 60
+                while not all(map(os.path.exists, others)) and time.time() < deadline:
+                    time.sleep(0.01)
+            return update(*args, **kwargs)
+        opt.step = held_update
     for step in guard.steps(steps):
         with guard.protect():
             time.sleep(step_sleep)
@@ -69,6 +86,8 @@ def main() -> None:
             loss.backward()
             guard.optimizer.step()
             sched.step()
+        if held_rank >= 0 and rank != held_rank and step == held_step:
+            open(marker(rank, step), "w").close()  # committed: the held update may go
         if step == hold_step:
             with guard.section("evaluation"):
                 hold_gil(hold_s)
