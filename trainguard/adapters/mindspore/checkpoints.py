@@ -17,6 +17,11 @@ snapshot per step (:mod:`trainguard.core.snapshot.shared`): the lowest
 copies the parameters, the others only a header naming it (MindSpore's
 state has no per-rank part), and a replica that writes a save copies them
 itself.
+
+Each rank's random streams are its own (:mod:`.own`): recorded in the node
+agent's memory as each update begins, written by every survivor of a dying
+gasp as ``own_r<rank>.json`` (a survivor on a lost rank's node carries that
+rank's record), and set again at a resume from that checkpoint.
 """
 
 from __future__ import annotations
@@ -27,13 +32,16 @@ import os
 import numpy as np
 
 from trainguard.core import CheckpointError, ConfigError
-from trainguard.core.checkpoint import Verified
+from trainguard.core.checkpoint import FileInfo, Verified
 from trainguard.core.rank.history import JobHistory
 from trainguard.core.snapshot import Entry, SnapshotDir, SnapshotRing, payload_header
 from trainguard.core.snapshot.ring import FORMAT, check_settings, directory_for, load_verified
+from trainguard.core.snapshot.own import OwnRecords, read_own
 from trainguard.core.snapshot.shared import Sharing
 
 from .handlers import load_checkpoint, shard_name
+from .own import own_file, pack, unpack
+from .state import set_streams
 
 __all__ = ["Checkpoints", "ParamSnapshots", "read_arrays"]
 
@@ -121,6 +129,39 @@ class Checkpoints(JobHistory):
         if every:
             directory = directory_for(f"{self.settings.job_id or 'ms'}-r{self.rank}-{os.getpid()}")
             self.snapshots = ParamSnapshots(directory, self.rank, count=count)
+
+    # ------------------------------------------------------------ own part
+    def setup_own_records(self) -> None:
+        """Record this rank's random streams in the node agent's memory as
+        each update begins (:mod:`trainguard.core.snapshot.own`); none
+        without an agent."""
+        self.own_records = OwnRecords(self.settings.node_dir, self.rank) if self.settings.node_dir else None
+
+    def updating(self, step: int) -> None:
+        """The update to ``step`` begins: the step drew its random numbers."""
+        self.state.updating(step)
+        if self.own_records is not None:
+            self.own_records.write(step, pack(self.state.streams_at(step)))
+
+    def recorded_own(self, rank: int, step: int) -> bytes | None:
+        """``rank``'s streams at ``step`` as recorded on this node, or ``None``."""
+        return read_own(self.settings.node_dir, rank, step) if self.settings.node_dir else None
+
+    def write_own(self, step: int, rank: int, data: bytes) -> FileInfo:
+        """``rank``'s streams (packed) as a file of ``step``'s checkpoint."""
+        return self.store.write(step, own_file(rank), lambda f: f.write(data))
+
+    def _load_own(self, found: Verified | None, step: int) -> None:
+        """Set this rank's random streams from ``found``, the checkpoint of
+        ``step`` on storage; say so when it holds none of this rank's."""
+        name = own_file(self.rank)
+        if found is not None and found.step == step and name in found.manifest.get("files", {}):
+            set_streams(unpack(found.file(name).read_bytes(), str(found.file(name))))
+            return
+        log.warning("rank %d: the checkpoint of step %d holds no random streams of this rank (only a dying gasp "
+                    "writes them, and one that could not carry them says why in its log): they go on as this "
+                    "process seeded them, so a script that draws from them is no longer bit-identical to a "
+                    "fault-free run", self.rank, step)
 
     def take_snapshot(self, step: int, *, wait_s: float = 0.0, whole: bool = False) -> int | None:
         """Copy the parameters at ``step`` into memory (only a header naming
@@ -214,6 +255,7 @@ class Checkpoints(JobHistory):
         stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
             else None
         self.history = stored or history
+        self._load_own(found, step)
         self.resumed_from = {"step": step, "source": source, **({"state_of": holder.path.name} if holder else {})}
         log.info("rank %d resumed from %s at step %d (%s%s)", self.rank, source, step, slot.path,
                  f" and {holder.path.name}" if holder else "")
@@ -233,6 +275,7 @@ class Checkpoints(JobHistory):
             self.history = found.manifest.get("meta", {}).get("history", {"records": [], "pids": {}})
         else:
             self.history = load_checkpoint(found, self.rank, self.state)
+        self._load_own(found, found.step)
         self.resumed_from = {"step": found.step, "source": "storage"}
         log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
         return found.step

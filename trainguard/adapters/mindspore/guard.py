@@ -216,6 +216,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         self._markers = MindSporeMarkers(self.recorder, None if self._graph else network, lambda: self._step,
                                          context.world_group(), list(range(self.world_size))) if self.recorder else None
         self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_shared)
+        self.setup_own_records()
         self._step = self._load()
         self.state.commit(self._step)
         self.processor = processor or self._connect()
@@ -262,7 +263,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             self._skipped = True
             return
         self._phase = _UPDATING
-        self.state.updating(self._step + 1)
+        self.updating(self._step + 1)
         self.processor.start_update()
         self.injector.strike("optimizer", self._step)
         self._updated = True
@@ -282,7 +283,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         # the queued kernels, which must not include the gradient all-reduce
         # (a lost peer would hold this rank there, outside the collective's
         # care); the vote waits for this rank's backward pass anyway.
-        self.state.updating(self._step + 1)
+        self.updating(self._step + 1)
         if not self._vote(not self.processor.stop_event.is_set()):
             self._phase = _SETTLED
             self._skipped = True
@@ -344,6 +345,9 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         if self._graph:
             self.optimizer.set_health(True)  # the vote stays compiled in: without a Guard every step updates
         self.optimizer.guard = None
+        if self.own_records is not None:
+            self.own_records.close()
+            self.own_records = None
 
     def _exit(self, code: int) -> None:
         logs.exit_now(code)  # MindSpore's communicator may hold a peer's half collective

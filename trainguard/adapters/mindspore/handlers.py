@@ -35,6 +35,7 @@ from trainguard.core.config import RankConfig
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified
 from trainguard.core.rank.recovery import Handlers
 
+from .own import pack, unpack
 from .state import ModelState
 
 __all__ = ["MindSporeHandlers", "MindSporeRank", "load_checkpoint", "shard_name"]
@@ -78,6 +79,10 @@ class MindSporeRank(Protocol):
     def barrier(self) -> None: ...
 
     def write_snapshot_file(self, step: int) -> FileInfo: ...
+
+    def recorded_own(self, rank: int, step: int) -> bytes | None: ...
+
+    def write_own(self, step: int, rank: int, data: bytes) -> FileInfo: ...
 
     def merged_history(self, controller: dict) -> dict: ...
 
@@ -174,13 +179,40 @@ class MindSporeHandlers(Handlers):
         return g.store.write_path(step, shard_name(g.rank, step, g.steps_per_epoch),
                                   lambda path: ms.save_checkpoint(params, str(path), append_dict=extra))
 
+    def save_own(self, step: int, carry: Sequence[int]) -> Sequence[FileInfo]:
+        """Write this rank's random streams at ``step`` and those of the lost
+        ranks in ``carry`` (their records on this node)."""
+        g = self.guard
+        if g.save_fn is not None:
+            return []  # the user's save function saves what it saves; nothing is renamed after it
+        if g.store is None:
+            raise CheckpointError("no checkpoint_dir was given to the Guard, so there is nowhere to save")
+        mine = g.state.streams_at(step)
+        data = pack(mine) if mine is not None else g.recorded_own(g.rank, step)
+        if data is None:
+            raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}, and its "
+                                  f"node holds no record of step {step}")
+        files = [g.write_own(step, g.rank, data)]
+        for rank in carry:
+            what = f"rank {rank}'s record of step {step} on this node"
+            recorded = g.recorded_own(rank, step)
+            try:
+                if recorded is None:
+                    raise CheckpointError(f"there is no {what}")
+                unpack(recorded, what)
+            except CheckpointError as e:  # the save goes on: the relaunch names what is missing
+                log.warning("rank %d cannot carry rank %d's random streams: %s", g.rank, rank, e)
+                continue
+            files.append(g.write_own(step, rank, recorded))
+        return files
+
     def finalize(self, step: int, shards: Sequence[SavedShard], history: dict,
                  own: Sequence[FileInfo] = ()) -> None:
         g = self.guard
         if g.save_fn is not None:
             log.info("step %d was saved by the user's save function: nothing to rename", step)
             return
-        g.store.finalize(step, [f for s in shards for f in s.files],
+        g.store.finalize(step, [f for s in shards for f in s.files] + list(own),
                          layout={"world_size": g.world_size, "shards": [s.describe() for s in shards]},
                          meta={"history": g.merged_history(history), "finalised_by": g.rank})
 

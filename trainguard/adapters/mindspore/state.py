@@ -23,7 +23,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-__all__ = ["ModelState", "streams", "streams_sha256"]
+__all__ = ["ModelState", "set_streams", "streams", "streams_sha256"]
 
 
 class ModelState:
@@ -62,20 +62,24 @@ class ModelState:
         """The update to ``step`` begins: the step drew its random numbers."""
         self._update_streams = (step, streams())
 
-    def restore_streams(self, step: int) -> bool:
-        """Set this rank's random streams to those it had at ``step``: at its
-        commit of ``step``, or when its update to ``step`` began (a rank whose
-        update failed, then repaired to ``step`` from a replica). False when
-        it knows neither (its streams stay as they are)."""
+    def streams_at(self, step: int) -> dict[str, Any] | None:
+        """This rank's random streams at ``step``: at its commit of
+        ``step``, or when its update to ``step`` began (a rank whose update
+        failed, then repaired to ``step`` from a replica); ``None`` when it
+        knows neither."""
         if self.snapshot_step == step and self._streams is not None:
-            now = self._streams
-        elif self._update_streams is not None and self._update_streams[0] == step:
-            now = self._update_streams[1]
-        else:
+            return self._streams
+        if self._update_streams is not None and self._update_streams[0] == step:
+            return self._update_streams[1]
+        return None
+
+    def restore_streams(self, step: int) -> bool:
+        """Set this rank's random streams to :meth:`streams_at` ``step``;
+        False when it knows none (its streams stay as they are)."""
+        now = self.streams_at(step)
+        if now is None:
             return False
-        random.setstate(now["python"])
-        np.random.set_state(now["numpy"])
-        ms.set_rng_state(now["mindspore"])
+        set_streams(now)
         return True
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -107,6 +111,13 @@ def streams() -> dict[str, Any]:
     """This process's random streams, as copies."""
     return {"python": random.getstate(), "numpy": np.random.get_state(),
             "mindspore": Tensor(ms.get_rng_state().asnumpy().copy())}
+
+
+def set_streams(now: dict[str, Any]) -> None:
+    """Set this process's random streams to ``now`` (:func:`streams`'s)."""
+    random.setstate(now["python"])
+    np.random.set_state(now["numpy"])
+    ms.set_rng_state(now["mindspore"])
 
 
 def streams_sha256() -> str:

@@ -1,0 +1,71 @@
+"""A MindSpore rank's own part -- its random streams (Python's, NumPy's
+global one, MindSpore's default generator, :func:`.state.streams`) -- as
+bytes.
+
+Replicas share their parameters, so any of them saves or serves those;
+each rank's streams are its own. The same bytes go into the node agent's
+record when each update begins (:mod:`trainguard.core.snapshot.own`) and,
+as ``own_r<rank>.json``, into a dying gasp's checkpoint, where a survivor on
+a lost rank's node copies that rank's record over. The bytes are JSON:
+loading them runs no code, and a record that is not one is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import numpy as np
+from mindspore import Tensor
+
+from trainguard.core import CheckpointError
+
+__all__ = ["own_file", "pack", "unpack"]
+
+#: MindSpore's generator state (``ms.get_rng_state()``: seed and offset as bytes).
+_GENERATOR_DTYPES = ("uint8", "int64")
+
+
+def own_file(rank: int) -> str:
+    """The checkpoint file holding ``rank``'s own part."""
+    return f"own_r{rank}.json"
+
+
+def pack(streams: dict[str, Any]) -> bytes:
+    """``streams`` (:func:`.state.streams`) as JSON bytes."""
+    version, internal, gauss = streams["python"]
+    name, keys, pos, has_gauss, cached = streams["numpy"]
+    generator = streams["mindspore"].asnumpy()
+    return json.dumps({  # the two state vectors as the hex of their words: a tenth of a list's time
+        "python": [version, np.asarray(internal, np.int64).tobytes().hex(), gauss],
+        "numpy": [name, np.asarray(keys, np.uint32).tobytes().hex(), int(pos), int(has_gauss), float(cached)],
+        "mindspore": {"dtype": str(generator.dtype), "shape": list(generator.shape), "hex": generator.tobytes().hex()},
+    }, separators=(",", ":")).encode()
+
+
+def unpack(data: bytes, what: str) -> dict[str, Any]:
+    """The streams ``pack`` wrote, checked by setting them in scratch
+    generators first.
+
+    Raises:
+        CheckpointError: ``data`` is not such a record (``what`` names it).
+    """
+    try:
+        record = json.loads(data)
+        version, internal, gauss = record["python"]
+        words = np.frombuffer(bytes.fromhex(internal), np.int64)
+        python = (int(version), tuple(words.tolist()), None if gauss is None else float(gauss))
+        random.Random().setstate(python)
+        name, keys, pos, has_gauss, cached = record["numpy"]
+        numpy = (str(name), np.frombuffer(bytes.fromhex(keys), np.uint32).copy(), int(pos), int(has_gauss),
+                 float(cached))
+        np.random.RandomState().set_state(numpy)
+        generator = record["mindspore"]
+        if generator["dtype"] not in _GENERATOR_DTYPES:
+            raise ValueError(f"a generator state of dtype {generator['dtype']!r}")
+        raw = np.frombuffer(bytes.fromhex(generator["hex"]), np.dtype(generator["dtype"]))
+        mindspore = Tensor(raw.reshape([int(n) for n in generator["shape"]]).copy())
+    except (ValueError, TypeError, KeyError, OverflowError) as e:
+        raise CheckpointError(f"{what} is not a record of random streams: {type(e).__name__}: {e}") from None
+    return {"python": python, "numpy": numpy, "mindspore": mindspore}
