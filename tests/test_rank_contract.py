@@ -14,7 +14,8 @@ two ranks under ``trainguard run`` with its controller
 (``workers/rank_job.py``: the same training in each framework, drawing from
 every random stream), and include Megatron driven through MindIO's TTP API,
 whose flow has no loop: a device memory error is retried in place by the
-same processes and ends bit-identical to the fault-free run, random streams
+same processes, and a lost process is dumped and resumed by the same command
+again, each ending bit-identical to the fault-free run, random streams
 included.
 """
 
@@ -91,10 +92,12 @@ class TestMindSpore(RankContract):
 
 JOB_STEPS = 6
 UCE = "uce:rank=1,step=2,phase=backward"
+CRASH = "crash:rank=1,step=3,phase=backward"
 
 
-def _run_job(framework: str, tmp, name: str, fault: str | None) -> dict:
-    """Launch ``workers/rank_job.py`` on two ranks; every rank's report by rank."""
+def _run_job(framework: str, tmp, name: str, fault: str | None, *, rc: int = 0) -> dict:
+    """Launch ``workers/rank_job.py`` on two ranks (again, after a dump:
+    the same command); every rank's report by rank."""
     env = {"CONTRACT_FRAMEWORK": framework}
     if framework == "mindspore":
         job = run_ms(tmp, name, fault=fault, script=WORKERS / "rank_job.py", env=env, steps=JOB_STEPS)
@@ -102,8 +105,8 @@ def _run_job(framework: str, tmp, name: str, fault: str | None) -> dict:
     else:
         job = run_job(tmp, name, nproc=2, steps=JOB_STEPS, fault=fault, script=WORKERS / "rank_job.py", env=env)
         ranks = {int(p.suffix[1:]): json.loads(p.read_text()) for p in tmp.glob(f"{name}.json.[0-9]")}
-    assert job.rc == 0, job
-    assert sorted(ranks) == [0, 1], job
+    assert job.rc == rc, job
+    assert sorted(ranks) == ([0, 1] if rc == 0 else []), job
     return {"ranks": ranks, "ckpt": job.ckpt, "log": job.log}
 
 
@@ -117,7 +120,9 @@ class RankJobContract:
     def jobs(cls, tmp_path_factory) -> dict:
         tmp = tmp_path_factory.mktemp(f"contract-job-{cls.framework}")
         return {"reference": _run_job(cls.framework, tmp, "reference", None),
-                "uce": _run_job(cls.framework, tmp, "uce", UCE)}
+                "uce": _run_job(cls.framework, tmp, "uce", UCE),
+                "dump": _run_job(cls.framework, tmp, "crash", CRASH, rc=75),
+                "relaunch": _run_job(cls.framework, tmp, "crash", CRASH)}
 
     def test_the_fault_free_run_completes_every_step_with_no_recovery(self, jobs):
         for rank, report in jobs["reference"]["ranks"].items():
@@ -146,6 +151,22 @@ class RankJobContract:
         ckpt = jobs["uce"]["ckpt"]
         assert not ckpt.exists() or not [p for p in ckpt.iterdir() if not p.name.startswith(".")], \
             sorted(p.name for p in ckpt.iterdir())
+
+
+    def test_a_lost_rank_is_dumped_at_the_step_every_rank_committed_and_the_relaunch_resumes_there(self, jobs):
+        for rank, report in jobs["relaunch"]["ranks"].items():
+            assert [(r["rank"], r["strategy"], r["step"]) for r in report["recoveries"]] == [(1, "dump", 3)], \
+                (rank, report["recoveries"])
+            assert report["steps_completed"] == JOB_STEPS and report["lost_steps"] == 0, (rank, report)
+            assert sorted(len(pids) for pids in report["pids"].values()) == [2, 2], report["pids"]  # relaunched
+
+    def test_the_relaunch_ends_bit_identical_on_every_rank_random_streams_included(self, jobs):
+        reference, relaunch = jobs["reference"]["ranks"], jobs["relaunch"]["ranks"]
+        for rank in reference:
+            assert relaunch[rank]["state_sha256"] == reference[rank]["state_sha256"], \
+                (rank, jobs["dump"]["log"][-3000:], jobs["relaunch"]["log"][-3000:])
+            assert relaunch[rank]["streams_sha256"] == reference[rank]["streams_sha256"], \
+                (rank, jobs["dump"]["log"][-3000:], jobs["relaunch"]["log"][-3000:])
 
 
 class TestTorchJob(RankJobContract):

@@ -8,8 +8,9 @@ parallel_state driven through MindIO's TTP API).
 Every step draws from the process's random streams -- torch's (dropout;
 MindSpore's generator is hashed too), Python's ``random`` and NumPy's global
 stream -- and each draw changes the update, so a stream not set back after a
-recovery shows in the state as well as in the streams' hash. Batches are a
-function of (step, rank). ``TRAINGUARD_FAULT`` picks a fault. Every rank
+recovery shows in the state as well as in the streams' hash; each rank
+draws its own count (``OWN_DRAWS``), so its streams are its own. Batches are
+a function of (step, rank). ``TRAINGUARD_FAULT`` picks a fault. Every rank
 writes ``REPORT.<rank>``: the same keys whatever the framework (``KEYS``).
 """
 
@@ -28,9 +29,19 @@ random.seed(0)
 np.random.seed(0)
 
 
-def script_draws() -> float:
+#: Extra draws per rank and step, so each rank's streams are its own. Not
+#: for Megatron: its data-parallel ranks share their streams (one seed), and
+#: its checkpoint keeps one ``rng_state`` per model-parallel rank, as
+#: Megatron-LM's does without ``data_parallel_random_init``.
+OWN_DRAWS = 0 if FRAMEWORK == "ttp" else 1
+
+
+def script_draws(rank: int) -> float:
     """The script's own draws of a step (an augmentation, say): one number
-    from Python's stream and one from NumPy's global stream."""
+    from Python's stream and one from NumPy's global stream, after this
+    rank's own draws."""
+    for _ in range(rank * OWN_DRAWS):
+        random.random(), np.random.random()
     return 1.0 + 0.1 * random.random() + 0.1 * float(np.random.random())
 
 
@@ -61,7 +72,7 @@ def torch_job() -> None:
     guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), checkpoint_dir=CKPT)
     for step in guard.steps(STEPS):
         with guard.protect():
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank)) * script_draws()
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank)) * script_draws(rank)
             loss = model(x).square().mean()
             guard.optimizer.zero_grad()
             loss.backward()
@@ -92,7 +103,7 @@ def mindspore_job() -> None:
     for step in guard.steps(STEPS):
         with guard.protect():
             data = np.random.default_rng(100 * step + rank)
-            x = Tensor(data.standard_normal((4, 8)).astype(np.float32) * script_draws())
+            x = Tensor(data.standard_normal((4, 8)).astype(np.float32) * script_draws(rank))
             _, grads = grad_fn(x, Tensor(data.standard_normal((4, 1)).astype(np.float32)))
             guard.optimizer(grads)
     out = guard.report()
@@ -136,7 +147,7 @@ def ttp_job() -> None:
         while iteration < STEPS:
             injector.strike("forward", iteration)
             g = torch.Generator().manual_seed(100 * iteration + rank)
-            x = torch.randn(4, 8, generator=g) * script_draws()
+            x = torch.randn(4, 8, generator=g) * script_draws(rank)
             optimizer.zero_grad(set_to_none=True)
             model(x).square().mean().backward()
             injector.strike("backward", iteration)
@@ -158,7 +169,8 @@ def ttp_job() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     start = mega.load_checkpoint(model, optimizer, None)
-    injector = FaultInjector.from_env(dist.get_rank(), world_size=dist.get_world_size())
+    injector = FaultInjector.from_env(dist.get_rank(), world_size=dist.get_world_size(),  # a fault strikes once
+                                      log_path=os.path.join(CKPT, ".trainguard", "faults.jsonl"))
     steps = train(model, optimizer, start, injector)
     write(dist.get_rank(), {"steps_completed": steps, **TTP.history_report(),
                             "state_sha256": state_sha256({"model": model.state_dict(),
