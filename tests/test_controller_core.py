@@ -4,6 +4,8 @@ from dataclasses import fields
 
 import pytest
 
+from controller_jobs import (WORLD, answer, elastic_job_waiting_for_its_new_process, hello, kills, status,
+                             training_job)
 from trainguard.core import EXIT_HUNG, ControllerConfig, ControllerState
 from trainguard.core.agent_messages import (AgentEvent, AgentHello, AgentOrder, Dropped, Kill, LinkProbe, LinkRate,
                                             Moved, RestartsLeft, StartReplacement)
@@ -15,27 +17,8 @@ from trainguard.core.commands import (Clean, Command, CommandResult, Exit, Final
 from trainguard.core.control.wire import (Hellos, Wired, agent_event, agent_event_to_pb, agent_hello, agent_order,
                                          agent_order_to_pb, command_result, command_to_pb, persist_report)
 from trainguard.core.control.controller import ControllerCore
-from trainguard.core.rank.messages import replica_group
 from trainguard.core import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
-
-WORLD = 4096
-
-
-def hello(parse: Hellos, rank: int, step: int) -> Hello:
-    """Rank ``rank``'s Hello as the server hands it to the core (``parse``: its edge translation)."""
-    return parse(pb.Hello(rank=rank, world_size=WORLD, pid=1000 + rank, host="h",
-                          status=pb.Status(step=step, run=pb.TRAINING, data=pb.UPDATED), device_repairable=True,
-                          replicas=[replica_group(ReplicaGroup.full(range(WORLD)))]))
-
-
-def status(step: int, run: RunStatus = RunStatus.TRAINING, **kw) -> RankStatus:
-    return RankStatus(step=step, run=run, data=DataStatus.UPDATED, **kw)
-
-
-def answer(cmd: Command, step: int, run: RunStatus) -> CommandResult:
-    """A rank's answer that ``cmd`` succeeded, at ``step``."""
-    return CommandResult(command_id=cmd.id, ok=True, status=RankStatus(step=step, run=run, data=DataStatus.UPDATED))
 
 
 def test_a_retry_reaches_every_rank_of_a_large_job():
@@ -176,27 +159,13 @@ def test_a_rank_that_does_not_stop_is_told_to_exit_and_the_others_dump():
     assert saves and saves <= {0, 3}, saves
 
 
-def _training_job(world: int, strategies: str, *, max_restarts: int):
-    """A controller whose ``world`` ranks (pids 100 + rank) train at step 3,
-    recording what it sends to ranks and to node agents."""
-    sent: dict[int, list[Command]] = {}
-    orders: list[tuple[str, AgentOrder]] = []
-    core = ControllerCore(ControllerConfig(strategies=strategies, max_restarts=max_restarts), world,
-                          send=lambda r, c: sent.setdefault(r, []).append(c),
-                          send_agent=lambda n, o: orders.append((n, o)))
-    full = (ReplicaGroup.full(range(world)),)
-    for rank in range(world):
-        core.on_hello(Hello(rank=rank, pid=100 + rank, replicas=full, status=status(3)))
-    return core, sent, orders
-
-
 def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
     """recover-in-place with a rank lost on each of two nodes: the first
     agent makes the store, the second is ordered onto it; the survivors are
     told to join only when both new processes run; the new ranks register,
     get their state and resume with everyone."""
     world = 4
-    core, sent, orders = _training_job(world, "recover-in-place,dump", max_restarts=2)
+    core, sent, orders = training_job(world, "recover-in-place,dump", max_restarts=2)
     full = (ReplicaGroup.full(range(world)),)
     core.on_agent("a", AgentHello(ranks=(0, 1)))
     core.on_agent("b", AgentHello(ranks=(2, 3)))
@@ -265,40 +234,19 @@ def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke(capl
     assert line.startswith("fault: rank 1: process lost") and "; rank 0: comm: Connection closed by peer" in line, line
 
 
-def _elastic_job_waiting_for_its_new_process(world: int = 3):
-    """Rank ``world - 1`` of an elastic-training job was lost, the others went
-    on, and its agent was ordered to start a new process for it."""
-    core, sent, orders = _training_job(world, "elastic-training,dump", max_restarts=1)
-    core.on_agent("a", AgentHello(ranks=tuple(range(world))))
-    core.on_disconnect(world - 1)
-    live = range(world - 1)
-    for rank in live:
-        core.on_stopped(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
-    while core.state is not ControllerState.NORMAL:  # every phase of the plan succeeds
-        for rank in live:
-            core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
-    (start,) = [o for _, o in orders if isinstance(o.action, StartReplacement)]
-    assert start.action.rank == world - 1 and core.roster.dropped == {world - 1}
-    return core, sent, orders, start
-
-
-def _kills(orders) -> list[tuple[str, int]]:
-    return [(n, o.action.rank) for n, o in orders if isinstance(o.action, Kill)]
-
-
 def test_a_new_process_that_starts_after_the_job_finished_is_ended_not_waited_for():
     """elastic-training: the survivors finish before the agent reports the
     new process running (a slow start on a busy machine). The controller
     must end that process (it would wait to join for ever, and the launcher
     with it), not try to pause a finished job."""
-    core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
+    core, sent, orders, start = elastic_job_waiting_for_its_new_process()
     for rank in (0, 1):
         core.on_goodbye(rank, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.FINISHED
     commands = sum(len(cmds) for cmds in sent.values())
     core.on_agent_event("a", AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
     assert core.state is ControllerState.FINISHED
-    assert _kills(orders) == [("a", 2)]
+    assert kills(orders) == [("a", 2)]
     assert sum(len(cmds) for cmds in sent.values()) == commands  # nobody is paused
 
 
@@ -306,11 +254,11 @@ def test_a_new_process_that_runs_when_a_rank_already_finished_is_ended_and_the_r
     """The new process runs while one survivor has finished and the other is
     at its last step: too late to take it in; it is ended, and the last
     survivor is not stopped."""
-    core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
+    core, sent, orders, start = elastic_job_waiting_for_its_new_process()
     core.on_goodbye(0, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     stops = len([c for c in sent[1] if isinstance(c.action, Stop)])
     core.on_agent_event("a", AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
-    assert _kills(orders) == [("a", 2)]
+    assert kills(orders) == [("a", 2)]
     assert len([c for c in sent[1] if isinstance(c.action, Stop)]) == stops
     core.on_goodbye(1, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))
     assert core.state is ControllerState.FINISHED
@@ -321,7 +269,7 @@ def test_a_survivor_that_finishes_instead_of_stopping_for_the_scale_up_ends_it()
     its last step and finishes: the new process (registered already) is
     ended, its end is no fault, the survivor that stopped resumes, and the
     job finishes."""
-    core, sent, orders, start = _elastic_job_waiting_for_its_new_process()
+    core, sent, orders, start = elastic_job_waiting_for_its_new_process()
     core.on_agent_event("a", AgentEvent(rank=2, order=start.id, ok=True, pid=202, join_store="h:1"))
     assert core.state is ControllerState.ABNORMAL
     assert isinstance(sent[0][-1].action, Stop) and isinstance(sent[1][-1].action, Stop)
@@ -334,7 +282,7 @@ def test_a_survivor_that_finishes_instead_of_stopping_for_the_scale_up_ends_it()
             break
         core.on_result(1, answer(sent[1][-1], 16, RunStatus.STOPPED))
     assert core.state is ControllerState.NORMAL and isinstance(sent[1][-1].action, Resume)
-    assert _kills(orders) == [("a", 2)]
+    assert kills(orders) == [("a", 2)]
     core.on_disconnect(2)  # the agent ended it
     assert core.state is ControllerState.NORMAL and core.episode is None
     core.on_goodbye(1, RankStatus(step=16, run=RunStatus.FINISHED, data=DataStatus.UPDATED))

@@ -7,7 +7,6 @@ restarts a killed worker alone) like
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -16,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS
+from conftest import ROOT
+from plain_torchrun import STEPS, others_launching_torchrun, plain_torchrun
 from trainguard.patch import cli, core
 from trainguard.patch.torchrun import TARGET
 
@@ -331,37 +331,9 @@ def test_the_patch_package_imports_no_framework():
 
 
 # ------------------------------------------------------- end to end, for real
-STEPS = 8
-
-
-def _others_launching_torchrun() -> list[str]:
-    """Other processes running torchrun from this install would be rerouted while it is patched."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if int(pid) != os.getpid() and ("torch.distributed.run" in cmd or "/torchrun " in cmd):
-            found.append(cmd)
-    return found
-
-
-def _plain_torchrun(tmp: Path, name: str, env: dict, args: tuple = ()) -> tuple[subprocess.CompletedProcess, dict | None]:
-    report, ckpt = tmp / f"{name}.json", tmp / f"{name}-ckpt"
-    full = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    full.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "TRAINGUARD_PRELOCK_TIMEOUT_S": "20",
-                 "PYTHONUNBUFFERED": "1", **env})
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--monitor-interval", "0.1", *args, str(WORKERS / "tiny_train.py"),
-           str(STEPS), str(report), str(ckpt)]
-    out = subprocess.run(cmd, env=full, cwd=tmp, capture_output=True, text=True, timeout=60)
-    return out, (json.loads(report.read_text()) if report.exists() else None)
-
-
 @pytest.mark.timeout(240)
 def test_plain_torchrun_on_the_patched_install_recovers_like_trainguard_run(installed, job_runner, tmp_path):
-    if others := _others_launching_torchrun():
+    if others := others_launching_torchrun():
         pytest.skip(f"other processes use this install's torchrun; patching it would reroute them: {others[:2]}")
     reference = job_runner("ref", nproc=2, steps=STEPS)
     assert reference.rc == 0, reference
@@ -370,7 +342,7 @@ def test_plain_torchrun_on_the_patched_install_recovers_like_trainguard_run(inst
         assert cli.main(["torchrun"]) == 0
         assert core.state(installed.read_bytes()) == "patched"
 
-        out, report = _plain_torchrun(tmp_path, "patched", {"TRAINGUARD_FAULT": "uce:rank=1,step=3,phase=backward"})
+        out, report = plain_torchrun(tmp_path, "patched", {"TRAINGUARD_FAULT": "uce:rank=1,step=3,phase=backward"})
         log = out.stdout + out.stderr
         assert out.returncode == 0, log[-6000:]
         assert "all 2 ranks registered" in log  # trainguard's controller ran
@@ -382,7 +354,7 @@ def test_plain_torchrun_on_the_patched_install_recovers_like_trainguard_run(inst
         assert report["final_state_sha256"] == reference.report["final_state_sha256"]
 
         # A killed worker: plain torchrun now restarts that one process alone.
-        out, report = _plain_torchrun(tmp_path, "killed", {"TRAINGUARD_FAULT": "crash:rank=1,step=3",
+        out, report = plain_torchrun(tmp_path, "killed", {"TRAINGUARD_FAULT": "crash:rank=1,step=3",
                                                            "TRAINGUARD_STRATEGIES": "recover-in-place,dump"},
                                       ("--max-restarts", "1"))
         log = out.stdout + out.stderr
@@ -392,7 +364,7 @@ def test_plain_torchrun_on_the_patched_install_recovers_like_trainguard_run(inst
         assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 2
         assert report["final_state_sha256"] == reference.report["final_state_sha256"]
 
-        out, report = _plain_torchrun(tmp_path, "disabled", {"TRAINGUARD_DISABLE": "1"})
+        out, report = plain_torchrun(tmp_path, "disabled", {"TRAINGUARD_DISABLE": "1"})
         log = out.stdout + out.stderr
         assert out.returncode == 0, log[-6000:]
         assert "all 2 ranks registered" not in log and "no trainguard controller in this job" in log

@@ -12,20 +12,15 @@ whose writes fail with a given errno."""
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
-import shlex
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import WORKERS
+from store_jobs import StoreJob
 from trainguard.adapters.torch.snapshot import Snapshots
 from trainguard.core import CheckpointError, ControllerConfig
 from trainguard.core.api import DataStatus, RankStatus, RunStatus
@@ -37,7 +32,6 @@ from trainguard.core.snapshot.records import write_record
 
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPT = WORKERS / "store_full_train.py"
 NAME = "shard_k0_r0.safetensors"
 
 
@@ -265,94 +259,9 @@ def test_the_controller_shows_whose_saves_fail_in_its_status():
 
 
 # ------------------------------------------------------------------ jobs
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-#: Run inside the job's namespace once the launcher exited: what the tiny store then holds.
-_INSPECT = """
-import json, sys
-from trainguard.core.checkpoint import CheckpointStore
-store = CheckpointStore(sys.argv[1])
-found = store.latest()
-print("STORE " + json.dumps({"steps": store.steps(), "tracked": store.tracked_step(),
-                             "latest": found.step if found else None,
-                             "tmp": sorted(p.name for p in store.root.iterdir() if p.name.endswith("_tmp"))}))
-"""
-
-
-class _Job:
-    """``trainguard run`` of store_full_train.py on a tmpfs of its own."""
-
-    def __init__(self, tmp: Path, name: str, *, steps: int = 12, save_every: int = 2, env: dict | None = None):
-        self.dir = tmp / name
-        disk = self.dir / "disk"
-        disk.mkdir(parents=True)
-        self.report, self.ckpt, self.port = self.dir / "report.json", disk / "ckpt", _free_port()
-        self.token = f"store-test-{os.getpid()}-{name}"
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "STORE_"))}
-        full_env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "TRAINGUARD_PRELOCK_TIMEOUT_S": "20",
-                         "TRAINGUARD_TOKEN": self.token, "PYTHONUNBUFFERED": "1", **(env or {})})
-        run = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--monitor-interval", "0.1",
-               "--controller-port", str(self.port), str(SCRIPT), str(steps), str(self.report), str(self.ckpt),
-               str(save_every)]
-        inspect = [sys.executable, "-c", _INSPECT, str(self.ckpt)]
-        script = (f"mount -t tmpfs -o size=4m tmpfs {disk} || exit 90; {shlex.join(run)}; rc=$?; "
-                  f"{shlex.join(inspect)}; exit $rc")
-        self.proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
-                                     env=full_env, cwd=self.dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-
-    def status(self) -> dict | None:
-        """``trainguard status`` of the running job (None: not reachable yet)."""
-        out = subprocess.run([sys.executable, "-m", "trainguard.cli", "status", "--controller",
-                              f"127.0.0.1:{self.port}", "--token", self.token], capture_output=True, text=True,
-                             timeout=60)
-        return json.loads(out.stdout) if out.returncode == 0 else None
-
-    def hold(self, step: int, until, timeout_s: float = 120.0) -> dict:
-        """While every rank waits before ``step``: poll the status until
-        ``until(status)``, then let the job go on."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status = self.status()
-            if status is not None and until(status):
-                Path(f"{self.report}.seen{step}").touch()
-                return status
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                Path(f"{self.report}.seen{step}").touch()
-                self.finish()
-                pytest.fail(f"status never showed it before step {step}: {status}\n{self!r}")
-            time.sleep(0.3)
-
-    def finish(self, timeout_s: float = 240.0) -> "_Job":
-        try:
-            self.log, _ = self.proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.log, _ = self.proc.communicate()
-            pytest.fail(f"the job ran past {timeout_s} s:\n{self.log[-8000:]}")
-        self.rc = self.proc.returncode
-        (self.dir / "job.log").write_text(self.log)
-        lines = [line for line in self.log.splitlines() if line.startswith("STORE ")]
-        self.store = json.loads(lines[-1][6:]) if lines else None
-        self.ranks = {r: json.loads(Path(f"{self.report}.{r}").read_text())
-                      for r in (0, 1) if Path(f"{self.report}.{r}").exists()}
-        return self
-
-    def said(self, words: str, rank: int | None = None) -> list[str]:
-        return [line for line in self.log.splitlines()
-                if words in line and (rank is None or f"rank {rank}:" in line)]
-
-    def __repr__(self) -> str:  # what a failed assertion shows
-        return f"rc={self.rc}\n{self.log[-8000:]}"
-
-
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
-    job = _Job(tmp_path_factory.mktemp("clean"), "clean").finish()
+    job = StoreJob(tmp_path_factory.mktemp("clean"), "clean").finish()
     assert job.rc == 0 and job.ranks[0]["snapshots"]["errors"] == [], job
     assert job.store["latest"] == 12 and job.store["tmp"] == [], job
     return job.ranks[0]["final_state_sha256"]
@@ -364,7 +273,7 @@ def test_a_full_store_leaves_training_going_and_the_last_checkpoint_that_fit(tmp
     run, each rank warns once, the status shows it while the job runs, step
     4 is the newest complete checkpoint and verifies, and no failed save
     left anything behind."""
-    job = _Job(tmp_path, "full", env={"STORE_BREAK_AT": "5", "STORE_HOLD_AT": "8"})
+    job = StoreJob(tmp_path, "full", env={"STORE_BREAK_AT": "5", "STORE_HOLD_AT": "8"})
     status = job.hold(8, lambda s: s.get("persist") is not None)
     job.finish()
     assert job.rc == 0, job
@@ -385,7 +294,7 @@ def test_a_read_only_store_that_comes_back_is_saved_to_again(tmp_path, fault_fre
     of steps 6 and 8 fail (one warning per rank), the status shows it, then
     the save of step 10 succeeds (one info line per rank) and the status
     clears."""
-    job = _Job(tmp_path, "ro", env={"STORE_BREAK_AT": "5", "STORE_BREAK": "readonly", "STORE_MEND_AT": "9",
+    job = StoreJob(tmp_path, "ro", env={"STORE_BREAK_AT": "5", "STORE_BREAK": "readonly", "STORE_MEND_AT": "9",
                                      "STORE_HOLD_AT": "8,11"})
     failing = job.hold(8, lambda s: s.get("persist") is not None)
     mended = job.hold(11, lambda s: s.get("persist") is None)
@@ -404,7 +313,7 @@ def test_a_read_only_store_that_comes_back_is_saved_to_again(tmp_path, fault_fre
 def test_without_snapshots_a_full_store_does_not_stop_training_either(tmp_path, fault_free):
     """Synchronous saves: every rank hears in the save's all-gather that one
     failed; nobody raises, rank 0 removes the step's files."""
-    job = _Job(tmp_path, "sync", env={"STORE_SNAPSHOTS": "0", "STORE_BREAK_AT": "5", "STORE_MEND_AT": "9"})
+    job = StoreJob(tmp_path, "sync", env={"STORE_SNAPSHOTS": "0", "STORE_BREAK_AT": "5", "STORE_MEND_AT": "9"})
     job.finish()
     assert job.rc == 0, job
     assert all(rep["final_state_sha256"] == fault_free for rep in job.ranks.values()), job
@@ -418,7 +327,7 @@ def test_a_dying_gasp_on_a_full_store_stops_with_the_reason_and_writes_nothing_n
     rank 1 is killed in step 7: the dump cannot be written, so the job stops
     -- rank 0 exits 76, the launcher 1 -- saying why, and the newest
     checkpoint is still step 4."""
-    job = _Job(tmp_path, "gasp", env={"STORE_BREAK_AT": "5", "STORE_CRASH_AT": "7"}).finish()
+    job = StoreJob(tmp_path, "gasp", env={"STORE_BREAK_AT": "5", "STORE_CRASH_AT": "7"}).finish()
     assert job.rc == 1, job
     assert job.said("rank 1: process lost") and not job.said("unknown: OSError"), job
     assert job.said("save failed on rank 0: CheckpointError: writing") and job.said("the disk is full"), job
