@@ -1,6 +1,7 @@
 """Small core pieces: state transitions, config, fault specs, classification."""
 
 import json
+import os
 
 import pytest
 
@@ -170,3 +171,27 @@ def test_a_rank_s_settings_are_read_once_and_a_bad_value_is_refused_with_its_nam
                          ({"TRAINGUARD_SNAPSHOT_OVERLAPP": "1"}, "did you mean TRAINGUARD_SNAPSHOT_OVERLAP")]:
         with pytest.raises(ConfigError, match=message):
             RankConfig.from_env(env)
+
+
+def test_the_snapshot_and_ttp_settings_of_a_rank_are_read_with_the_others():
+    from trainguard.core.config import RankConfig
+
+    got = RankConfig.from_env({"TRAINGUARD_SNAPSHOT_ROOT": "/tmp/shm", "TRAINGUARD_TOKEN": "s" * 20,
+                               "TRAINGUARD_CHECKPOINT_DIR": "/ckpt", "TRAINGUARD_CONTROLLER": "h:2",
+                               "TRAINGUARD_JOIN": '{"generation": 1, "step": 3}'})
+    assert (got.snapshot_root, got.token, got.checkpoint_dir, got.controller, got.join) == \
+        ("/tmp/shm", "s" * 20, "/ckpt", "h:2", '{"generation": 1, "step": 3}')
+    assert "s" * 20 not in repr(got)  # the secret stays out of logs
+    assert RankConfig.from_env({"TRAINGUARD_JOIN": ""}).join is None
+
+
+def test_a_persist_worker_reads_its_trainer_and_secret_once():
+    from trainguard.core.config import PersistConfig
+
+    got = PersistConfig.from_env({"TRAINGUARD_PERSIST_PARENT": "42", "TRAINGUARD_TOKEN": "t" * 20,
+                                  "TRAINGUARD_LOG_LEVEL": "DEBUG", "RANK": "3"})
+    assert got == PersistConfig(parent_pid=42, token="t" * 20, log_level="DEBUG", rank="3")
+    assert "t" * 20 not in repr(got)
+    assert PersistConfig.from_env({}) == PersistConfig(parent_pid=os.getppid())
+    with pytest.raises(ConfigError, match="TRAINGUARD_PERSIST_PARENT='me' is not a valid int"):
+        PersistConfig.from_env({"TRAINGUARD_PERSIST_PARENT": "me"})

@@ -125,6 +125,10 @@ def test_config_from_env(tmp_path):
         ProfilingConfig.from_env(rank=0, started_at=0, environ={**env, "TRAINGUARD_PROFILING_CAP_MB": "lots"})
     with pytest.raises(ConfigError, match="job id"):
         ProfilingConfig(directory=tmp_path, switch_path=tmp_path, job_id="a/b", rank=0)
+    # The controller follows the ranks' records by the ranks' rule, its own job id last.
+    assert ProfilingConfig.job_dir_from_env("tg", {}) is None
+    assert ProfilingConfig.job_dir_from_env("ctl", env) == tmp_path / "task-7"
+    assert ProfilingConfig.job_dir_from_env("ctl", {"TRAINGUARD_PROFILING_DIR": str(tmp_path)}) == tmp_path / "ctl"
 
 
 def synthetic_rows(steps: int, ranks: int, slow: int | None, factor: float, onset: int, seed: int):

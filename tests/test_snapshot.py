@@ -330,7 +330,7 @@ def test_persist_worker_killed_mid_persist_is_restarted_and_nothing_partial_is_f
         assert CheckpointStore(root).latest().step == 2
 
 
-def test_peer_copy_is_authenticated_checked_and_fetched_back(shm, tmp_path, monkeypatch):
+def test_peer_copy_is_authenticated_checked_and_fetched_back(shm, tmp_path):
     root = tmp_path / "peer-node"
     root.mkdir()
     other = SnapshotDir.create("job-n1", root)
@@ -364,8 +364,7 @@ def test_peer_copy_is_authenticated_checked_and_fetched_back(shm, tmp_path, monk
             with pytest.raises(CheckpointError, match="wrong job token"):
                 fetch(address, new_node, rank=3, token="guess")
             assert fetch(address, new_node, rank=2, token="secret") is None  # holds nothing for rank 2
-            monkeypatch.setenv("TRAINGUARD_TOKEN", "secret")
-            fresh = Snapshots(new_node, 3, count=1, peer=address)
+            fresh = Snapshots(new_node, 3, count=1, peer=address, token="secret")
             got = fresh.available()
             assert {s: src for s, (_, src) in got.items()} == {5: "peer memory"}
             slot = got[5][0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .api import ConfigError, Strategy
@@ -22,6 +22,7 @@ __all__ = [
     "ENV",
     "HEARTBEATS_PER_S",
     "ControllerConfig",
+    "PersistConfig",
     "ProcessorConfig",
     "RankConfig",
     "WatchdogConfig",
@@ -306,6 +307,11 @@ class RankConfig:
     snapshot_overlap: bool = True  # torch: copy a snapshot beside the next step
     shm_repair: bool = True  # MindSpore: a repair on one machine goes through /dev/shm
     restart_count: int = 0  # torchrun's restarts of this worker so far
+    snapshot_root: str | None = None  # where a directory of the process's own goes (None: /dev/shm)
+    token: str = field(default="", repr=False)  # the job secret the snapshot copies on the peer node are fetched with
+    checkpoint_dir: str | None = None  # Megatron's TTP flow, when Megatron-LM's args.save/args.load are not there
+    controller: str | None = None  # the launcher's controller (host:port), when it serves one
+    join: str | None = None  # what a replacement process joins (JSON from the node agent; None: not one)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "RankConfig":
@@ -325,7 +331,38 @@ class RankConfig:
                                      "use 1 (copy beside the next step) or 0 (in line)"),
             shm_repair=_switch("TRAINGUARD_SHM_REPAIR", environ.get("TRAINGUARD_SHM_REPAIR", "1"), "use 0 or 1"),
             restart_count=_number("TORCHELASTIC_RESTART_COUNT", environ.get("TORCHELASTIC_RESTART_COUNT", "0"), int),
+            snapshot_root=environ.get("TRAINGUARD_SNAPSHOT_ROOT") or None,
+            token=environ.get("TRAINGUARD_TOKEN", ""),
+            checkpoint_dir=environ.get("TRAINGUARD_CHECKPOINT_DIR") or None,
+            controller=environ.get("TRAINGUARD_CONTROLLER") or None,
+            join=environ.get("TRAINGUARD_JOIN") or None,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersistConfig:
+    """What a persist worker process (:mod:`.snapshot.persist`) is told by
+    the trainer that starts it, read once in its ``main``."""
+
+    parent_pid: int  # the trainer's: a worker started after its trainer died has another parent already
+    token: str = field(default="", repr=False)  # the job secret its pushes to the peer node carry
+    log_level: str = "INFO"
+    rank: str = "?"  # for its log lines
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "PersistConfig":
+        """The worker's settings (no :func:`check_env`: the trainer's
+        environment, checked there; the worker must not die on it, or it
+        is restarted for every request).
+
+        Raises:
+            ConfigError: a ``TRAINGUARD_PERSIST_PARENT`` that is not a pid.
+        """
+        environ = os.environ if environ is None else environ
+        parent = environ.get("TRAINGUARD_PERSIST_PARENT")
+        return cls(parent_pid=_number("TRAINGUARD_PERSIST_PARENT", parent, int) if parent else os.getppid(),
+                   token=environ.get("TRAINGUARD_TOKEN", ""), log_level=environ.get("TRAINGUARD_LOG_LEVEL", "INFO"),
+                   rank=environ.get("RANK", "?"))
 
 
 def _positive(name: str, value: str) -> float:

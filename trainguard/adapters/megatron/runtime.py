@@ -53,9 +53,9 @@ def serve_controller(bind_ip: str, port: int) -> None:
         raise ConfigError("call ttp_init_controller (tft_init_controller) before starting the controller")
     if TTP.controller is not None:
         return  # the wrapped function runs again after an in-place recovery
-    if os.environ.get("TRAINGUARD_CONTROLLER"):
+    if TTP.settings.controller:
         log.info("the launcher's controller at %s serves this job; %s:%s is not bound",
-                 os.environ["TRAINGUARD_CONTROLLER"], bind_ip, port)
+                 TTP.settings.controller, bind_ip, port)
         return
     from trainguard.core import Controller  # grpc server: only on the rank that serves
 
@@ -81,7 +81,7 @@ def start_processor(master_ip: str, port: int) -> None:
     config = ProcessorConfig.from_env(rank=TTP.rank, world_size=TTP.world_size, environ=environ)
     processor = Processor(config)
     processor.connect(step=TTP.step, replicas=TTP.groups(), device=TTP.device,
-                      restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                      restart_count=TTP.settings.restart_count)
     processor.add_stop_listener(lambda: TTP.call("stop", optional=True))
     processor.watchdog.in_collective = blocked_in_collective(threading.get_ident())
     TTP.processor = processor

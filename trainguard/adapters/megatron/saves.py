@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch.distributed as dist
 
 from trainguard.adapters.torch.process_group import job_namespace
-from trainguard.core import CheckpointError, ConfigError
+from trainguard.core import CheckpointError, ConfigError, RankConfig
 from trainguard.core.checkpoint import FileInfo
 from trainguard.core.preflight import check_checkpoint_dir
 from trainguard.core.snapshot.ring import check_settings, directory_for
@@ -48,7 +48,9 @@ def _directory(kind: str) -> Path:
             return Path(value)
     except (ImportError, AssertionError, AttributeError):
         pass
-    value = os.environ.get("TRAINGUARD_CHECKPOINT_DIR", "")
+    # Read at each call, not kept from the session's start: a script may set the variable in
+    # its own code, after it started the processor (the MoE recipe of tests/workers does).
+    value = RankConfig.from_env().checkpoint_dir
     if not value:
         raise ConfigError(f"no checkpoint directory: set Megatron-LM's --{kind} or TRAINGUARD_CHECKPOINT_DIR")
     return Path(value)
@@ -163,9 +165,11 @@ def _snapshots() -> MegatronSnapshots | None:
         if not config.every:
             return None
         rank = dist.get_rank() if dist.is_initialized() else TTP.rank or 0
-        TTP.snapshots = MegatronSnapshots(directory_for(f"{job_namespace()}-r{rank}-{os.getpid()}"), rank,
-                                          count=config.in_memory,
-                                          save_timeout_s=float(os.environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800")))
+        settings = RankConfig.from_env()  # with the snapshots' own, when they start (see _directory)
+        directory = directory_for(f"{job_namespace()}-r{rank}-{os.getpid()}", node_dir=settings.node_dir,
+                                  root=settings.snapshot_root)
+        TTP.snapshots = MegatronSnapshots(directory, rank, count=config.in_memory,
+                                          save_timeout_s=settings.save_timeout_s)
         TTP.args_hooks.append(functools.partial(_snapshot_after_update, config.every))
         atexit.register(close_snapshots)
     return TTP.snapshots

@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from trainguard.core import ConfigError, Processor, RecoveryError, ReplicaGroup
+from trainguard.core import ConfigError, Processor, RankConfig, RecoveryError, ReplicaGroup
 from trainguard.core import logs
 from trainguard.core.classify import Classifier
 from trainguard.core.rank.history import JobHistory
@@ -59,6 +59,20 @@ class TtpSession(JobHistory):
         self.args_hooks: list[Callable[[Any], None]] = []  # told of each ttp_set_ckpt_args (megatron_ttp's snapshots)
         self.generation = 0  # of the process groups, as the controller numbers them (set at each rebuild)
         self.commit_hooks: list[Callable[[int], None]] = []  # told of each committed step (ttp_end_updating_os)
+        self._settings: RankConfig | None = None
+
+    @property
+    def settings(self) -> RankConfig:
+        """What the launcher and the environment tell this rank, read at the
+        session's first use of them (a bad value is refused then); a test
+        sets them instead."""
+        if self._settings is None:
+            self._settings = RankConfig.from_env()
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: RankConfig) -> None:
+        self._settings = settings
 
     def groups(self) -> tuple[ReplicaGroup, ...]:
         """This rank's replica groups: a ``ReplicatedOptimizer``'s or

@@ -127,7 +127,8 @@ class Checkpoints(JobHistory):
         here = self.hosts[self.rank]
         self.sharing = Sharing(self.rank, every, shared, {r for r, h in self.hosts.items() if h == here})
         if every:
-            directory = directory_for(f"{self.settings.job_id or 'ms'}-r{self.rank}-{os.getpid()}")
+            directory = directory_for(f"{self.settings.job_id or 'ms'}-r{self.rank}-{os.getpid()}",
+                                      node_dir=self.settings.node_dir, root=self.settings.snapshot_root)
             self.snapshots = ParamSnapshots(directory, self.rank, count=count)
 
     # ------------------------------------------------------------ own part

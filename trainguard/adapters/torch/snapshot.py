@@ -87,8 +87,8 @@ class Snapshots(SnapshotRing):
     the arguments)."""
 
     def __init__(self, directory: SnapshotDir, rank: int, *, count: int = 2, peer: str | None = None,
-                 naming: str = "torch") -> None:
-        super().__init__(directory, rank, count=count, peer=peer, naming=naming)
+                 naming: str = "torch", token: str = "") -> None:
+        super().__init__(directory, rank, count=count, peer=peer, naming=naming, token=token)
         self._views: dict[int, list[torch.Tensor]] = {}
         self._cached: list[Entry] = []
         self._sig: list = []

@@ -224,7 +224,7 @@ def tft_get_repair_type() -> str:
 
 def tft_is_reboot_node() -> bool:
     """True in a process started to replace a lost one."""
-    return bool(os.environ.get("TRAINGUARD_JOIN"))
+    return TTP.settings.join is not None
 
 
 # ------------------------------------------------------------- the wrapper

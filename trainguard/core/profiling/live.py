@@ -17,13 +17,12 @@ import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Mapping
 
+from ..config_profiling import ProfilingConfig
 from .detect import Detector, DetectorConfig, Finding
 from .records import RowBuilder, Tail, rank_dirs
-from .recorder import job_id_from_env
 
 __all__ = ["LiveDetector"]
 
@@ -65,14 +64,10 @@ class LiveDetector:
     @classmethod
     def from_env(cls, job_id: str, world_size: int,
                  environ: Mapping[str, str] | None = None) -> "LiveDetector | None":
-        """A detector for the job when ``TRAINGUARD_PROFILING_DIR`` is set."""
-        environ = os.environ if environ is None else environ
-        root = environ.get("TRAINGUARD_PROFILING_DIR")
-        if not root:
-            return None
-        env = dict(environ)
-        env.setdefault("TRAINGUARD_JOB_ID", job_id)
-        return cls(Path(root) / job_id_from_env(env, time.time()), world_size)
+        """A detector for the job when ``TRAINGUARD_PROFILING_DIR`` is set
+        (:meth:`~trainguard.core.config_profiling.ProfilingConfig.job_dir_from_env`)."""
+        job_dir = ProfilingConfig.job_dir_from_env(job_id, environ)
+        return cls(job_dir, world_size) if job_dir is not None else None
 
     def start(self) -> "LiveDetector":
         self._thread = threading.Thread(target=self._run, name="trainguard-slow-nodes", daemon=True)

@@ -48,6 +48,7 @@ from typing import Any
 
 from ..api import CheckpointError
 from ..checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo, io_error
+from ..config import PersistConfig
 from .persist_client import PersistWorker
 from .records import FAILED, GIVE_UP_GRACE_S, RECORDS, Leftover, Leftovers, record_path, write_record
 from .segment import Mappings, Slot, State
@@ -201,9 +202,10 @@ def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int
         time.sleep(0.05)
 
 
-def _seal(req: dict, sealed: Future, maps: Mappings | None = None) -> dict:
+def _seal(req: dict, sealed: Future, maps: Mappings | None = None, token: str = "") -> dict:
     """Seal the slot; ``sealed`` gets its :class:`Info` (``None`` when it
-    could not) as soon as the checksum is recorded, before any peer push."""
+    could not) as soon as the checksum is recorded, before any peer push
+    (with the job secret ``token``)."""
     slot = Slot(Path(req["slot"]), maps)
     try:
         if not slot.lock(False):
@@ -221,7 +223,7 @@ def _seal(req: dict, sealed: Future, maps: Mappings | None = None) -> dict:
         slot.unlock()
         if req.get("peer"):
             from .peer import push
-            push(req["peer"], slot, rank=req["rank"], token=os.environ.get("TRAINGUARD_TOKEN", ""))
+            push(req["peer"], slot, rank=req["rank"], token=token)
         return {"xxh3": done.checksum}
     finally:
         if not sealed.done():
@@ -229,12 +231,11 @@ def _seal(req: dict, sealed: Future, maps: Mappings | None = None) -> dict:
         slot.close()
 
 
-def _serve(stdin: Any, stdout: Any) -> None:
+def _serve(stdin: Any, stdout: Any, config: PersistConfig) -> None:
     """Requests in order on this thread; seals (and their peer pushes) on a
     second one, so a persist of a slot being sealed writes the file while
     the checksum pass runs, and takes its result."""
-    # The trainer, named by it: a worker that starts after its trainer died has another parent already.
-    parent = int(os.environ.get("TRAINGUARD_PERSIST_PARENT", os.getppid()))
+    parent = config.parent_pid
     todo: collections.deque = collections.deque()
     cond, out_lock = threading.Condition(), threading.Lock()
     done = threading.Event()
@@ -284,8 +285,8 @@ def _serve(stdin: Any, stdout: Any) -> None:
                     answer(req, lambda: {"skipped": "superseded"})
                 else:
                     sealed: Future = Future()
-                    sealing[req["slot"]] = (sealed, seals.submit(answer, req,
-                                                                 lambda r=req, f=sealed: _seal(r, f, maps)))
+                    seal = lambda r=req, f=sealed: _seal(r, f, maps, config.token)  # noqa: E731
+                    sealing[req["slot"]] = (sealed, seals.submit(answer, req, seal))
             else:
                 sealed, task = sealing.pop(req["slot"], (None, None))
                 answer(req, lambda: _persist(req, parent, sealed if sealed and not sealed.done() else None, task,
@@ -301,9 +302,9 @@ def main() -> None:
     # step beside the persist of a 1 GB state took 2.5-4.2 s instead of 0.6-0.9; at +10, 0.79 s, with
     # the persist done as soon (bench/checkpoint.py's synthetic state).
     os.nice(NICE)
-    logging.basicConfig(level=os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO"),
-                        format=f"[persist {os.environ.get('RANK', '?')}] %(levelname)s %(message)s")
-    _serve(sys.stdin, sys.stdout)
+    config = PersistConfig.from_env()
+    logging.basicConfig(level=config.log_level, format=f"[persist {config.rank}] %(levelname)s %(message)s")
+    _serve(sys.stdin, sys.stdout, config)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,15 +59,18 @@ class SnapshotRing:
             there (None: no copy).
         naming: the checkpoint naming persists use (``torch``,
             ``megatron``, ``mindspore``).
+        token: the job secret the copies on the peer node are pushed and
+            fetched with (:attr:`~trainguard.core.config.RankConfig.token`).
     """
 
     def __init__(self, directory: SnapshotDir, rank: int, *, count: int = 2, peer: str | None = None,
-                 naming: str = "torch") -> None:
+                 naming: str = "torch", token: str = "") -> None:
         if count < 1:
             raise ValueError("keep at least one snapshot in memory")
         self.directory, self.rank, self.peer, self.naming = directory, rank, peer, naming
+        self._token = token
         self.slots = [directory.slot(rank, i) for i in range(count)]
-        self.worker = PersistWorker()
+        self.worker = PersistWorker(env={"TRAINGUARD_TOKEN": token})  # its pushes to the peer carry it
         self.layout: Layout | None = None
         self._key: tuple = ()
         self._last_entries: Sequence[Entry] = ()
@@ -321,7 +323,7 @@ class SnapshotRing:
         if self.peer and not any(source == "memory" for _, source in found.values()):
             # A new node in place of a lost one: the copy is on the node this rank pushed to.
             try:
-                copy = fetch(self.peer, self.directory, rank=self.rank, token=os.environ.get("TRAINGUARD_TOKEN", ""))
+                copy = fetch(self.peer, self.directory, rank=self.rank, token=self._token)
             except CheckpointError as e:
                 log.warning("rank %d: no copy from the peer node: %s", self.rank, e)
                 copy = None

@@ -7,7 +7,6 @@ outlive the process, else one of the process's own).
 from __future__ import annotations
 
 import atexit
-import os
 
 from ..api import ConfigError
 from .shm import SnapshotDir
@@ -24,14 +23,15 @@ def check_settings(every: int, count: int, save_every: int) -> None:
                           f"snapshots_in_memory={count} must be >= 1")
 
 
-def directory_for(name: str) -> SnapshotDir:
-    """The node agent's snapshot directory (``TRAINGUARD_SNAPSHOT_DIR``), so
-    snapshots outlive this process; without an agent one this process owns,
-    named ``name`` and removed at exit (a crash that unwinds included; a
-    kill -9 leaves it to :func:`~.shm.sweep`)."""
-    path = os.environ.get("TRAINGUARD_SNAPSHOT_DIR")
-    if path:
-        return SnapshotDir.attach(path)
-    directory = SnapshotDir.create(name, os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
+def directory_for(name: str, *, node_dir: str | None = None, root: str | None = None) -> SnapshotDir:
+    """The node agent's snapshot directory ``node_dir`` (its
+    ``TRAINGUARD_SNAPSHOT_DIR``, :attr:`~trainguard.core.config.RankConfig.node_dir`),
+    so snapshots outlive this process; without an agent one this process
+    owns, named ``name`` under ``root`` (``TRAINGUARD_SNAPSHOT_ROOT``; None:
+    /dev/shm) and removed at exit (a crash that unwinds included; a kill -9
+    leaves it to :func:`~.shm.sweep`)."""
+    if node_dir:
+        return SnapshotDir.attach(node_dir)
+    directory = SnapshotDir.create(name, root)
     atexit.register(directory.remove)
     return directory
