@@ -55,6 +55,10 @@ Overridable with defaults: ``_fingerprints``, ``_final_extras``,
 
 :class:`Guard` is what every adapter's Guard offers a training script; the
 contract tests (``tests/test_rank_contract.py``) run one suite against each.
+Megatron driven through MindIO's TTP API has no loop object: its flow
+(:mod:`trainguard.adapters.megatron.runtime`) uses the same processor,
+recovery and history, and the contract's two-rank job tier holds it to the
+same outcomes (a retry, a dump and its relaunch, bit-identical).
 """
 
 from __future__ import annotations
