@@ -17,7 +17,7 @@ from trainguard.adapters.torch.snapshot import Snapshots, on_device, read_payloa
 from trainguard.adapters.torch.trainstate import TrainState
 from trainguard.core import CheckpointError
 from trainguard.core.snapshot import SnapshotDir
-from trainguard.core.snapshot.own import OwnRecords, read_own
+from trainguard.core.snapshot.own import OwnRecords, carry, read_own
 
 
 class Position:
@@ -92,6 +92,25 @@ def test_a_planted_link_or_foreign_file_is_not_read_or_followed(tmp_path):
     assert read_own(tmp_path, 1, 1) is None
     os.mkfifo(tmp_path / "own-r2")
     assert read_own(tmp_path, 2, 1) is None, "a FIFO must neither block nor be read"
+
+
+def test_a_survivor_carries_the_lost_ranks_good_records_and_warns_for_the_rest(tmp_path, caplog):
+    for rank, data in ((1, b"one"), (3, b"bad")):
+        with_record = OwnRecords(tmp_path, rank)
+        with_record.write(7, data)
+        with_record.close()
+
+    def check(rank: int, data: bytes, what: str) -> None:
+        if data == b"bad":
+            raise CheckpointError(f"{what} is not one")
+    written = carry([1, 2, 3], 7, by=0, recorded=lambda r, s: read_own(tmp_path, r, s), check=check,
+                    write=lambda step, rank, data: (step, rank, data))
+    assert written == [(7, 1, b"one")]  # rank 2 left no record, rank 3's fails the adapter's check
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["rank 0 cannot carry rank 2's own part (random streams, data position): there is no rank 2's "
+                      "record of step 7 on this node",
+                      "rank 0 cannot carry rank 3's own part (random streams, data position): rank 3's record of "
+                      "step 7 on this node is not one"], warned
 
 
 def test_an_own_part_packs_and_unpacks_exactly_and_malformed_bytes_are_refused():

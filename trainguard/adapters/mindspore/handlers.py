@@ -34,6 +34,7 @@ from trainguard.core import CheckpointError, Processor, RecoveryError, Transfer
 from trainguard.core.config import RankConfig
 from trainguard.core.checkpoint import FileInfo, SavedShard, Verified
 from trainguard.core.rank.recovery import Handlers
+from trainguard.core.snapshot.own import carry as carry_records
 
 from .own import pack, unpack
 from .state import ModelState
@@ -192,19 +193,9 @@ class MindSporeHandlers(Handlers):
         if data is None:
             raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}, and its "
                                   f"node holds no record of step {step}")
-        files = [g.write_own(step, g.rank, data)]
-        for rank in carry:
-            what = f"rank {rank}'s record of step {step} on this node"
-            recorded = g.recorded_own(rank, step)
-            try:
-                if recorded is None:
-                    raise CheckpointError(f"there is no {what}")
-                unpack(recorded, what)
-            except CheckpointError as e:  # the save goes on: the relaunch names what is missing
-                log.warning("rank %d cannot carry rank %d's random streams: %s", g.rank, rank, e)
-                continue
-            files.append(g.write_own(step, rank, recorded))
-        return files
+        return [g.write_own(step, g.rank, data),
+                *carry_records(carry, step, by=g.rank, recorded=g.recorded_own,
+                               check=lambda rank, record, what: unpack(record, what), write=g.write_own)]
 
     def finalize(self, step: int, shards: Sequence[SavedShard], history: dict,
                  own: Sequence[FileInfo] = ()) -> None:

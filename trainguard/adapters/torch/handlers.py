@@ -13,6 +13,7 @@ from trainguard.core import CheckpointError, RecoveryError, Transfer
 from trainguard.core.checkpoint import FileInfo, SavedShard, shard_file
 from trainguard.core import Processor
 from trainguard.core.rank.recovery import Handlers
+from trainguard.core.snapshot.own import carry as carry_records
 
 from .comm import TorchComm
 from .device import Device
@@ -161,20 +162,9 @@ class TorchHandlers(Handlers):
             if mine is None:
                 raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}, and "
                                       f"its node holds no record of step {step}")
-        files = [g.write_own(step, g.rank, mine)]
-        for rank in carry:
-            recorded = g.recorded_own(rank, step)
-            what = f"rank {rank}'s record of step {step} on this node"
-            try:
-                if recorded is None:
-                    raise CheckpointError(f"there is no {what}")
-                if str(rank) not in unpack(recorded, what).get("rng", {}):
-                    raise CheckpointError(f"{what} holds no random streams of that rank")
-            except CheckpointError as e:  # the save goes on: the relaunch names what is missing
-                log.warning("rank %d cannot carry rank %d's random streams and data position: %s", g.rank, rank, e)
-                continue
-            files.append(g.write_own(step, rank, recorded))
-        return files
+        return [g.write_own(step, g.rank, mine),
+                *carry_records(carry, step, by=g.rank, recorded=g.recorded_own, check=_holds_streams,
+                               write=g.write_own)]
 
     def finalize(self, step: int, shards: Sequence[SavedShard], history: dict,
                  own: Sequence[FileInfo] = ()) -> None:
@@ -184,6 +174,12 @@ class TorchHandlers(Handlers):
         self.guard.record_resume(record, pids)
         if replicas:
             self.guard.replicas_changed(step, replicas)
+
+
+def _holds_streams(rank: int, data: bytes, what: str) -> None:
+    """A record carried for lost ``rank`` must hold that rank's random streams."""
+    if str(rank) not in unpack(data, what).get("rng", {}):
+        raise CheckpointError(f"{what} holds no random streams of that rank")
 
 
 def shard_name(copies: Sequence[int]) -> str:

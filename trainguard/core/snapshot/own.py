@@ -24,15 +24,22 @@ Writing costs a copy of the bytes into a mapping kept open (no system call).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import stat
 import struct
 from pathlib import Path
+from typing import Callable, Iterable, TypeVar
 
 import xxhash
 
-__all__ = ["OwnRecords", "read_own"]
+from ..api import CheckpointError
+
+__all__ = ["OwnRecords", "carry", "read_own"]
+
+log = logging.getLogger("trainguard.snapshot")
+F = TypeVar("F")
 
 _MAGIC = b"TGOWN001"
 _FILE = struct.Struct("<8sQ")  # magic, capacity of each record
@@ -144,3 +151,27 @@ def read_own(directory: str | os.PathLike, rank: int, step: int) -> bytes | None
     if magic != _MAGIC or len(raw) != _FILE.size + 2 * (_HEAD.size + capacity):
         return None
     return next((data for s, data in _valid(raw, capacity) if s == step), None)
+
+
+def carry(ranks: Iterable[int], step: int, *, by: int, recorded: Callable[[int, int], bytes | None],
+          check: Callable[[int, bytes, str], None], write: Callable[[int, int, bytes], F]) -> list[F]:
+    """A dying gasp's survivor ``by`` writes the records of ``step`` that
+    the lost ``ranks`` left on its node (``recorded(rank, step)``) as files
+    of that step's checkpoint (``write(step, rank, data)``), each first
+    passing the adapter's ``check(rank, data, what)`` (which raises
+    ``CheckpointError``). A rank whose record is
+    missing or unreadable is skipped with a warning: the save goes on, and
+    the relaunch names what it lacks."""
+    files = []
+    for rank in ranks:
+        what = f"rank {rank}'s record of step {step} on this node"
+        data = recorded(rank, step)
+        try:
+            if data is None:
+                raise CheckpointError(f"there is no {what}")
+            check(rank, data, what)
+        except CheckpointError as e:
+            log.warning("rank %d cannot carry rank %d's own part (random streams, data position): %s", by, rank, e)
+            continue
+        files.append(write(step, rank, data))
+    return files
