@@ -18,9 +18,9 @@ WORKER = Path(__file__).resolve().parent / "workers" / "moe_recipe.py"
 pytestmark = pytest.mark.timeout(400)
 
 
-def run(tmp: Path, name: str, fault: str | None = None) -> tuple[int, dict | None, str]:
+def run(tmp: Path, name: str, fault: str | None = None, **extra: str) -> tuple[int, dict | None, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1"})
+    env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1", **extra})
     if fault:
         env["TRAINGUARD_FAULT"] = fault
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "4", "--monitor-interval", "0.1",
@@ -43,7 +43,9 @@ def reference(tmp_path_factory):
 
 def test_a_uce_with_experts_is_repaired_in_place_from_two_replicas_bit_identical(reference):
     tmp, ref = reference
-    rc, got, log = run(tmp, "uce", "uce:rank=1,step=3,phase=backward")
+    # Rank 1 strikes once the others committed step 3: under load, rank 2 was once still inside its
+    # update then, and needed a repair itself (so rank 1's dense state came from rank 3).
+    rc, got, log = run(tmp, "uce", "uce:rank=1,step=3,phase=backward", MOE_HOLD="1,3")
     assert rc == 0, log[-4000:]
     assert got["digests"] == ref["digests"], log[-4000:]
     assert got["steps_completed"] == 6 and got["lost_steps"] == 0

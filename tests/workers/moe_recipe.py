@@ -11,12 +11,17 @@ gradients over the expert data-parallel group, as megatron's DDP does.
 Dropout in the dense path draws from torch's random stream.
 
 Usage: moe_recipe.py <report.json> <checkpoint dir>; TRAINGUARD_FAULT picks a fault.
+MOE_HOLD=RANK,STEP holds that rank's backward strike at that step until every
+other rank has committed the step (marker files beside the report), so no
+rank is still inside its update when the fault comes, however loaded the
+machine.
 Rank 0 writes the report: every rank's state digest, history, recoveries.
 """
 
 import json
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -97,6 +102,8 @@ def train(model, optimizer, iteration: int, injector: FaultInjector) -> int:
     if ttp.tft_get_repair_step() >= 0:
         iteration = ttp.tft_get_repair_step()
     ttp.ttp_set_ckpt_args((iteration, model, optimizer, None))
+    held_rank, held_step = map(int, os.environ.get("MOE_HOLD", "-1,-1").split(","))
+    marker = lambda r, s: f"{sys.argv[1]}.committed-r{r}-{s}"  # noqa: E731
     dense = [p for p in model.parameters() if getattr(p, "allreduce", True)]
     experts = [p for p in model.parameters() if not getattr(p, "allreduce", True)]
     while iteration < STEPS:
@@ -106,6 +113,11 @@ def train(model, optimizer, iteration: int, injector: FaultInjector) -> int:
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        if (rank, iteration) == (held_rank, held_step):
+            others = [marker(r, iteration) for r in range(world) if r != rank]
+            deadline = time.time() + 60
+            while not all(map(os.path.exists, others)) and time.time() < deadline:
+                time.sleep(0.01)
         injector.strike("backward", iteration)
         reduce(dense, ps.get_data_parallel_group())
         reduce(experts, ps.get_expert_data_parallel_group())
@@ -115,6 +127,8 @@ def train(model, optimizer, iteration: int, injector: FaultInjector) -> int:
         for expert in model.experts:  # a buffer changed with the update (as megatron's router's expert bias is)
             expert.updates += 1
         ttp.ttp_end_updating_os(iteration + 1)
+        if held_rank >= 0:
+            open(marker(rank, iteration + 1), "w").close()
         injector.strike("optimizer", iteration)
         iteration += 1
         ttp.ttp_set_ckpt_args((iteration, model, optimizer, None))
