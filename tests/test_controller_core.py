@@ -15,7 +15,8 @@ from trainguard.core.checkpoint_parts import FileInfo, SavedShard
 from trainguard.core.commands import (Clean, Command, CommandResult, Exit, Finalize, Rebuild, Repair, Resume,
                                       Rollback, Save, Stop)
 from trainguard.core.control.wire import (Hellos, Wired, agent_event, agent_event_to_pb, agent_hello, agent_order,
-                                         agent_order_to_pb, command_result, command_to_pb, persist_report)
+                                         agent_order_to_pb, command, command_result, command_to_pb, persist_report,
+                                         result_to_pb)
 from trainguard.core.control.controller import ControllerCore
 from trainguard.core import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
@@ -315,6 +316,7 @@ def test_commands_and_their_results_cross_the_wire_field_for_field():
             elif f.name == "own":
                 got = tuple(FileInfo(x.name, x.bytes, x.sha256) for x in got)
             assert (tuple(got) if isinstance(value, tuple) else got) == value, (action, f.name)
+        assert command(msg) == Command(i, 2, action), "the rank's side reads what the controller's makes"
     wired, stop = Wired(), Command(1, 1, Stop("x"))
     assert wired(stop) is wired(stop) and wired(Command(2, 1, Stop("x"))) is not wired(stop)
     answer_ = pb.CommandResult(command_id=5, ok=False, code=3, message="no", own=[pb.FileInfo(name="o", bytes=1)],
@@ -324,6 +326,10 @@ def test_commands_and_their_results_cross_the_wire_field_for_field():
         command_id=5, ok=False, code=3, message="no", own=(FileInfo("o", 1, ""),),
         status=RankStatus(step=7, run=RunStatus.RECOVERING, data=DataStatus.UPDATED),
         shards=(SavedShard(kind=1, copies=(), full=False, rank=0, files=(FileInfo("s", 2, "d"),)),))
+    mine = CommandResult(command_id=6, ok=True, code=2, message="m", shards=(shard,), own=files,
+                         status=RankStatus(step=3, run=RunStatus.RECOVERING, data=DataStatus.COPYING, step_time_s=0.5,
+                                           silence_s=9))
+    assert command_result(result_to_pb(mine)) == mine, "the controller's side reads what the rank's makes"
 
 
 def test_registrations_persist_health_and_agent_messages_cross_the_wire_field_for_field():

@@ -12,7 +12,7 @@ from trainguard.core import FaultKind, RunStatus, Severity, TransitionError
 from trainguard.core import transitions
 from trainguard.core.rank import processor as processor_module
 from trainguard.core.rank.processor import Processor
-from trainguard.core.protocol import trainguard_pb2 as pb
+from trainguard.core.commands import Clean, Command, Exit, Rebuild, Repair, Resume, Rollback, Stop
 from trainguard.core.rank.recovery import Handlers, recover
 from trainguard.core.transitions import RUN, advance, allowed
 
@@ -215,8 +215,8 @@ class _Handlers(Handlers):
 
 def _commanded(p, *commands):
     p.config = types.SimpleNamespace()  # next_command refuses an offline processor
-    for i, cmd in enumerate(commands, 1):
-        p._commands.put(pb.Command(id=i, **cmd))
+    for i, action in enumerate(commands, 1):
+        p._commands.put(Command(i, 1, action))
     return p
 
 
@@ -224,8 +224,7 @@ def test_a_recovery_walks_the_table(recorded):
     p, rec = recorded
     p.set_run(R.TRAINING, "registered")
     p.report_fault(FaultKind.COMM, Severity.HIGH, "peer gone")
-    _commanded(p, {"stop": pb.Stop(reason="another rank's fault")}, {"clean": pb.Clean()},
-               {"rebuild": pb.Rebuild(generation=1)}, {"resume": pb.Resume(step=4)})
+    _commanded(p, Stop(reason="another rank's fault"), Clean(), Rebuild(generation=1), Resume(step=4))
     outcome = recover(p, _Handlers())
     assert outcome.resume and outcome.step == 4
     assert _changes(rec) == [
@@ -240,8 +239,7 @@ def test_a_recovery_walks_the_table(recorded):
 
 def test_a_replacement_process_recovers_from_starting(recorded):
     p, rec = recorded
-    _commanded(p, {"rebuild": pb.Rebuild(generation=2)}, {"repair": pb.Repair(step=3)},
-               {"rollback": pb.Rollback(step=3)}, {"resume": pb.Resume(step=3, pids_json="{}")})
+    _commanded(p, Rebuild(generation=2), Repair(step=3), Rollback(step=3), Resume(step=3, pids_json="{}"))
     handlers = _Handlers()
     assert recover(p, handlers).resume
     assert handlers.calls == ["rebuild", "repair", "rollback"]
@@ -251,7 +249,7 @@ def test_a_replacement_process_recovers_from_starting(recorded):
 
 def test_an_exit_command_to_a_replacement_with_nothing_to_join(recorded):
     p, rec = recorded
-    _commanded(p, {"exit": pb.Exit(code=3, reason="no recovery is waiting for this process")})
+    _commanded(p, Exit(code=3, reason="no recovery is waiting for this process"))
     outcome = recover(p, _Handlers())
     assert not outcome.resume and outcome.exit_code == 3
     assert _changes(rec) == [(R.STARTING, R.EXITING)]

@@ -45,6 +45,7 @@ __all__ = [
     "from_pb_status",
     "new_token",
     "rank_status",
+    "status_to_pb",
     "to_pb_status",
     "validate_rank_message",
 ]
@@ -205,6 +206,12 @@ def fault_from_pb(rank: int, report: "pb.FaultReport") -> Fault:
 
 def to_pb_status(step: int, run: RunStatus, data: DataStatus) -> "pb.Status":
     return pb.Status(step=step, run=run.value, data=data.value)
+
+
+def status_to_pb(status: RankStatus) -> "pb.Status":
+    """The protobuf ``Status`` of a rank's status (the inverse of :func:`rank_status`)."""
+    return pb.Status(step=status.step, run=status.run.value, data=status.data.value,
+                     step_time_s=status.step_time_s, silence_s=status.silence_s)
 
 
 def fault_fields(report: "pb.FaultReport") -> tuple[FaultKind, Severity]:

@@ -8,7 +8,10 @@ protobuf is made and read here, at the edge only:
 * commands: :func:`command_to_pb` when a command leaves for its ranks
   (:class:`Wired`, in the server's ``deliver``: once per command, however
   many ranks it goes to), :func:`command_result` when an answer arrives
-  (:func:`.routing.dispatch`);
+  (:func:`.routing.dispatch`); on the rank's side, :func:`command` when it
+  arrives and :func:`result_to_pb` when the answer leaves (the rank's
+  :class:`~trainguard.core.rank.processor.Processor`), so the rank's
+  recovery (:mod:`trainguard.core.rank.recovery`) works on plain data too;
 * a rank's registration: :class:`Hellos` (in the server's sessions), which
   parses its replica groups once for every rank that sends the same one;
 * a rank's persist health: :func:`persist_report` (:func:`.routing.dispatch`);
@@ -21,21 +24,21 @@ protobuf is made and read here, at the edge only:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..agent_messages import (AgentEvent, AgentHello, AgentOrder, Dropped, Kill, LinkProbe, LinkRate, Moved,
                               RestartsLeft, StartReplacement)
-from ..api import ProtocolError
+from ..api import ProtocolError, Transfer
 from ..reports import Hello, PersistReport
 from ..checkpoint_parts import FileInfo, SavedShard
 from ..commands import (Clean, Command, CommandResult, Exit, Finalize, Rebuild, Repair, Resume, Rollback, Save,
                         Stop)
 from ..protocol import trainguard_pb2 as pb
 from ..replicas import ReplicaGroup
-from ..rpc import rank_status
+from ..rpc import rank_status, status_to_pb
 
 __all__ = ["Hellos", "Wired", "agent_event", "agent_event_to_pb", "agent_hello", "agent_order", "agent_order_to_pb",
-           "command_result", "command_to_pb", "persist_report"]
+           "command", "command_result", "command_to_pb", "persist_report", "result_to_pb"]
 
 
 def _file(f: FileInfo) -> pb.FileInfo:
@@ -44,6 +47,14 @@ def _file(f: FileInfo) -> pb.FileInfo:
 
 def _shard(s: SavedShard) -> pb.ShardFiles:
     return pb.ShardFiles(kind=s.kind, copies=s.copies, full=s.full, rank=s.rank, files=[_file(f) for f in s.files])
+
+
+def _files_from(files: Iterable[pb.FileInfo]) -> tuple[FileInfo, ...]:
+    return tuple(FileInfo(f.name, f.bytes, f.sha256) for f in files)
+
+
+def _shard_from(s: pb.ShardFiles) -> SavedShard:
+    return SavedShard(kind=s.kind, copies=tuple(s.copies), full=s.full, rank=s.rank, files=_files_from(s.files))
 
 
 #: Each action's protobuf message, by the action's type.
@@ -67,6 +78,33 @@ def command_to_pb(cmd: Command) -> pb.Command:
     return pb.Command(id=cmd.id, epoch=cmd.epoch, **{cmd.name: _TO_PB[type(cmd.action)](cmd.action)})
 
 
+#: Each action from the value of its protobuf field, by the field's name.
+_FROM_PB: dict[str, Callable] = {
+    "stop": lambda m: Stop(reason=m.reason, at_boundary=m.at_boundary),
+    "clean": lambda m: Clean(uce=m.uce),
+    "rebuild": lambda m: Rebuild(m.generation, excluded=tuple(m.excluded), join_store=m.join_store),
+    "repair": lambda m: Repair(m.step, tuple(Transfer(t.src, t.dst, t.kind) for t in m.transfers)),
+    "rollback": lambda m: Rollback(m.step),
+    "save": lambda m: Save(m.step, kinds=tuple(m.kinds), carry=tuple(m.carry)),
+    "finalize": lambda m: Finalize(m.step, tuple(_shard_from(s) for s in m.shards), m.history_json,
+                                   _files_from(m.own)),
+    "resume": lambda m: Resume(m.step, m.record_json, m.pids_json, replicas=m.replicas),
+    "exit": lambda m: Exit(m.code, m.reason),
+}
+
+
+def command(msg: pb.Command) -> Command:
+    """A command as the rank takes it (the inverse of :func:`command_to_pb`).
+
+    Raises:
+        ProtocolError: a command with no action.
+    """
+    name = msg.WhichOneof("action")
+    if name is None:
+        raise ProtocolError(f"command {msg.id} carries no action")
+    return Command(msg.id, msg.epoch, _FROM_PB[name](getattr(msg, name)))
+
+
 def command_result(result: pb.CommandResult) -> CommandResult:
     """A rank's answer as the controller's core takes it.
 
@@ -75,11 +113,14 @@ def command_result(result: pb.CommandResult) -> CommandResult:
     """
     return CommandResult(
         command_id=result.command_id, ok=result.ok, status=rank_status(result.status), code=result.code,
-        message=result.message,
-        shards=tuple(SavedShard(kind=s.kind, copies=tuple(s.copies), full=s.full, rank=s.rank,
-                                files=tuple(FileInfo(f.name, f.bytes, f.sha256) for f in s.files))
-                     for s in result.shards),
-        own=tuple(FileInfo(f.name, f.bytes, f.sha256) for f in result.own))
+        message=result.message, shards=tuple(_shard_from(s) for s in result.shards), own=_files_from(result.own))
+
+
+def result_to_pb(result: CommandResult) -> pb.CommandResult:
+    """The protobuf ``CommandResult`` of a rank's answer (the inverse of :func:`command_result`)."""
+    return pb.CommandResult(command_id=result.command_id, ok=result.ok, code=result.code, message=result.message,
+                            status=status_to_pb(result.status), shards=[_shard(s) for s in result.shards],
+                            own=[_file(f) for f in result.own])
 
 
 class Wired:

@@ -28,15 +28,18 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import grpc
 
-from ..api import (EXIT_HUNG, ControllerLostError, DataStatus, FaultKind, ProtocolError, RunStatus, Severity,
-                  TransitionError)
+from ..api import (EXIT_HUNG, ControllerLostError, DataStatus, FaultKind, ProtocolError, RankStatus, RunStatus,
+                   Severity, TransitionError)
+from ..checkpoint_parts import FileInfo, SavedShard
+from ..commands import Command, CommandResult, Exit, Stop
 from ..config import ProcessorConfig
+from ..control import wire
 from ..protocol import trainguard_pb2 as pb
 from ..replicas import ReplicaGroup
-from ..rpc import SERVICE, auth_metadata, client_channel, to_pb_status
+from ..rpc import SERVICE, auth_metadata, client_channel, status_to_pb
 from ..transitions import Locked, advance
 from . import messages
-from .watchdog import Alarm, ProgressWatchdog, WatchdogConfig
+from .watchdog import ProgressWatchdog, WatchdogConfig
 
 if TYPE_CHECKING:
     from ..snapshot.health import Failing
@@ -100,16 +103,8 @@ class Processor:
         self.watchdog.on_section = self._section_opened
 
     # ---------------------------------------------------------- connection
-    def connect(
-        self,
-        *,
-        step: int = 0,
-        replicas: Sequence[ReplicaGroup] = (),
-        device: str = "cpu",
-        device_repairable: bool = True,
-        restart_count: int = 0,
-        joining: bool = False,
-    ) -> None:
+    def connect(self, *, step: int = 0, replicas: Sequence[ReplicaGroup] = (), device: str = "cpu",
+                device_repairable: bool = True, restart_count: int = 0, joining: bool = False) -> None:
         """Register with the controller and start the background thread
         (``joining``: this process replaces a lost one in a recovery).
 
@@ -124,7 +119,7 @@ class Processor:
         if self.config is None:
             raise ControllerLostError("an offline processor cannot connect")
         self.step = step
-        hello = messages.hello(self.rank, self.config.world_size, to_pb_status(step, self.run, self.data), replicas,
+        hello = messages.hello(self.rank, self.config.world_size, self._status(), replicas,
                                device=device, device_repairable=device_repairable, restart_count=restart_count,
                                joining=joining)
         self._channel = client_channel(self.config.controller, self.config.max_message_bytes, self.config.tls)
@@ -172,7 +167,8 @@ class Processor:
             except queue.Empty:
                 alarm = self.watchdog.check() if self.watchdog.config.enabled else None
                 if alarm is not None:
-                    msg = self._hang_report(alarm)
+                    log.error("rank %d: %s", self.rank, alarm.describe())
+                    msg = messages.hang_report(alarm, self._clock(), self._status())
                 elif time.monotonic() - sent >= self._heartbeat_s:
                     msg = pb.RankMessage(heartbeat=self._status())
                 else:
@@ -187,10 +183,6 @@ class Processor:
             sent = time.monotonic()
             yield msg
 
-    def _hang_report(self, alarm: Alarm) -> pb.RankMessage:
-        log.error("rank %d: %s", self.rank, alarm.describe())
-        return messages.hang_report(alarm, self._clock(), self._status())
-
     def _receive(self) -> None:
         try:
             for msg in self._call:
@@ -200,21 +192,26 @@ class Processor:
                     self._outbox.put(_WAKE)
                     self._welcome.set()
                     continue
-                cmd = msg.command
-                action = cmd.WhichOneof("action")
-                if action == "stop":
+                try:
+                    cmd = wire.command(msg.command)
+                except ProtocolError as e:
+                    log.error("rank %d refused a command from the controller: %s", self.rank, e)
+                    self.send_result(msg.command.id, ok=False, message=f"refused: {e}")
+                    continue
+                if isinstance(cmd.action, Stop):
                     self.stops += 1
                     self.watchdog.disarm()
                     self.stop_event.set()
                     # A planned pause lets the step in hand finish.
-                    for listener in [] if cmd.stop.at_boundary else list(self._stop_listeners):
+                    for listener in [] if cmd.action.at_boundary else list(self._stop_listeners):
                         try:
                             listener()
                         except Exception:
                             log.exception("stop listener failed")
-                elif action == "exit":
+                elif isinstance(cmd.action, Exit):
                     # A hung loop will not leave by itself: no grace then.
-                    self._arm_exit(cmd.exit.code, grace_s=0.2 if cmd.exit.code == EXIT_HUNG else None)
+                    code = cmd.action.code
+                    self._arm_exit(code, grace_s=0.2 if code == EXIT_HUNG else None)
                 self._commands.put(cmd)
         except grpc.RpcError as e:
             self._error = f"{e.code().name}: {e.details()}"
@@ -326,11 +323,13 @@ class Processor:
         self.step = step
 
     # ----------------------------------------------------------- reports
+    def status(self) -> RankStatus:
+        """What this rank says of itself in each message."""
+        return RankStatus(step=self.step, run=self.run, data=self.data, step_time_s=self.watchdog.median_step_s,
+                          silence_s=self.watchdog.section_limit_s())
+
     def _status(self) -> pb.Status:
-        status = to_pb_status(self.step, self.run, self.data)
-        status.step_time_s = self.watchdog.median_step_s
-        status.silence_s = self.watchdog.section_limit_s()
-        return status
+        return status_to_pb(self.status())
 
     def _section_opened(self) -> None:
         """Tell the controller now, before the section's work may hold the
@@ -365,13 +364,14 @@ class Processor:
         storage (``None``: they reach it again), for ``trainguard status``."""
         self._post(messages.persist_health(failing))
 
-    def send_result(self, cmd: pb.Command, *, ok: bool, code: int = 0, message: str = "",
-                    shards: Sequence[pb.ShardFiles] = (), own: Sequence[pb.FileInfo] = ()) -> None:
-        self._post(pb.RankMessage(result=pb.CommandResult(
-            command_id=cmd.id, ok=ok, code=code, message=message[:2000], status=self._status(), shards=shards,
-            own=own)))
+    def send_result(self, command_id: int, *, ok: bool, code: int = 0, message: str = "",
+                    shards: Sequence[SavedShard] = (), own: Sequence[FileInfo] = ()) -> None:
+        """Answer command ``command_id`` (a save's answer lists the files written)."""
+        result = CommandResult(command_id=command_id, ok=ok, status=self.status(), code=code, message=message[:2000],
+                               shards=tuple(shards), own=tuple(own))
+        self._post(pb.RankMessage(result=wire.result_to_pb(result)))
 
-    def next_command(self, timeout: float | None = None) -> pb.Command | None:
+    def next_command(self, timeout: float | None = None) -> Command | None:
         """The next command for the training thread (``None`` on timeout).
 
         Raises:

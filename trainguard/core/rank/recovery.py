@@ -18,9 +18,9 @@ from typing import Sequence
 from ..api import DataStatus, FaultKind, ForceStop, RunStatus, Severity, Transfer
 from ..checkpoint import FileInfo, SavedShard
 from ..classify import Classifier
+from ..commands import Action, Clean, Exit, Finalize, Rebuild, Repair, Resume, Rollback, Save, Stop
 from ..faults import FaultInjector
 from .processor import Processor
-from ..protocol import trainguard_pb2 as pb
 
 __all__ = ["Handlers", "Outcome", "recover"]
 
@@ -130,66 +130,56 @@ def recover(processor: Processor, handlers: Handlers, *, injector: FaultInjector
     """
     while True:
         cmd = processor.next_command()
-        action = cmd.WhichOneof("action")
-        if action == "stop":
-            processor.report_stopped()
-            continue
-        if action == "exit":
-            processor.set_run(RunStatus.EXITING, "exit command")
-            return Outcome(resume=False, exit_code=cmd.exit.code, reason=cmd.exit.reason)
-        if action == "resume":
-            record = json.loads(cmd.resume.record_json) if cmd.resume.record_json else None
-            pids = json.loads(cmd.resume.pids_json) if cmd.resume.pids_json else None
-            handlers.resumed(cmd.resume.step, record or {}, pids, cmd.resume.replicas)
-            processor.resumed(new_processes=bool(pids))  # the controller sends the PIDs when it started some
-            return Outcome(resume=True, step=cmd.resume.step, record=record)
-        processor.set_run(RunStatus.RECOVERING, f"{action} command")
+        match cmd.action:
+            case Stop():
+                processor.report_stopped()
+                continue
+            case Exit(code=code, reason=reason):
+                processor.set_run(RunStatus.EXITING, "exit command")
+                return Outcome(resume=False, exit_code=code, reason=reason)
+            case Resume() as resume:
+                record = json.loads(resume.record_json) if resume.record_json else None
+                pids = json.loads(resume.pids_json) if resume.pids_json else None
+                handlers.resumed(resume.step, record or {}, pids, resume.replicas)
+                processor.resumed(new_processes=bool(pids))  # the controller sends the PIDs when it started some
+                return Outcome(resume=True, step=resume.step, record=record)
+        processor.set_run(RunStatus.RECOVERING, f"{cmd.name} command")
         try:
             if injector is not None:
                 injector.strike("recovery", processor.step)
-            code, shards = _execute(handlers, action, cmd, processor.world_size)
-            processor.send_result(cmd, ok=code != CLEAN_FAILED, code=code,
-                                  message="clean failed" if code == CLEAN_FAILED else "", shards=shards[0],
-                                  own=shards[1])
+            code, shards, own = _execute(handlers, cmd.action, processor.world_size)
+            processor.send_result(cmd.id, ok=code != CLEAN_FAILED, code=code,
+                                  message="clean failed" if code == CLEAN_FAILED else "", shards=shards, own=own)
         except ForceStop as e:
-            processor.send_result(cmd, ok=False, message=str(e))
+            processor.send_result(cmd.id, ok=False, message=str(e))
         except Exception as e:  # the controller falls back, and its one WARNING tells why
-            log.info("rank %d: %s handler failed: %s: %s", processor.rank, action, type(e).__name__, e)
-            log.debug("rank %d: %s handler failed", processor.rank, action, exc_info=True)
-            processor.send_result(cmd, ok=False, message=f"{type(e).__name__}: {e}")
-        processor.set_run(RunStatus.STOPPED, f"{action} command done")
+            log.info("rank %d: %s handler failed: %s: %s", processor.rank, cmd.name, type(e).__name__, e)
+            log.debug("rank %d: %s handler failed", processor.rank, cmd.name, exc_info=True)
+            processor.send_result(cmd.id, ok=False, message=f"{type(e).__name__}: {e}")
+        processor.set_run(RunStatus.STOPPED, f"{cmd.name} command done")
 
 
-def _files(files: Sequence[FileInfo]) -> list[pb.FileInfo]:
-    return [pb.FileInfo(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]
-
-
-def _execute(handlers: Handlers, action: str, cmd: pb.Command,
-             world_size: int) -> tuple[int, tuple[list[pb.ShardFiles], list[pb.FileInfo]]]:
+def _execute(handlers: Handlers, action: Action,
+             world_size: int) -> tuple[int, Sequence[SavedShard], Sequence[FileInfo]]:
     """Carry out one command; returns the clean code (else 0) and, for a
-    save, the shards and own-part files written."""
-    if action == "clean":
-        return handlers.clean(cmd.clean.uce), ([], [])
-    if action == "rebuild":
-        excluded = set(cmd.rebuild.excluded)
-        handlers.rebuild(cmd.rebuild.generation, [r for r in range(world_size) if r not in excluded],
-                         cmd.rebuild.join_store)
-    elif action == "repair":
-        handlers.repair(cmd.repair.step, [Transfer(t.src, t.dst, t.kind) for t in cmd.repair.transfers])
-    elif action == "rollback":
-        handlers.rollback(cmd.rollback.step)
-    elif action == "save":
-        written = [pb.ShardFiles(kind=kind, files=_files(handlers.save(cmd.save.step, kind)))
-                   for kind in cmd.save.kinds]
-        return 0, (written, _files(handlers.save_own(cmd.save.step, list(cmd.save.carry))))
-    elif action == "finalize":
-        shards = [SavedShard(kind=s.kind, copies=tuple(s.copies), full=s.full, rank=s.rank,
-                             files=tuple(FileInfo(f.name, f.bytes, f.sha256) for f in s.files))
-                  for s in cmd.finalize.shards]
-        history = json.loads(cmd.finalize.history_json) if cmd.finalize.history_json else {}
-        own = [FileInfo(f.name, f.bytes, f.sha256) for f in cmd.finalize.own]
-        # Handlers of a framework with no own parts may not take them.
-        handlers.finalize(cmd.finalize.step, shards, history, **({"own": own} if own else {}))
-    else:
-        raise ValueError(f"unknown command {action!r}")
-    return 0, ([], [])
+    save, the shards (their kind and files) and own-part files written."""
+    match action:
+        case Clean(uce=uce):
+            return handlers.clean(uce), (), ()
+        case Rebuild(generation=generation, excluded=excluded, join_store=join_store):
+            handlers.rebuild(generation, [r for r in range(world_size) if r not in set(excluded)], join_store)
+        case Repair(step=step, transfers=transfers):
+            handlers.repair(step, list(transfers))
+        case Rollback(step=step):
+            handlers.rollback(step)
+        case Save(step=step, kinds=kinds, carry=carry):
+            shards = [SavedShard(kind=kind, copies=(), full=False, rank=0, files=tuple(handlers.save(step, kind)))
+                      for kind in kinds]
+            return 0, shards, handlers.save_own(step, list(carry))
+        case Finalize(step=step, shards=shards, history_json=history_json, own=own):
+            history = json.loads(history_json) if history_json else {}
+            # Handlers of a framework with no own parts may not take them.
+            handlers.finalize(step, list(shards), history, **({"own": list(own)} if own else {}))
+        case _:
+            raise ValueError(f"unknown command {action!r}")
+    return 0, (), ()
