@@ -5,8 +5,10 @@ every update, packed without pickling, never put on a device by a load.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import types
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from trainguard.adapters.torch.own import pack, unpack
 from trainguard.adapters.torch.snapshot import Snapshots, on_device, read_payload_into
 from trainguard.adapters.torch.trainstate import TrainState
 from trainguard.core import CheckpointError
+from trainguard.core.checkpoint import FileInfo
 from trainguard.core.snapshot import SnapshotDir
 from trainguard.core.snapshot.own import OwnRecords, carry, read_own
 
@@ -206,3 +209,19 @@ def test_a_rank_a_step_ahead_saves_its_own_part_of_the_dumped_step_from_its_node
     assert written == [(6, 1, b"rank 1 at step 6")]
     with pytest.raises(CheckpointError, match="committed step 7, not 5, and its node holds no record of step 5"):
         TorchHandlers(guard).save_own(5, [])
+
+
+def test_mindspore_file_records_cross_its_32_bit_all_gather_exactly():
+    """A MindSpore periodic save gathers each rank's own-part file record as
+    integers; MindSpore's CPU AllGather keeps 32 bits of each, so the record
+    is made of values that fit and a wider value is refused, not truncated."""
+    own = pytest.importorskip("trainguard.adapters.mindspore.own")
+    collectives = pytest.importorskip("trainguard.adapters.mindspore.collectives")
+    info = FileInfo("own_r1.json", 5120, hashlib.sha256(b"streams").hexdigest())
+    ints = own.file_ints(info)
+    assert len(ints) == own.FILE_INTS and all(0 <= v < 2**31 for v in ints), ints
+    assert own.file_from_ints("own_r1.json", ints) == info
+    single = types.SimpleNamespace(world_size=1)
+    assert collectives.Collectives.all_gather_ints(single, [7, 2**31 - 1]) == [7, 2**31 - 1]
+    with pytest.raises(ValueError, match="32-bit values"):
+        collectives.Collectives.all_gather_ints(single, [2**62 + 12345])

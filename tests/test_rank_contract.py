@@ -95,15 +95,19 @@ UCE = "uce:rank=1,step=2,phase=backward"
 CRASH = "crash:rank=1,step=3,phase=backward"
 
 
-def _run_job(framework: str, tmp, name: str, fault: str | None, *, rc: int = 0) -> dict:
+SAVES = {"CONTRACT_SAVE_EVERY": "2"}
+
+
+def _run_job(framework: str, tmp, name: str, fault: str | None, *, rc: int = 0, steps: int = JOB_STEPS,
+             env: dict | None = None) -> dict:
     """Launch ``workers/rank_job.py`` on two ranks (again, after a dump:
     the same command); every rank's report by rank."""
-    env = {"CONTRACT_FRAMEWORK": framework}
+    env = {"CONTRACT_FRAMEWORK": framework, **(env or {})}
     if framework == "mindspore":
-        job = run_ms(tmp, name, fault=fault, script=WORKERS / "rank_job.py", env=env, steps=JOB_STEPS)
+        job = run_ms(tmp, name, fault=fault, script=WORKERS / "rank_job.py", env=env, steps=steps)
         ranks = job.ranks
     else:
-        job = run_job(tmp, name, nproc=2, steps=JOB_STEPS, fault=fault, script=WORKERS / "rank_job.py", env=env)
+        job = run_job(tmp, name, nproc=2, steps=steps, fault=fault, script=WORKERS / "rank_job.py", env=env)
         ranks = {int(p.suffix[1:]): json.loads(p.read_text()) for p in tmp.glob(f"{name}.json.[0-9]")}
     assert job.rc == rc, job
     assert sorted(ranks) == ([0, 1] if rc == 0 else []), job
@@ -111,18 +115,24 @@ def _run_job(framework: str, tmp, name: str, fault: str | None, *, rc: int = 0) 
 
 
 class RankJobContract:
-    """The two-rank suite; a subclass names its framework in ``framework``."""
+    """The two-rank suite; a subclass names its framework in ``framework``
+    and whether the Guard's periodic saves are its (``periodic``)."""
 
     framework = ""
+    periodic = True
 
     @pytest.fixture(scope="class")
     @classmethod
     def jobs(cls, tmp_path_factory) -> dict:
         tmp = tmp_path_factory.mktemp(f"contract-job-{cls.framework}")
-        return {"reference": _run_job(cls.framework, tmp, "reference", None),
+        jobs = {"reference": _run_job(cls.framework, tmp, "reference", None),
                 "uce": _run_job(cls.framework, tmp, "uce", UCE),
                 "dump": _run_job(cls.framework, tmp, "crash", CRASH, rc=75),
                 "relaunch": _run_job(cls.framework, tmp, "crash", CRASH)}
+        if cls.periodic:  # a shorter run saving every 2 steps, then the whole run from its last save
+            jobs["saved"] = _run_job(cls.framework, tmp, "periodic", None, steps=JOB_STEPS - 2, env=SAVES)
+            jobs["longer"] = _run_job(cls.framework, tmp, "periodic", None, env=SAVES)
+        return jobs
 
     def test_the_fault_free_run_completes_every_step_with_no_recovery(self, jobs):
         for rank, report in jobs["reference"]["ranks"].items():
@@ -169,12 +179,31 @@ class RankJobContract:
                 (rank, jobs["dump"]["log"][-3000:], jobs["relaunch"]["log"][-3000:])
 
 
+    def test_a_periodic_save_holds_every_ranks_streams_and_a_longer_run_resumes_from_it_bit_identical(self, jobs):
+        if not self.periodic:
+            pytest.skip(self.periodic_skip)
+        manifests = [json.loads(p.read_text()) for p in jobs["saved"]["ckpt"].rglob("manifest.json")]
+        (resumed,) = [m for m in manifests if m["step"] == JOB_STEPS - 2]  # the shorter run's last save
+        assert {f"own_r{r}" for r in (0, 1)} <= {n.rsplit(".", 1)[0] for n in resumed["files"]}, resumed["files"]
+        reference, longer = jobs["reference"]["ranks"], jobs["longer"]["ranks"]
+        for rank in reference:
+            assert f"rank {rank} resumed from storage at step {JOB_STEPS - 2}" in jobs["longer"]["log"], \
+                jobs["longer"]["log"][-3000:]
+            assert longer[rank]["steps_completed"] == JOB_STEPS, (rank, longer[rank])
+            assert longer[rank]["state_sha256"] == reference[rank]["state_sha256"], (rank, jobs["longer"]["log"][-3000:])
+            assert longer[rank]["streams_sha256"] == reference[rank]["streams_sha256"], \
+                (rank, jobs["longer"]["log"][-3000:])
+
+
 class TestTorchJob(RankJobContract):
     framework = "torch"
 
 
 class TestMegatronTtpJob(RankJobContract):
     framework = "ttp"
+    periodic = False
+    periodic_skip = ("a Megatron job's periodic save is Megatron-LM's own save_checkpoint, whose rng_state "
+                     "test_compat_mindio round-trips")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore")

@@ -25,6 +25,7 @@ import numpy as np
 KEYS = ("steps_completed", "lost_steps", "pids", "recoveries", "state_sha256", "streams_sha256", "pid")
 STEPS, REPORT, CKPT = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 FRAMEWORK = os.environ["CONTRACT_FRAMEWORK"]
+SAVE_EVERY = int(os.environ.get("CONTRACT_SAVE_EVERY", "0"))  # the Guard's periodic saves (torch, MindSpore)
 random.seed(0)
 np.random.seed(0)
 
@@ -69,7 +70,8 @@ def torch_job() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
-    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), checkpoint_dir=CKPT)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), checkpoint_dir=CKPT,
+                  save_every=SAVE_EVERY)
     for step in guard.steps(STEPS):
         with guard.protect():
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank)) * script_draws(rank)
@@ -98,7 +100,7 @@ def mindspore_job() -> None:
     ms.set_seed(0)
     rank = get_rank()
     net = nn.Dense(8, 1, weight_init="ones", bias_init="zeros")
-    guard = Guard(net, nn.Momentum(net.trainable_params(), 0.1, 0.9), checkpoint_dir=CKPT)
+    guard = Guard(net, nn.Momentum(net.trainable_params(), 0.1, 0.9), checkpoint_dir=CKPT, save_every=SAVE_EVERY)
     grad_fn = ms.value_and_grad(nn.WithLossCell(net, nn.MSELoss()), None, guard.optimizer.parameters)
     for step in guard.steps(STEPS):
         with guard.protect():

@@ -19,15 +19,17 @@ state has no per-rank part), and a replica that writes a save copies them
 itself.
 
 Each rank's random streams are its own (:mod:`.own`): recorded in the node
-agent's memory as each update begins, written by every survivor of a dying
-gasp as ``own_r<rank>.json`` (a survivor on a lost rank's node carries that
-rank's record), and set again at a resume from that checkpoint.
+agent's memory as each update begins, written as ``own_r<rank>.json`` by
+every rank at a periodic save and by every survivor of a dying gasp (a
+survivor on a lost rank's node carries that rank's record), and set again at
+a resume from that checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import numpy as np
 
@@ -40,7 +42,7 @@ from trainguard.core.snapshot.own import OwnRecords, read_own
 from trainguard.core.snapshot.shared import Sharing
 
 from .handlers import load_checkpoint, shard_name
-from .own import own_file, pack, unpack
+from .own import FILE_INTS as _FILE_INTS, file_from_ints, file_ints, own_file, pack, unpack
 from .state import set_streams
 
 __all__ = ["Checkpoints", "ParamSnapshots", "read_arrays"]
@@ -159,10 +161,10 @@ class Checkpoints(JobHistory):
         if found is not None and found.step == step and name in found.manifest.get("files", {}):
             set_streams(unpack(found.file(name).read_bytes(), str(found.file(name))))
             return
-        log.warning("rank %d: the checkpoint of step %d holds no random streams of this rank (only a dying gasp "
-                    "writes them, and one that could not carry them says why in its log): they go on as this "
-                    "process seeded them, so a script that draws from them is no longer bit-identical to a "
-                    "fault-free run", self.rank, step)
+        log.warning("rank %d: the checkpoint of step %d holds no random streams of this rank (written before "
+                    "trainguard saved them, or by a dying gasp that could not carry them: its log says why): they "
+                    "go on as this process seeded them, so a script that draws from them is no longer "
+                    "bit-identical to a fault-free run", self.rank, step)
 
     def take_snapshot(self, step: int, *, wait_s: float = 0.0, whole: bool = False) -> int | None:
         """Copy the parameters at ``step`` into memory (only a header naming
@@ -205,31 +207,65 @@ class Checkpoints(JobHistory):
 
     # ----------------------------------------------------------------- save
     def save(self) -> None:
-        """Save a checkpoint at the current step (every rank calls this; the
-        lowest rank of each shard writes it and finalises)."""
+        """Save a checkpoint at the current step (every rank calls this): the
+        lowest rank of the shard writes the parameters and finalises once
+        every rank has written its own part (``own_r<rank>.json``)."""
         if self.store is None:
             raise ConfigError("no checkpoint_dir was given to the Guard")
         if self.rehearsal is not None:
             self.rehearsal.saved(self._step)
         self.injector.strike("save", self._step)
-        copies = self.groups[0].copies(self.rank)
-        if self.snapshots is not None:
-            step, saver = self._step, self.rank == min(copies)
-            index = self.snapshots.holding(step) if not saver or self.sharing.whole(step) else None
-            if index is None:
-                index = self.take_snapshot(step, wait_s=self.save_timeout_s, whole=saver)
-            if saver:
-                name = _snapshot_name(self, step)
-                self.snapshots.persist(index, step, root=str(self.store.root), name=name, finalize={
-                    "expected": [name], "timeout_s": self.save_timeout_s, "keep": self.store.keep,
-                    "layout": {"world_size": self.world_size, "shards": [
-                        {"kind": 0, "copies": list(copies), "full": len(copies) == self.world_size,
-                         "saved_by": self.rank, "files": [name]}]},
-                    "meta": {"history": self.merged_history({}), "finalised_by": self.rank}})
+        step, copies = self._step, self.groups[0].copies(self.rank)
+        saver = self.rank == min(copies)
+        if self.snapshots is None:
+            self._save_now(step, copies, saver)
             return
-        if self.rank == min(copies):
-            shard = self._handlers.write(self._step)
-            self._handlers.finalize_files(self._step, [shard], copies, self.merged_history({}))
+        index = self.snapshots.holding(step) if not saver or self.sharing.whole(step) else None
+        if index is None:
+            index = self.take_snapshot(step, wait_s=self.save_timeout_s, whole=saver)
+        self.snapshots.write_beside(self.store, step, own_file(self.rank), lambda: self._write_committed_own(step),
+                                    whole=not saver)
+        if saver:  # the persist worker's finaliser waits for every rank's own part
+            name = _snapshot_name(self, step)
+            self.snapshots.persist(index, step, root=str(self.store.root), name=name, finalize={
+                "expected": [name] + [own_file(r) for r in range(self.world_size)],
+                "timeout_s": self.save_timeout_s, "keep": self.store.keep,
+                "layout": {"world_size": self.world_size, "shards": [
+                    {"kind": 0, "copies": list(copies), "full": len(copies) == self.world_size,
+                     "saved_by": self.rank, "files": [name]}]},
+                "meta": {"history": self.merged_history({}), "finalised_by": self.rank}})
+
+    def _save_now(self, step: int, copies, saver: bool) -> None:
+        """Every rank writes its own part (the saver the parameters too) and
+        all learn in one all-gather what each wrote, digests included; the
+        saver finalises when every part is there. A rank whose write failed
+        raises its error; the others train on."""
+        error, mine = None, [0] * _FILE_INTS
+        try:
+            own = self._write_committed_own(step)
+            shard = self._handlers.write(step) if saver else None
+            mine = file_ints(own)
+        except CheckpointError as e:
+            error = e
+        every = self.all_gather_ints(mine)
+        rows = [every[r * _FILE_INTS:(r + 1) * _FILE_INTS] for r in range(self.world_size)]
+        missing = [r for r, row in enumerate(rows) if not row[0]]
+        if saver and not missing:
+            owns = [file_from_ints(own_file(r), row) for r, row in enumerate(rows)]
+            self._handlers.finalize_files(step, [shard, *owns], copies, self.merged_history({}))
+        elif saver:
+            log.warning("step %d's checkpoint is not finalised: rank(s) %s could not write their part", step,
+                        missing)
+            shutil.rmtree(self.store.tmp_path(step), ignore_errors=True)
+        if error is not None:
+            raise error
+
+    def _write_committed_own(self, step: int) -> FileInfo:
+        streams = self.state.streams_at(step)
+        if streams is None:
+            raise CheckpointError(f"rank {self.rank} holds no random streams of step {step} "
+                                  f"(it committed step {self.state.snapshot_step})")
+        return self.write_own(step, self.rank, pack(streams))
 
     # ------------------------------------------------- load (RankRuntime._load)
     def _gather_steps(self, steps: list[int], width: int = 64) -> list[list[int]]:

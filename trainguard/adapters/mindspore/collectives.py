@@ -45,7 +45,16 @@ class Collectives:
     """The Guard's collectives and its way out of a failed step (a mix-in)."""
 
     def all_gather_ints(self, values: Sequence[int]) -> list[int]:
-        """Every rank's ``values``, concatenated in rank order."""
+        """Every rank's ``values``, concatenated in rank order.
+
+        Raises:
+            ValueError: a value outside 32 bits: MindSpore 2.10's AllGather
+                on CPU keeps only the low 32 bits of an int64 (seen here:
+                2**62 + 12345 arrives as 12345), so a wider value would
+                arrive wrong on every rank.
+        """
+        if any(not -2**31 <= v < 2**31 for v in values):
+            raise ValueError(f"all_gather_ints carries 32-bit values: {[v for v in values if abs(v) >= 2**31][:4]}")
         mine = Tensor(np.asarray(values, np.int64))
         if self.world_size == 1:
             return [int(v) for v in values]

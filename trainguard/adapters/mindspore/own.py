@@ -20,8 +20,14 @@ import numpy as np
 from mindspore import Tensor
 
 from trainguard.core import CheckpointError
+from trainguard.core.checkpoint import FileInfo
 
-__all__ = ["own_file", "pack", "unpack"]
+__all__ = ["FILE_INTS", "file_from_ints", "file_ints", "own_file", "pack", "unpack"]
+
+#: A written file's record as integers, for the Guard's integer all-gather
+#: (which carries 32 bits of each): 1 (written), its size, its SHA-256 as
+#: sixteen 16-bit words.
+FILE_INTS = 18
 
 #: MindSpore's generator state (``ms.get_rng_state()``: seed and offset as bytes).
 _GENERATOR_DTYPES = ("uint8", "int64")
@@ -30,6 +36,17 @@ _GENERATOR_DTYPES = ("uint8", "int64")
 def own_file(rank: int) -> str:
     """The checkpoint file holding ``rank``'s own part."""
     return f"own_r{rank}.json"
+
+
+def file_ints(info: FileInfo) -> list[int]:
+    """``info``'s size and digest as :data:`FILE_INTS` integers."""
+    digest = bytes.fromhex(info.sha256)
+    return [1, info.bytes, *(int.from_bytes(digest[i:i + 2], "big") for i in range(0, 32, 2))]
+
+
+def file_from_ints(name: str, ints: list[int]) -> FileInfo:
+    """The record :func:`file_ints` made, as file ``name``'s."""
+    return FileInfo(name, int(ints[1]), b"".join(int(w).to_bytes(2, "big") for w in ints[2:FILE_INTS]).hex())
 
 
 def pack(streams: dict[str, Any]) -> bytes:
