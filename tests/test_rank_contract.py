@@ -130,8 +130,9 @@ class RankJobContract:
                 "dump": _run_job(cls.framework, tmp, "crash", CRASH, rc=75),
                 "relaunch": _run_job(cls.framework, tmp, "crash", CRASH)}
         if cls.periodic:  # a shorter run saving every 2 steps, then the whole run from its last save
-            jobs["saved"] = _run_job(cls.framework, tmp, "periodic", None, steps=JOB_STEPS - 2, env=SAVES)
-            jobs["longer"] = _run_job(cls.framework, tmp, "periodic", None, env=SAVES)
+            jobs["saved"] = _run_job(cls.framework, tmp, "periodic", None, steps=JOB_STEPS - 2,
+                                     env={**SAVES, "CONTRACT_SNAPSHOT_EVERY": "1"})  # saves persist snapshots
+            jobs["longer"] = _run_job(cls.framework, tmp, "periodic", None, env=SAVES)  # saves write at once
         return jobs
 
     def test_the_fault_free_run_completes_every_step_with_no_recovery(self, jobs):
@@ -182,9 +183,11 @@ class RankJobContract:
     def test_a_periodic_save_holds_every_ranks_streams_and_a_longer_run_resumes_from_it_bit_identical(self, jobs):
         if not self.periodic:
             pytest.skip(self.periodic_skip)
-        manifests = [json.loads(p.read_text()) for p in jobs["saved"]["ckpt"].rglob("manifest.json")]
-        (resumed,) = [m for m in manifests if m["step"] == JOB_STEPS - 2]  # the shorter run's last save
-        assert {f"own_r{r}" for r in (0, 1)} <= {n.rsplit(".", 1)[0] for n in resumed["files"]}, resumed["files"]
+        manifests = {m["step"]: m for m in (json.loads(p.read_text())
+                                            for p in jobs["saved"]["ckpt"].rglob("manifest.json"))}
+        for step in (JOB_STEPS - 2, JOB_STEPS):  # the shorter run's last save, and the longer run's
+            names = {n.rsplit(".", 1)[0] for n in manifests[step]["files"]}
+            assert {"own_r0", "own_r1"} <= names, (step, manifests[step]["files"])
         reference, longer = jobs["reference"]["ranks"], jobs["longer"]["ranks"]
         for rank in reference:
             assert f"rank {rank} resumed from storage at step {JOB_STEPS - 2}" in jobs["longer"]["log"], \

@@ -26,6 +26,7 @@ KEYS = ("steps_completed", "lost_steps", "pids", "recoveries", "state_sha256", "
 STEPS, REPORT, CKPT = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 FRAMEWORK = os.environ["CONTRACT_FRAMEWORK"]
 SAVE_EVERY = int(os.environ.get("CONTRACT_SAVE_EVERY", "0"))  # the Guard's periodic saves (torch, MindSpore)
+SNAPSHOT_EVERY = int(os.environ.get("CONTRACT_SNAPSHOT_EVERY", "0"))  # its snapshots: a save persists one
 random.seed(0)
 np.random.seed(0)
 
@@ -71,7 +72,7 @@ def torch_job() -> None:
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)))
     guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), checkpoint_dir=CKPT,
-                  save_every=SAVE_EVERY)
+                  save_every=SAVE_EVERY, snapshot_every=SNAPSHOT_EVERY)
     for step in guard.steps(STEPS):
         with guard.protect():
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank)) * script_draws(rank)
@@ -100,7 +101,8 @@ def mindspore_job() -> None:
     ms.set_seed(0)
     rank = get_rank()
     net = nn.Dense(8, 1, weight_init="ones", bias_init="zeros")
-    guard = Guard(net, nn.Momentum(net.trainable_params(), 0.1, 0.9), checkpoint_dir=CKPT, save_every=SAVE_EVERY)
+    guard = Guard(net, nn.Momentum(net.trainable_params(), 0.1, 0.9), checkpoint_dir=CKPT, save_every=SAVE_EVERY,
+                  snapshot_every=SNAPSHOT_EVERY)
     grad_fn = ms.value_and_grad(nn.WithLossCell(net, nn.MSELoss()), None, guard.optimizer.parameters)
     for step in guard.steps(STEPS):
         with guard.protect():
