@@ -4,10 +4,12 @@ end to end (a crash, the dying gasp, the relaunch)."""
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,8 +17,9 @@ pytest.importorskip("megatron.core")
 import trainguard.compat.mindio_ttp.framework_ttp as ttp  # noqa: E402
 import trainguard.compat.mindio_ttp.megatron_ttp as mega  # noqa: E402
 from trainguard.adapters.megatron import checkpoint as ckpt  # noqa: E402
+from trainguard.adapters.megatron.repair import RngHistory  # noqa: E402
 from trainguard.adapters.megatron.session import TTP  # noqa: E402
-from trainguard.core import CheckpointError, ConfigError  # noqa: E402
+from trainguard.core import CheckpointError, ConfigError, Processor  # noqa: E402
 from trainguard.core.checkpoint import SavedShard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -306,3 +309,62 @@ def test_in_place_repair_of_expert_state_in_a_job_without_experts_is_refused_bef
 
     with pytest.raises(RecoveryError, match="cannot repair state of type 1 \\(this job has no experts"):
         mega.repair_callback(3, True, [1], [{"src": 3, "dst": 1, "type": 1}], (3, None, None, None))
+
+
+def _streams() -> tuple:
+    """Python's, NumPy's and torch's streams, comparable with ``==``."""
+    kind, keys, pos, gauss, cached = np.random.get_state()
+    return random.getstate(), (kind, keys.tobytes(), pos, gauss, cached), torch.get_rng_state().numpy().tobytes()
+
+
+def _draw() -> None:
+    random.random(), np.random.random(), torch.rand(3)
+
+
+def _tracked_session() -> RngHistory:
+    """An offline processor and a fresh :class:`RngHistory` on the session's
+    hooks, as ``register_recovery_handlers`` puts the adapter's own."""
+    TTP.processor = Processor(None)
+    history = RngHistory()
+    TTP.update_hooks.append(history.start)
+    TTP.commit_hooks.append(history.commit)
+    return history
+
+
+def test_a_rank_caught_inside_its_update_gets_back_the_streams_its_update_began_with():
+    """Committed step 1, then stopped inside the update to step 2, with
+    draws before the rollback (the fault path, the script's own exception
+    handling): a rollback to step 2 -- the step its replica committed --
+    sets every stream back, bit for bit, to where the update began."""
+    history = _tracked_session()
+    ttp.ttp_start_updating_os(-1)
+    ttp.ttp_end_updating_os(1)
+    _draw()  # step 2's forward pass
+    ttp.ttp_start_updating_os(-1)
+    began = _streams()
+    _draw()  # between the fault and the rollback
+    assert _streams() != began and 2 not in history.states  # the update's start is no committed step
+    assert history.restore(2)
+    assert _streams() == began
+    # The rank stands at step 2 now: a dying gasp before its next commit saves these streams.
+    assert history.states[2] is history.updating[1] and history.updating[0] == 2
+
+
+def test_a_committed_steps_streams_win_over_its_updates_start_and_a_step_never_begun_is_said(caplog):
+    """An optimizer that draws (stochastic rounding, say) moves the streams
+    inside the update: a rank that committed the step goes back to the
+    streams at its commit, where its replicas stand. A step this rank
+    neither committed nor began leaves the streams as they are, with a
+    warning that says so."""
+    history = _tracked_session()
+    ttp.ttp_start_updating_os(-1)
+    _draw()  # the optimizer's own draws
+    ttp.ttp_end_updating_os(1)
+    committed = _streams()
+    _draw()
+    assert history.restore(1) and _streams() == committed
+    now = _streams()
+    with caplog.at_level("WARNING", logger="trainguard.megatron"):
+        assert not history.restore(5)
+    assert _streams() == now
+    assert "no random-number state kept for step 5" in caplog.text and "left as they are" in caplog.text

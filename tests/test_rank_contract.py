@@ -202,11 +202,33 @@ class TestTorchJob(RankJobContract):
     framework = "torch"
 
 
+IN_UPDATE = "comm:rank=1,step=2,phase=optimizer"
+
+
 class TestMegatronTtpJob(RankJobContract):
     framework = "ttp"
     periodic = False
     periodic_skip = ("a Megatron job's periodic save is Megatron-LM's own save_checkpoint, whose rng_state "
                      "test_compat_mindio round-trips")
+
+    def test_a_rank_caught_inside_its_update_takes_the_streams_of_its_updates_start(self, jobs, tmp_path):
+        """Rank 1 fails inside its update to step 3 (a communication error
+        after its parameters changed), once rank 0 committed step 3: the
+        controller locks step 3, which rank 1 never committed, and repairs
+        it from rank 0. Every rank draws from each stream before the
+        rollback (``draws_after_a_fault``), so only the streams kept when
+        rank 1's update began bring it back to the fault-free run."""
+        caught = _run_job(self.framework, tmp_path, "in-update", IN_UPDATE)
+        reference = jobs["reference"]["ranks"]
+        for rank, report in caught["ranks"].items():
+            (record,) = report["recoveries"]
+            assert (record["fault"], record["rank"], record["step"], record["strategy"]) == ("comm", 1, 3, "retry"), \
+                (rank, record)
+            assert report["pids"] == {str(r): [caught["ranks"][r]["pid"]] for r in caught["ranks"]}, report["pids"]
+            assert report["state_sha256"] == reference[rank]["state_sha256"], (rank, caught["log"][-4000:])
+            assert report["streams_sha256"] == reference[rank]["streams_sha256"], (rank, caught["log"][-4000:])
+        assert "no random-number state" not in caught["log"], caught["log"][-4000:]
+        assert "streams are put back as that update began" in caught["log"], caught["log"][-4000:]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore")

@@ -12,6 +12,12 @@ recovery shows in the state as well as in the streams' hash; each rank
 draws its own count (``OWN_DRAWS``), so its streams are its own. Batches are
 a function of (step, rank). ``TRAINGUARD_FAULT`` picks a fault. Every rank
 writes ``REPORT.<rank>``: the same keys whatever the framework (``KEYS``).
+
+The TTP job (no loop object: the script's own code) also draws from each
+stream whenever a step fails, before the controller's rollback
+(:func:`draws_after_a_fault`), and strikes ``phase=optimizer`` inside its
+update window, after its peers committed that update
+(:func:`await_peers_commit`).
 """
 
 import hashlib
@@ -19,6 +25,7 @@ import json
 import os
 import random
 import sys
+import time
 
 import numpy as np
 
@@ -45,6 +52,38 @@ def script_draws(rank: int) -> float:
     for _ in range(rank * OWN_DRAWS):
         random.random(), np.random.random()
     return 1.0 + 0.1 * random.random() + 0.1 * float(np.random.random())
+
+
+def draws_after_a_fault() -> None:
+    """What a script's own exception handling may draw before the
+    controller's rollback (a sample to log, a reshuffle): one number from
+    each stream. The TTP job does it on every rank whose step failed; the
+    rollback must undo it, or the redone steps draw other numbers than the
+    fault-free run did."""
+    import torch
+
+    random.random(), np.random.random(), torch.rand(1)
+
+
+def mark_commit(step: int, rank: int) -> None:
+    """Tell the other ranks that this one committed ``step`` (a file in the
+    checkpoint directory's hidden part)."""
+    os.makedirs(os.path.join(CKPT, ".commits"), exist_ok=True)
+    open(os.path.join(CKPT, ".commits", f"{rank}.{step}"), "w").close()
+
+
+def await_peers_commit(step: int, rank: int, world: int) -> None:
+    """Wait until every other rank committed ``step`` (:func:`mark_commit`).
+    A rank whose fault strikes inside its update (``phase=optimizer``) waits
+    so before striking: its peers then hold the step it was updating to,
+    the controller locks that step, and this rank is repaired to a step it
+    never committed -- every run alike, not as a race decides."""
+    others = [os.path.join(CKPT, ".commits", f"{r}.{step}") for r in range(world) if r != rank]
+    deadline = time.monotonic() + 60
+    while not all(map(os.path.exists, others)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other ranks did not commit step {step} within 60 s")
+        time.sleep(0.01)
 
 
 def streams_sha256(framework_stream: bytes) -> str:
@@ -148,22 +187,31 @@ def ttp_job() -> None:
         if ttp.tft_get_repair_step() >= 0:
             iteration = ttp.tft_get_repair_step()
         ttp.ttp_set_ckpt_args((iteration, model, optimizer, None))
-        while iteration < STEPS:
-            injector.strike("forward", iteration)
-            g = torch.Generator().manual_seed(100 * iteration + rank)
-            x = torch.randn(4, 8, generator=g) * script_draws(rank)
-            optimizer.zero_grad(set_to_none=True)
-            model(x).square().mean().backward()
-            injector.strike("backward", iteration)
-            for p in model.parameters():
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-                p.grad /= len(dp_ranks)
-            ttp.ttp_start_updating_os(-1)
-            optimizer.step()
-            ttp.ttp_end_updating_os(iteration + 1)
-            injector.strike("optimizer", iteration)
-            iteration += 1
-            ttp.ttp_set_ckpt_args((iteration, model, optimizer, None))
+        in_update_fault = any(s.phase == "optimizer" for s in injector.specs)
+        try:
+            while iteration < STEPS:
+                injector.strike("forward", iteration)
+                g = torch.Generator().manual_seed(100 * iteration + rank)
+                x = torch.randn(4, 8, generator=g) * script_draws(rank)
+                optimizer.zero_grad(set_to_none=True)
+                model(x).square().mean().backward()
+                injector.strike("backward", iteration)
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                    p.grad /= len(dp_ranks)
+                ttp.ttp_start_updating_os(-1)
+                optimizer.step()
+                if injector.wants("optimizer"):
+                    await_peers_commit(iteration + 1, rank, world)
+                injector.strike("optimizer", iteration)  # inside the update window: this rank is caught in it
+                ttp.ttp_end_updating_os(iteration + 1)
+                if in_update_fault:
+                    mark_commit(iteration + 1, rank)
+                iteration += 1
+                ttp.ttp_set_ckpt_args((iteration, model, optimizer, None))
+        except Exception:
+            draws_after_a_fault()  # the script's own handling of a failed step, before the rollback
+            raise
         return iteration
 
     os.environ["TRAINGUARD_CHECKPOINT_DIR"] = CKPT

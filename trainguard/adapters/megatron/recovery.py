@@ -106,24 +106,31 @@ def repair_callback(step: int, need_rebuild: bool, error_ranks: Sequence[int], r
 
 def rollback_callback(step: int, args: Any, ctx: Any = None) -> None:
     """Random streams back to where they were when ``step`` was committed
-    (the wrapped function starts again at ``tft_get_repair_step()``)."""
+    -- or, on a rank caught inside its update to ``step``, when that update
+    began (the wrapped function starts again at ``tft_get_repair_step()``)."""
     _rng.restore(step)
 
 
 def track_rng() -> None:
     """Keep the random streams of the last committed steps (for a rollback,
-    and for a dying gasp, which saves those of the locked step)."""
+    and for a dying gasp, which saves those of the locked step) and of the
+    update in flight as it began (for a rollback of a rank caught in it)."""
     if _rng.commit not in TTP.commit_hooks:
         TTP.commit_hooks.append(_rng.commit)
+    if _rng.start not in TTP.update_hooks:
+        TTP.update_hooks.append(_rng.start)
 
 
 def committed_rng(step: int) -> dict | None:
-    """The random streams when ``step`` was committed, if kept."""
+    """The random streams when ``step`` was committed (or set back to by a
+    rollback to it), if kept; never those of an update still in flight (the
+    dying gasp saves a completed step's)."""
     return _rng.states.get(step)
 
 
 def register_recovery_handlers() -> None:
-    """Register the five handlers and keep each committed step's random streams."""
+    """Register the five handlers and keep this rank's random streams at
+    each commit and as each update begins."""
     TTP.register("stop", stop_callback)
     TTP.register("clean", clean_callback)
     TTP.register("rebuild", rebuild_callback)

@@ -4,9 +4,11 @@ After a device memory error (UCE) or a communication fault the job goes on
 without a restart: every rank drops the step it was in (:func:`clean`), a
 rank whose state is lost receives it from data-parallel replicas that
 completed the same step (:func:`send_replica` / :func:`receive_replica`),
-and every rank puts back its random-number streams as they were when that
-step was committed (:class:`RngHistory`), so the step is redone exactly as
-it would have run.
+and every rank puts back its random-number streams of that step
+(:class:`RngHistory`), so the step is redone exactly as it would have run:
+as they were when the rank committed the step or, on a rank caught inside
+its update to that step (repaired from a replica that committed it), as
+they were when that update began.
 
 What travels: each model chunk's parameters and buffers, the optimizer's
 state (with megatron's distributed optimizer: this rank's shard -- the fp32
@@ -216,23 +218,59 @@ def receive_replica(group: Any, src: int, model: Any, optimizer: Any, scheduler:
 
 
 class RngHistory:
-    """This rank's random-number streams at the last ``keep`` committed steps."""
+    """This rank's random-number streams at the last ``keep`` committed
+    steps, and as they were when the update in flight began.
+
+    A rank caught inside its update to step N+1 -- it committed only N --
+    may be repaired from a replica that committed N+1 and rolled back to
+    it; the streams kept as that update began are then its streams at
+    N+1. Only the latest update's are kept: a rank is caught in no other.
+    """
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
-        self.states: OrderedDict[int, dict] = OrderedDict()
+        self.states: OrderedDict[int, dict] = OrderedDict()  # committed steps' only: the dying gasp saves these
+        self.updating: tuple[int, dict] | None = None  # (the step the update will commit, the streams as it began)
+
+    def start(self, step: int) -> None:
+        """The update that will commit ``step`` begins (``start_updating_os``)."""
+        self.updating = (step, rng_state())
 
     def commit(self, step: int) -> None:
         self.states[step] = rng_state()
         while len(self.states) > self.keep:
             self.states.popitem(last=False)
 
+    def streams_at(self, step: int) -> dict | None:
+        """The streams of ``step``: as it was committed, else as the update
+        to it began, else ``None``.
+
+        The committed record wins: taken at the step's boundary, after all
+        the update drew, it is exact. The update's start misses only what
+        the optimizer itself draws (torch's and megatron's draw nothing; a
+        stochastic-rounding one would) -- the best a rank caught inside its
+        update can know, since it never reached the boundary.
+        """
+        if step in self.states:
+            return self.states[step]
+        if self.updating is not None and self.updating[0] == step:
+            return self.updating[1]
+        return None
+
     def restore(self, step: int) -> bool:
-        """Put back the streams of ``step``; False when they were not kept."""
-        state = self.states.get(step)
+        """Put back the streams of ``step`` (:meth:`streams_at`); False
+        when this rank neither committed it nor began the update to it."""
+        state = self.streams_at(step)
         if state is None:
-            log.warning("no random-number state kept for step %d (kept: %s): the streams go on from here",
-                        step, list(self.states))
+            began = self.updating[0] if self.updating is not None else None
+            log.warning("no random-number state kept for step %d on this rank (committed steps kept: %s; update "
+                        "begun to step %s): its streams are left as they are, so the steps redone from %d draw "
+                        "other random numbers than a run without the fault would", step, list(self.states), began,
+                        step)
             return False
+        if step not in self.states:
+            log.info("step %d was not committed on this rank (caught inside its update): its streams are put back "
+                     "as that update began", step)
+            self.states[step] = state  # this rank now stands at step: a dying gasp before its next commit saves these
         set_rng_state(state)
         return True

@@ -100,11 +100,14 @@ def set_args(args: Any) -> None:
 
 
 def start_update() -> None:
-    """The optimizer update starts (a STOP already received ends the step here)."""
+    """The optimizer update starts (a STOP already received ends the step
+    here); tells the update hooks the step it will commit."""
     processor = TTP.live()
     if processor.stop_event.is_set():
         raise ForceStop("stopped before the optimizer update")
     processor.start_update()
+    for hook in TTP.update_hooks:
+        hook(TTP.step + 1)
 
 
 def end_update(step: int) -> None:

@@ -59,6 +59,7 @@ class TtpSession(JobHistory):
         self.args_hooks: list[Callable[[Any], None]] = []  # told of each ttp_set_ckpt_args (megatron_ttp's snapshots)
         self.generation = 0  # of the process groups, as the controller numbers them (set at each rebuild)
         self.commit_hooks: list[Callable[[int], None]] = []  # told of each committed step (ttp_end_updating_os)
+        self.update_hooks: list[Callable[[int], None]] = []  # told, as an update begins, of the step it will commit
         self._settings: RankConfig | None = None
 
     @property
