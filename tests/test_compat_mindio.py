@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -300,8 +301,9 @@ def test_the_trainguard_backend_is_registered_and_checks_its_inner_backend(monke
     backend.register()  # idempotent
     assert dist.Backend.backend_list.count("trainguard") == 1
     monkeypatch.setenv("TRAINGUARD_INNER_BACKEND", "mpi")
+    monkeypatch.setattr(backend, "_settings", None)  # the rank's settings are read at the first group
     with pytest.raises(ValueError, match="TRAINGUARD_INNER_BACKEND='mpi': choose gloo or nccl"):
-        backend._inner()
+        backend._create(dist.HashStore(), 0, 1, timedelta(seconds=5))
 
 
 def test_in_place_repair_of_expert_state_in_a_job_without_experts_is_refused_before_anything_is_copied():

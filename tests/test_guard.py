@@ -120,6 +120,20 @@ def test_snapshots_copied_in_line_when_overlap_is_off_and_a_bad_value_is_refused
     guard.close()
 
 
+def test_the_rank_s_fault_and_store_settings_reach_the_guard_s_parts(world, monkeypatch):
+    monkeypatch.setenv("TRAINGUARD_FAULT", "uce:rank=0")
+    with pytest.raises(ConfigError, match="TRAINGUARD_FAULT: bad fault 'uce:rank=0': missing step"):
+        Guard(*make())  # refused before anything is built
+    monkeypatch.setenv("TRAINGUARD_FAULT", "uce:rank=0,step=7,phase=backward")
+    monkeypatch.setenv("TRAINGUARD_STORE_ROUND", "41234")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    guard = Guard(*make())
+    assert guard.injector.specs == tuple(FaultSpec.parse("uce:rank=0,step=7,phase=backward"))
+    assert guard.injector.wants("backward")
+    assert guard.process_group._namespace == "trainguard/job-a/41234"
+    guard.close()
+
+
 def test_ddp_keeps_its_initial_bucket_layout_when_summation_order_matters(world):
     # With 3+ ranks, a rebuild after the first step would make a relaunched
     # process (which starts with the initial layout) sum gradients in another

@@ -22,6 +22,8 @@ def trainguard(*args, env=None, cwd=None):
     ({"TRAINGUARD_FAULT": "uce:rank=1"}, "bad fault 'uce:rank=1': missing step"),
     ({"TRAINGUARD_STRATEGIES": "retry,reboot"}, "unknown recover strategy 'reboot'"),
     ({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "-1"}, "heartbeat_interval_s must be > 0"),
+    ({"TRAINGUARD_SPARE_SLOTS": "two"}, "TRAINGUARD_SPARE_SLOTS='two' must be a whole number >= 0"),
+    ({"TRAINGUARD_STANDBY": "maybe"}, "TRAINGUARD_STANDBY='maybe': use on or off"),
 ])
 def test_bad_settings_stop_the_launch_with_a_clear_message(tmp_path, env, message):
     out = trainguard("run", "--nproc-per-node", "2", str(WORKERS / "tiny_train.py"), "2", "r.json", "ck",

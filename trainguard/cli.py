@@ -42,8 +42,9 @@ USAGE = """usage: trainguard {run,rehearse,status,report,ckpt,slow-nodes} ...
 
 
 def _status(argv: Sequence[str]) -> int:
+    from trainguard.core import ConfigError
     from trainguard.core.control.client import ControllerClient
-    from trainguard.core.secret import TLS, job_secret
+    from trainguard.core.secret import TLS, configured_secret
 
     p = argparse.ArgumentParser(prog="trainguard status")
     p.add_argument("--controller", default=os.environ.get("TRAINGUARD_CONTROLLER"),
@@ -56,8 +57,10 @@ def _status(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     if args.interval <= 0:
         p.error("--interval must be > 0")
-    token = args.token or (job_secret(nodes=2) if os.environ.get("TRAINGUARD_TOKEN_FILE") or
-                           os.environ.get("TRAINGUARD_TOKEN") else None)
+    try:
+        token = args.token or configured_secret()
+    except ConfigError as e:  # an unreadable file, a short secret
+        p.error(str(e))
     if not args.controller or not token:
         p.error("give --controller and the job secret (--token, TRAINGUARD_TOKEN_FILE or TRAINGUARD_TOKEN)")
     from trainguard.core.api import ControllerLostError, ProtocolError

@@ -16,19 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .api import ConfigError, Strategy
+from .faults import FaultSpec, faults_from_env
 from .secret import TLS
 
-__all__ = [
-    "ENV",
-    "HEARTBEATS_PER_S",
-    "ControllerConfig",
-    "PersistConfig",
-    "ProcessorConfig",
-    "RankConfig",
-    "WatchdogConfig",
-    "check_env",
-    "parse_strategies",
-]
+__all__ = ["ENV", "HEARTBEATS_PER_S", "ControllerConfig", "PersistConfig", "ProcessorConfig", "RankConfig",
+           "WatchdogConfig", "check_env", "parse_strategies"]
 
 #: Heartbeats a second one controller is sized for (see heartbeat_interval_for).
 HEARTBEATS_PER_S = 4096
@@ -74,6 +66,8 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_SNAPSHOT_OVERLAP": "torch Guard: 1 (default) copies a snapshot beside the next step, whose optimizer "
                                    "update waits for it; 0 copies it in line (parameters changed outside updates)",
     "TRAINGUARD_SNAPSHOT_ROOT": "where snapshot directories live in shared memory (default /dev/shm)",
+    "TRAINGUARD_SNAPSHOT_STAGING_MB": "torch: staging buffer of GPU snapshots, MiB on each GPU (default 64; 0: none)",
+    "TRAINGUARD_INNER_BACKEND": "torch: gloo (default) or nccl inside the groups of init_process_group('trainguard')",
     "TRAINGUARD_PERSIST_PARENT": "set by a trainer for its persist worker: the trainer's pid (do not set by hand)",
     "TRAINGUARD_SNAPSHOT_DIR": "set by the node agent: this node's snapshot directory (do not set by hand)",
     "TRAINGUARD_SNAPSHOT_PEER": "set by the node agent: host:port of the next node's snapshot copies (do not set by hand)",
@@ -312,6 +306,10 @@ class RankConfig:
     checkpoint_dir: str | None = None  # Megatron's TTP flow, when Megatron-LM's args.save/args.load are not there
     controller: str | None = None  # the launcher's controller (host:port), when it serves one
     join: str | None = None  # what a replacement process joins (JSON from the node agent; None: not one)
+    faults: tuple[FaultSpec, ...] = ()  # the whole job's injected faults: every rank checks them alike
+    inner_backend: str = "gloo"  # torch: what runs inside the groups of init_process_group("trainguard")
+    run_id: str = "run"  # torchrun's rendezvous id; with the round below, it names the workers' store prefix
+    store_round: str | None = None  # the node agent's name of this round's worker store (None: restart_count)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "RankConfig":
@@ -322,6 +320,9 @@ class RankConfig:
         """
         environ = os.environ if environ is None else environ
         check_env(environ)
+        inner = environ.get("TRAINGUARD_INNER_BACKEND", "gloo")
+        if inner not in ("gloo", "nccl"):
+            raise ConfigError(f"TRAINGUARD_INNER_BACKEND={inner!r}: choose gloo or nccl")
         return cls(
             job_id=environ.get("TRAINGUARD_JOB_ID", ""),
             save_timeout_s=_positive("TRAINGUARD_SAVE_TIMEOUT_S", environ.get("TRAINGUARD_SAVE_TIMEOUT_S", "1800")),
@@ -336,6 +337,9 @@ class RankConfig:
             checkpoint_dir=environ.get("TRAINGUARD_CHECKPOINT_DIR") or None,
             controller=environ.get("TRAINGUARD_CONTROLLER") or None,
             join=environ.get("TRAINGUARD_JOIN") or None,
+            faults=faults_from_env(environ), inner_backend=inner,
+            run_id=environ.get("TORCHELASTIC_RUN_ID", "run"),
+            store_round=environ.get("TRAINGUARD_STORE_ROUND") or None,
         )
 
 

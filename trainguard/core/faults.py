@@ -56,11 +56,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from .api import ConfigError, Severity
 
-__all__ = ["FaultInjector", "FaultSpec", "KINDS", "PHASES", "check_ranks", "read_fault_log"]
+__all__ = ["FaultInjector", "FaultSpec", "KINDS", "PHASES", "check_ranks", "faults_from_env", "read_fault_log"]
 
 KINDS = ("uce", "crash", "hang", "freeze", "stop", "stall", "comm", "slow", "pause")
 PHASES = ("forward", "backward", "reduce", "optimizer", "recovery", "save", "gc", "resume")
@@ -176,6 +176,19 @@ def read_fault_log(path: str | os.PathLike) -> list[dict]:
     return out
 
 
+def faults_from_env(environ: Mapping[str, str]) -> tuple[FaultSpec, ...]:
+    """The whole job's faults (``TRAINGUARD_FAULT``: the launcher checks
+    them, every rank injects its own).
+
+    Raises:
+        ConfigError: a malformed fault (the message names the variable).
+    """
+    try:
+        return tuple(FaultSpec.parse(environ.get("TRAINGUARD_FAULT", "")))
+    except ConfigError as e:
+        raise ConfigError(f"TRAINGUARD_FAULT: {e}") from None
+
+
 class FaultInjector:
     """Strikes this rank's faults at the injection points adapters call.
 
@@ -190,7 +203,7 @@ class FaultInjector:
 
     def __init__(
         self,
-        specs: list[FaultSpec],
+        specs: Iterable[FaultSpec],
         rank: int,
         *,
         world_size: int | None = None,
@@ -215,9 +228,16 @@ class FaultInjector:
         self.on_stall: Callable[[], None] = lambda: None
 
     @classmethod
-    def from_env(cls, rank: int, **kwargs) -> "FaultInjector":
-        """The faults of ``TRAINGUARD_FAULT``; pass ``world_size`` to have them checked."""
-        return cls(FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", "")), rank, **kwargs)
+    def from_env(cls, rank: int, *, environ: Mapping[str, str] | None = None, **kwargs) -> "FaultInjector":
+        """The faults of ``TRAINGUARD_FAULT``, for a script without a Guard
+        (a Guard passes its :attr:`RankConfig.faults
+        <trainguard.core.RankConfig.faults>`); pass ``world_size`` to have
+        them checked.
+
+        Raises:
+            ConfigError: a malformed fault (the message names the variable).
+        """
+        return cls(faults_from_env(os.environ if environ is None else environ), rank, **kwargs)
 
     def refuse(self, why: str, *, phases: Iterable[str] = (), kinds: Iterable[str] = ()) -> None:
         """Refuse the job's faults in ``phases`` or of ``kinds``: those an

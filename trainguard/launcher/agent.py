@@ -46,6 +46,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from trainguard.core import Controller, ControllerConfig, Strategy
+from trainguard.core.config_launch import LaunchConfig
 from trainguard.core.control.client import ControllerClient
 from trainguard.core.control.wire import agent_event_to_pb, agent_order
 from trainguard.core.links import LinkSink, answer_probe
@@ -80,18 +81,20 @@ EXIT_BARRIER_AFTER_LOSS_S = 10
 
 
 class TrainguardAgent(LocalElasticAgent):
-    """Args: as ``LocalElasticAgent``, plus the controller's config, how
-    many workers this agent may start for other nodes' ranks (``recover``),
-    the job secret and the control plane's TLS settings (see
+    """Args: as ``LocalElasticAgent``, plus the controller's config, the
+    launcher's settings (how many workers this agent may start for other
+    nodes' ranks under ``recover``, warm standby, where snapshots go), the
+    job secret and the control plane's TLS settings (see
     :mod:`trainguard.core.secret`)."""
 
-    def __init__(self, *args: Any, controller_config: ControllerConfig, spare_slots: int = 0, secret: str,
-                 tls: TLS | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, controller_config: ControllerConfig, launch: LaunchConfig = LaunchConfig(),
+                 secret: str, tls: TLS | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._config = controller_config
+        self._launch = launch
         self._secret, self._tls = secret, tls
         self._key = secrets.token_bytes(16)  # proves to the controller that a relay of a new round is ours
-        self._spare = spare_slots
+        self._spare = launch.spare_slots
         self._orders: queue.Queue = queue.Queue()
         self.replacements: Replacements | None = None
         self.controller: Controller | None = None
@@ -167,8 +170,7 @@ class TrainguardAgent(LocalElasticAgent):
         keeping the previous node's copies; the workers learn both from the
         environment."""
         if self.snapshot_dir is None:  # one per agent: a replacement node may share a host with another
-            self.snapshot_dir = SnapshotDir.create(f"{self._config.job_id}-{os.getpid()}",
-                                                   os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
+            self.snapshot_dir = SnapshotDir.create(f"{self._config.job_id}-{os.getpid()}", self._launch.snapshot_root)
         os.environ["TRAINGUARD_SNAPSHOT_DIR"] = str(self.snapshot_dir.path)
         nodes, me = worker_group.group_world_size, worker_group.group_rank
         if nodes < 2:
@@ -356,8 +358,7 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _wants_standby(self) -> bool:
         restarts = {Strategy.RECOVER_IN_PLACE, Strategy.RECOVER} & set(self._config.strategies)
-        switch = os.environ.get("TRAINGUARD_STANDBY", "on").strip().lower() not in ("off", "0", "false")
-        return bool(restarts) and self._remaining_restarts > 0 and switch and (
+        return bool(restarts) and self._remaining_restarts > 0 and self._launch.standby and (
             Strategy.RECOVER_IN_PLACE in restarts or self._spare > 0)
 
     def _take_orders(self) -> None:

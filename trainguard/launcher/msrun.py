@@ -34,11 +34,11 @@ import sys
 import time
 from typing import Any
 
-from trainguard.core import (EXIT_AFTER_DUMP, Controller, ControllerConfig, ControllerState, FaultSpec,
-                             TrainguardError, check_env, logs)
+from trainguard.core import EXIT_AFTER_DUMP, Controller, ControllerConfig, ControllerState, TrainguardError, logs
 from trainguard.core.annotations import StrategyChoice, from_annotations, resolve_strategies
 from trainguard.core.control.client import ControllerClient
 from trainguard.core.config import parse_strategies
+from trainguard.core.config_launch import LaunchConfig
 from trainguard.core.faults import check_ranks
 from trainguard.core.secret import TLS, job_secret
 from trainguard.core.snapshot import SnapshotDir
@@ -111,15 +111,16 @@ class _SafeSpawn:
 
 def attach(manager: Any, *, force: bool = False) -> bool:
     """Take over ``manager``'s workers (msrun's ``_ProcessManager``) when
-    the job asks for fault tolerance (``force``: always)."""
+    the job asks for fault tolerance (``force``: always); the settings are
+    read here, once."""
     try:
         choice = strategy_choice()
+        if choice is None and not force:
+            return False
+        manager.handler = MsrunPlugin(manager, choice or resolve_strategies(None, {}), LaunchConfig.from_env())
     except TrainguardError as e:  # before any worker: the setting is refused, as `trainguard run` does
         print(f"trainguard msrun: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    if choice is None and not force:
-        return False
-    manager.handler = MsrunPlugin(manager, choice or resolve_strategies(None, {}))
     manager.enable_mindx = True
     sys.modules[type(manager).__module__].subprocess = _SafeSpawn()
     # msrun starts its scheduler and workers as `python SCRIPT`: make that the
@@ -131,16 +132,16 @@ def attach(manager: Any, *, force: bool = False) -> bool:
 
 
 class MsrunPlugin:
-    """One node's msrun, driven by trainguard (``handler.start()`` in msrun)."""
+    """One node's msrun, driven by trainguard (``handler.start()`` in msrun),
+    with the strategies and the launcher's settings :func:`attach` read."""
 
-    def __init__(self, manager: Any, strategies: StrategyChoice) -> None:
-        check_env()
+    def __init__(self, manager: Any, strategies: StrategyChoice, launch: LaunchConfig) -> None:
         self.manager = manager
         self.nodes = max(1, manager.worker_num // max(1, manager.local_worker_num))
         self.strategy_choice = strategies
+        self.launch = launch
         self.config = ControllerConfig.from_env(strategies=strategies.strategies,
-                                                job_id=os.environ.get("TRAINGUARD_JOB_ID")
-                                                or f"msrun-{manager.master_port}")
+                                                job_id=launch.job_id or f"msrun-{manager.master_port}")
         self.controller: Controller | None = None
         self.client: ControllerClient | None = None
         self._reported: set[int] = set()
@@ -159,12 +160,11 @@ class MsrunPlugin:
     def run(self) -> int:
         log.info("%s", self.strategy_choice.describe())  # the first line: where the strategies came from
         # A malformed fault, or one for a rank the job does not have, is refused before any worker starts.
-        check_ranks(FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", "")), self.manager.worker_num)
+        check_ranks(self.launch.faults, self.manager.worker_num)
         self._start_controller()
         # The node's snapshot directory: the workers' snapshots outlive them
         # until msrun ends, which removes it.
-        snapshots = SnapshotDir.create(f"{self.config.job_id}-n{self.manager.node_rank}",
-                                       os.environ.get("TRAINGUARD_SNAPSHOT_ROOT"))
+        snapshots = SnapshotDir.create(f"{self.config.job_id}-n{self.manager.node_rank}", self.launch.snapshot_root)
         os.environ["TRAINGUARD_SNAPSHOT_DIR"] = str(snapshots.path)
         try:
             self.manager.start_workers()

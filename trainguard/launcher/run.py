@@ -24,8 +24,9 @@ import sys
 import uuid
 from typing import Sequence
 
-from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, FaultSpec, TrainguardError, check_env, logs
+from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, TrainguardError, logs
 from trainguard.core.annotations import resolve_strategies
+from trainguard.core.config_launch import LaunchConfig
 from trainguard.core.events import note
 from trainguard.core.faults import check_ranks
 from trainguard.core.secret import TLS, job_secret
@@ -92,10 +93,11 @@ def launch(argv: Sequence[str]) -> int:
 
     from .agent import TrainguardAgent
 
-    check_env()
-    # A malformed fault, or one for a rank the job does not have, is refused before anything starts.
-    faults = FaultSpec.parse(os.environ.get("TRAINGUARD_FAULT", ""))
+    # Read and checked before anything starts (the faults' ranks below, once the job's size is known).
+    launch = LaunchConfig.from_env()
     args = parser().parse_args(argv)
+    if args.spare_slots is not None:  # the flag wins
+        launch = dataclasses.replace(launch, spare_slots=args.spare_slots)
     # Flag, TRAINGUARD_STRATEGIES, the pod's recover-strategy annotation, default: the first log line says which.
     choice = resolve_strategies(args.strategies)
     log.info("%s", choice.describe())
@@ -107,7 +109,7 @@ def launch(argv: Sequence[str]) -> int:
     config, cmd, cmd_args = config_from_args(args)
     if config.min_nodes != config.max_nodes:
         raise TrainguardError("elastic node counts (--nnodes MIN:MAX) need elastic-training; give one number")
-    check_ranks(faults, config.nproc_per_node * config.max_nodes)
+    check_ranks(launch.faults, config.nproc_per_node * config.max_nodes)
     for name in ("token_file", "tls_cert", "tls_key", "tls_ca"):
         if getattr(args, name):
             os.environ[f"TRAINGUARD_{name.upper()}"] = getattr(args, name)
@@ -119,7 +121,7 @@ def launch(argv: Sequence[str]) -> int:
         os.environ.pop(name, None)  # the workers reach their node's relay on loopback, with the secret
     controller_config = ControllerConfig.from_env(
         strategies=choice.strategies, host=args.controller_host, port=args.controller_port,
-        job_id=args.job_id or os.environ.get("TRAINGUARD_JOB_ID") or config.run_id)
+        job_id=args.job_id or launch.job_id or config.run_id)
     if config.max_nodes == 1 and controller_config.host not in LOOPBACK:
         log.info("a single-node job: the controller listens on 127.0.0.1, not %s", controller_config.host)
         controller_config = dataclasses.replace(controller_config, host="127.0.0.1")
@@ -134,14 +136,10 @@ def launch(argv: Sequence[str]) -> int:
         rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
         local_addr=config.local_addr)
-    spare = args.spare_slots if args.spare_slots is not None else os.environ.get("TRAINGUARD_SPARE_SLOTS", "0")
-    if not str(spare).isdigit():
-        raise TrainguardError(f"--spare-slots / TRAINGUARD_SPARE_SLOTS must be a whole number >= 0, got {spare!r}")
-    spare = int(spare)
     note("launch", argv=list(argv), nproc_per_node=config.nproc_per_node, nnodes=config.max_nodes)
     agent = TrainguardAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                             log_line_prefix_template=config.log_line_prefix_template,
-                            controller_config=controller_config, spare_slots=spare, secret=secret, tls=tls)
+                            controller_config=controller_config, launch=launch, secret=secret, tls=tls)
     try:
         result = agent.run()
     finally:

@@ -21,7 +21,6 @@ wrapped training function runs again from ``tft_get_repair_step()``.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Sequence
 
 import torch
@@ -73,7 +72,7 @@ def rebuild_callback(fault_ranks: Sequence[int], args: Any, ctx: Any = None) -> 
 
 def _transfer_device() -> torch.device:
     """Where the groups want tensors: host memory under gloo, the GPU under NCCL."""
-    nccl = os.environ.get("TRAINGUARD_INNER_BACKEND") == "nccl" or dist.get_backend() == "nccl"
+    nccl = TTP.settings.inner_backend == "nccl" or dist.get_backend() == "nccl"
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 

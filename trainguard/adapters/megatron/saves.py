@@ -166,7 +166,7 @@ def _snapshots() -> MegatronSnapshots | None:
             return None
         rank = dist.get_rank() if dist.is_initialized() else TTP.rank or 0
         settings = RankConfig.from_env()  # with the snapshots' own, when they start (see _directory)
-        directory = directory_for(f"{job_namespace()}-r{rank}-{os.getpid()}", node_dir=settings.node_dir,
+        directory = directory_for(f"{job_namespace(settings)}-r{rank}-{os.getpid()}", node_dir=settings.node_dir,
                                   root=settings.snapshot_root)
         TTP.snapshots = MegatronSnapshots(directory, rank, count=config.in_memory,
                                           save_timeout_s=settings.save_timeout_s)

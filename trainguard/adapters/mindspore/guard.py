@@ -176,7 +176,8 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         # Checked alike on every rank before its first collective: none waits for a rank that refused.
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else \
             self.rehearsal.fault_log() if self.rehearsal is not None else None  # a fault strikes once per job
-        self.injector = injector or FaultInjector.from_env(self.rank, world_size=self.world_size, log_path=log_path)
+        self.injector = injector or FaultInjector(self.settings.faults, self.rank, world_size=self.world_size,
+                                                  log_path=log_path)
         if self._graph:
             self.injector.refuse("a backward or reduce fault cannot be injected in graph mode: forward, backward and "
                                  "the update are one compiled graph (inject phase=forward or phase=optimizer)",

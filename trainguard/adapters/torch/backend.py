@@ -19,13 +19,14 @@ rank created them in, as torch requires), so in-place recovery can go on.
 Each group runs gloo inside: collectives on CPU tensors, and on CUDA tensors
 through host memory (ranks may share a GPU). ``TRAINGUARD_INNER_BACKEND=nccl``
 runs NCCL inside instead (one GPU per rank; its communicator is aborted on
-STOP) -- not yet exercised by trainguard's tests.
+STOP) -- not yet exercised by trainguard's tests. The backend reads the
+rank's :class:`~trainguard.core.RankConfig` when it makes its first group,
+unless :func:`configure` handed it one already.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from datetime import timedelta
@@ -33,20 +34,44 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from trainguard.core import ConfigError, RankConfig
+
 from .device import CudaDevice, Device
 from .process_group import AbortableProcessGroup
 
-__all__ = ["NAME", "groups", "rebuild_all", "register", "stop_all"]
+__all__ = ["NAME", "configure", "groups", "rebuild_all", "register", "stop_all"]
 
 log = logging.getLogger("trainguard.torch")
 
 NAME = "trainguard"
 _groups: list[weakref.ref] = []
 _lock = threading.Lock()
+#: The rank's settings every group is made with (torch calls :func:`_create` with no room for them).
+_settings: RankConfig | None = None
 
 
-def _inner() -> tuple[Callable[..., Any], Callable[[Any], None] | None]:
-    kind = os.environ.get("TRAINGUARD_INNER_BACKEND", "gloo")
+def configure(settings: RankConfig) -> None:
+    """Make every later group with ``settings`` (their ``inner_backend``):
+    for a caller that read the rank's settings already."""
+    global _settings
+    with _lock:
+        _settings = settings
+
+
+def _rank_settings() -> RankConfig:
+    """The settings :func:`configure` gave, else the environment's, read once.
+
+    Raises:
+        ConfigError: an unknown or invalid ``TRAINGUARD_*`` variable.
+    """
+    global _settings
+    with _lock:
+        if _settings is None:
+            _settings = RankConfig.from_env()
+        return _settings
+
+
+def _inner(kind: str) -> tuple[Callable[..., Any], Callable[[Any], None] | None]:
     if kind == "gloo":
         return Device().backend, None
     if kind == "nccl":
@@ -55,7 +80,7 @@ def _inner() -> tuple[Callable[..., Any], Callable[[Any], None] | None]:
         device = CudaDevice(torch.cuda.current_device())
         return (lambda store, rank, size, timeout: dist.ProcessGroupNCCL(store, rank, size, _nccl_opts(timeout))), \
             device.abort
-    raise ValueError(f"TRAINGUARD_INNER_BACKEND={kind!r}: choose gloo or nccl")
+    raise ConfigError(f"inner backend {kind!r}: choose gloo or nccl")
 
 
 def _nccl_opts(timeout: timedelta) -> Any:
@@ -65,7 +90,7 @@ def _nccl_opts(timeout: timedelta) -> Any:
 
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> AbortableProcessGroup:
-    factory, abort = _inner()
+    factory, abort = _inner(_rank_settings().inner_backend)
     group = AbortableProcessGroup(store, rank, size, backend_factory=factory, timeout=timeout, abort=abort)
     with _lock:
         _groups.append(weakref.ref(group))

@@ -79,8 +79,8 @@ class Checkpoints(JobHistory):
         if peer and not address:
             log.warning("snapshot_peer: no peer node (one node, or not launched by `trainguard run`); "
                         "snapshots stay on this node only")
-        directory = directory_for(f"{job_namespace()}-r{self.rank}-{os.getpid()}", node_dir=self.settings.node_dir,
-                                  root=self.settings.snapshot_root)
+        directory = directory_for(f"{job_namespace(self.settings)}-r{self.rank}-{os.getpid()}",
+                                  node_dir=self.settings.node_dir, root=self.settings.snapshot_root)
         self.snapshots = Snapshots(directory, self.rank, count=count, peer=address, token=self.settings.token)
 
     def snapshot_state(self, step: int, holder: int | None = None) -> dict:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from trainguard.core import ConfigError
 
 from .device import Device
-from .process_group import AbortableProcessGroup, job_namespace
+from .process_group import AbortableProcessGroup
 
 __all__ = ["GroupRef", "TorchComm", "allreduce_hook"]
 
@@ -35,6 +35,7 @@ class TorchComm:
         device: where the model lives (it builds and aborts the backend).
         ddp: the ``DistributedDataParallel`` being trained, or ``None``.
         timeout: the inner backend's own timeout.
+        namespace: the groups' store prefix (:func:`.process_group.job_namespace`).
         generation: the group's generation (a joining process's is the
             recovery's that started it).
         first_bucket: called once per :meth:`arm`, before DDP sends that
@@ -44,13 +45,14 @@ class TorchComm:
         ConfigError: ``ddp`` has a comm hook of its own already.
     """
 
-    def __init__(self, rank: int, world_size: int, device: Device, ddp: Any, *, timeout: timedelta,
+    def __init__(self, rank: int, world_size: int, device: Device, ddp: Any, *, timeout: timedelta, namespace: str,
                  generation: int = 0, first_bucket: Callable[[], None] | None = None) -> None:
         self.rank, self.world_size, self.device, self.ddp = rank, world_size, device, ddp
+        self.namespace = namespace
         self.joined_default_group: Any = None  # kept alive after survivors met a new process
         self.process_group = AbortableProcessGroup(
             dist.distributed_c10d._get_default_store(), rank, world_size, backend_factory=device.backend,
-            timeout=timeout, namespace=job_namespace(), abort=device.abort, generation=generation)
+            timeout=timeout, namespace=namespace, abort=device.abort, generation=generation)
         if ddp is not None:
             try:
                 self._hook_group = GroupRef(self.process_group, first_bucket)
@@ -95,7 +97,7 @@ class TorchComm:
         old = self.process_group
         new = AbortableProcessGroup(
             store if store is not None else old._store, self.rank, self.world_size,
-            backend_factory=self.device.backend, timeout=old.timeout, namespace=job_namespace(),
+            backend_factory=self.device.backend, timeout=old.timeout, namespace=self.namespace,
             abort=self.device.abort, generation=generation, members=ranks, build=False)
         new.rebuild(generation, cancelled=cancelled)
         old.stop("replaced by a group of other ranks")

@@ -67,7 +67,7 @@ from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .own import fingerprints
-from .process_group import AbortableProcessGroup
+from .process_group import AbortableProcessGroup, job_namespace
 from .state import state_sha256
 from .trainstate import TrainState
 
@@ -189,7 +189,7 @@ class Guard(Checkpoints, RankRuntime):
         self._entered = False
         self._step_started = 0.0
         self._hooks: list[Any] = []
-        join = joining()
+        join = joining(self.settings.join)
         self.replacement = join is not None  # until its history came from a replica
         cache_root = resolve_root(compile_cache, checkpoint_dir)
         self.compile_cache = TorchCompileCache(
@@ -199,12 +199,14 @@ class Guard(Checkpoints, RankRuntime):
         # Checked alike on every rank before its first collective: none waits for a rank that refused.
         log_path = Path(checkpoint_dir) / ".trainguard" / "faults.jsonl" if checkpoint_dir is not None else \
             self.rehearsal.fault_log() if self.rehearsal is not None else None  # a fault strikes once per job
-        self.injector = injector or FaultInjector.from_env(self.rank, world_size=self.world_size, log_path=log_path)
+        self.injector = injector or FaultInjector(self.settings.faults, self.rank, world_size=self.world_size,
+                                                  log_path=log_path)
         self.injector.refuse("phase=reduce is the MindSpore Guard's (DDP reduces inside the backward pass: inject "
                              "phase=backward)", phases=("reduce",))
         if checkpoint_dir is not None:
             check_checkpoint_dir(checkpoint_dir)
         self.comm = TorchComm(self.rank, self.world_size, self.device, self.ddp, timeout=comm_timeout,
+                              namespace=job_namespace(self.settings),
                               generation=join["generation"] if join else 0,
                               first_bucket=self.record_own_before_sending)
         self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer, snapshot_shared)

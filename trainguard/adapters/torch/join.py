@@ -20,7 +20,6 @@ back to its next strategy.
 from __future__ import annotations
 
 import json
-import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -40,9 +39,9 @@ __all__ = ["JOIN_ENV", "joining", "meet"]
 JOIN_ENV = "TRAINGUARD_JOIN"
 
 
-def joining() -> dict | None:
-    """What this process joins, when its agent started it as a replacement."""
-    raw = os.environ.get(JOIN_ENV)
+def joining(raw: str | None) -> dict | None:
+    """What this process joins, when its agent started it as a replacement
+    (``raw``: :attr:`~trainguard.core.RankConfig.join`, ``TRAINGUARD_JOIN``)."""
     if not raw:
         return None
     try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
 
-from trainguard.core import ForceStop
+from trainguard.core import ForceStop, RankConfig
 
 __all__ = ["AbortableProcessGroup", "job_namespace", "run_cancellable"]
 
@@ -364,12 +363,12 @@ def run_cancellable(fn: Callable[[], Any], cancelled: Callable[[], bool], what: 
     return done["value"]
 
 
-def job_namespace() -> str:
+def job_namespace(settings: RankConfig) -> str:
     """A store prefix unique to this launch of the job. Under ``trainguard
     run`` each round of workers gets a fresh store, named by the agent
-    (``TRAINGUARD_STORE_ROUND``: the same on every node, also on one that
-    replaced a lost node and counts its restarts from 0); under plain
-    torchrun the restarts reuse one store, so the restart count names it."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    round_ = os.environ.get("TRAINGUARD_STORE_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"trainguard/{run_id}/{round_}"
+    (:attr:`~trainguard.core.RankConfig.store_round`: the same on every
+    node, also on one that replaced a lost node and counts its restarts
+    from 0); under plain torchrun the restarts reuse one store, so the
+    restart count names it."""
+    round_ = settings.store_round if settings.store_round is not None else settings.restart_count
+    return f"trainguard/{settings.run_id}/{round_}"
