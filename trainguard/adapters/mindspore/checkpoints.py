@@ -42,7 +42,7 @@ from trainguard.core.snapshot.own import OwnRecords, read_own
 from trainguard.core.snapshot.shared import Sharing
 
 from .handlers import load_checkpoint, shard_name
-from .own import FILE_INTS as _FILE_INTS, file_from_ints, file_ints, own_file, pack, unpack
+from .own import FILE_INTS, file_from_ints, file_ints, own_file, pack, unpack
 from .state import set_streams
 
 __all__ = ["Checkpoints", "ParamSnapshots", "read_arrays"]
@@ -240,7 +240,7 @@ class Checkpoints(JobHistory):
         all learn in one all-gather what each wrote, digests included; the
         saver finalises when every part is there. A rank whose write failed
         raises its error; the others train on."""
-        error, mine = None, [0] * _FILE_INTS
+        error, mine = None, [0] * FILE_INTS
         try:
             own = self._write_committed_own(step)
             shard = self._handlers.write(step) if saver else None
@@ -248,7 +248,7 @@ class Checkpoints(JobHistory):
         except CheckpointError as e:
             error = e
         every = self.all_gather_ints(mine)
-        rows = [every[r * _FILE_INTS:(r + 1) * _FILE_INTS] for r in range(self.world_size)]
+        rows = [every[r * FILE_INTS:(r + 1) * FILE_INTS] for r in range(self.world_size)]
         missing = [r for r, row in enumerate(rows) if not row[0]]
         if saver and not missing:
             owns = [file_from_ints(own_file(r), row) for r, row in enumerate(rows)]

@@ -93,16 +93,25 @@ _FROM_PB: dict[str, Callable] = {
 }
 
 
+def _action(msg, made: dict[str, Callable], what: str):
+    """The action ``msg`` carries, made from its ``action`` field by ``made``.
+
+    Raises:
+        ProtocolError: ``msg`` carries none (``what`` names the message).
+    """
+    name = msg.WhichOneof("action")
+    if name is None:
+        raise ProtocolError(f"{what} {msg.id} carries no action")
+    return made[name](getattr(msg, name))
+
+
 def command(msg: pb.Command) -> Command:
     """A command as the rank takes it (the inverse of :func:`command_to_pb`).
 
     Raises:
         ProtocolError: a command with no action.
     """
-    name = msg.WhichOneof("action")
-    if name is None:
-        raise ProtocolError(f"command {msg.id} carries no action")
-    return Command(msg.id, msg.epoch, _FROM_PB[name](getattr(msg, name)))
+    return Command(msg.id, msg.epoch, _action(msg, _FROM_PB, "command"))
 
 
 def command_result(result: pb.CommandResult) -> CommandResult:
@@ -233,10 +242,7 @@ def agent_order(order: pb.AgentOrder) -> AgentOrder:
     Raises:
         ProtocolError: an order with no action.
     """
-    name = order.WhichOneof("action")
-    if name is None:
-        raise ProtocolError(f"agent order {order.id} carries no action")
-    return AgentOrder(order.id, _AGENT_FROM_PB[name](getattr(order, name)))
+    return AgentOrder(order.id, _action(order, _AGENT_FROM_PB, "agent order"))
 
 
 def agent_event_to_pb(event: AgentEvent) -> pb.AgentEvent:
