@@ -51,7 +51,12 @@ def test_a_rank_refuses_a_bad_value_naming_its_variable(env, message):
 
 def test_the_inner_backend_and_the_snapshot_staging_size_are_known_settings():
     # Both are documented (docs/megatron.md, docs/checkpoints.md); a Guard refused them as unknown before.
-    check_env({"TRAINGUARD_INNER_BACKEND": "nccl", "TRAINGUARD_SNAPSHOT_STAGING_MB": "16"})
+    known = {"TRAINGUARD_INNER_BACKEND": "nccl", "TRAINGUARD_SNAPSHOT_STAGING_MB": "16"}
+    assert check_env(known) is None
+    assert RankConfig.from_env(known).inner_backend == "nccl"
+    with pytest.raises(ConfigError, match="unknown setting TRAINGUARD_SNAPSHOT_STAGING; did you mean "
+                                          "TRAINGUARD_SNAPSHOT_STAGING_MB"):
+        check_env({"TRAINGUARD_SNAPSHOT_STAGING": "16"})
 
 
 def test_a_script_without_a_guard_reads_its_faults_by_the_same_rule():
@@ -114,6 +119,17 @@ def test_a_launcher_reads_its_settings_once():
 def test_a_launcher_refuses_a_bad_value_naming_its_variable(env, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         LaunchConfig.from_env(env)
+
+
+def test_a_launcher_s_help_is_shown_whatever_the_environment_holds(clean_env, capsys):
+    from trainguard.launcher.run import launch
+
+    clean_env.setenv("TRAINGUARD_SPARE_SLOTS", "two")
+    with pytest.raises(SystemExit) as e:
+        launch(["--help"])
+    assert e.value.code == 0 and "--spare-slots" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=re.escape("TRAINGUARD_SPARE_SLOTS='two' must be a whole number >= 0")):
+        launch(["--nproc-per-node", "2", "train.py"])
 
 
 def test_spare_slots_given_in_code_or_by_the_flag_are_checked_too():

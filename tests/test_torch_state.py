@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +14,8 @@ import torch.distributed as dist
 from trainguard.core import ForceStop, RecoveryError
 from trainguard.torch import AbortableProcessGroup, state_sha256
 from trainguard.adapters.torch.state import flatten, recv_state, send_state, unflatten
+
+from conftest import ROOT, WORKERS
 
 CPU = torch.device("cpu")
 
@@ -284,3 +288,20 @@ def test_the_abandoned_backend_is_destroyed_off_the_training_thread(how):
             break
         time.sleep(0.01)
     assert destroyed == ["trainguard-pg-retire"]
+
+
+@pytest.mark.parametrize("how", ["callback", "retiring"])
+def test_a_process_ending_with_backend_threads_still_in_python_exits_with_its_code(how):
+    """CI saw a finished worker of a plain torchrun job abort at exit
+    ("terminate called without an active exception", SIGABRT): a gloo
+    thread of the Guard's group still had Python to run when the interpreter
+    finalized. Here a collective's completion callback sleeps past the end of
+    the script (``callback``), also while a rebuild retires that backend
+    (``retiring``), and the module's teardown is slow; the exit waits for
+    those threads and the process ends with code 0 after the callback ran.
+    Without the exit handling both abort, every time."""
+    out = subprocess.run([sys.executable, str(WORKERS / "exit_in_flight.py"), how], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["callback done"]
+    assert "terminate called" not in out.stderr and "Fatal Python error" not in out.stderr

@@ -93,9 +93,9 @@ def launch(argv: Sequence[str]) -> int:
 
     from .agent import TrainguardAgent
 
+    args = parser().parse_args(argv)  # first: --help works whatever the environment holds
     # Read and checked before anything starts (the faults' ranks below, once the job's size is known).
     launch = LaunchConfig.from_env()
-    args = parser().parse_args(argv)
     if args.spare_slots is not None:  # the flag wins
         launch = dataclasses.replace(launch, spare_slots=args.spare_slots)
     # Flag, TRAINGUARD_STRATEGIES, the pod's recover-strategy annotation, default: the first log line says which.

@@ -17,9 +17,12 @@ waits on trainguard's future rather than in C++ on the backend.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
+import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -34,6 +37,12 @@ __all__ = ["AbortableProcessGroup", "job_namespace", "run_cancellable"]
 log = logging.getLogger("trainguard.torch")
 
 BackendFactory = Callable[[Any, int, int, timedelta], Any]
+
+#: How long the interpreter's exit waits for backends still being retired.
+RETIRE_AT_EXIT_S = 5.0
+
+_live: "weakref.WeakSet[AbortableProcessGroup]" = weakref.WeakSet()
+_retiring: set[threading.Thread] = set()
 
 
 class _Work(dist._Work):
@@ -168,6 +177,7 @@ class AbortableProcessGroup(dist.ProcessGroup):
         #: Told of every collective issued: ``observer(op, args, work)`` (profiling markers).
         self.observer: Callable[[str, tuple, Any], None] | None = None
         self._inner = self._build(generation) if build else None
+        _live.add(self)
 
     # ------------------------------------------------------------ lifecycle
     def _build(self, generation: int) -> Any:
@@ -246,7 +256,30 @@ class AbortableProcessGroup(dist.ProcessGroup):
         """
         holder, self._inner = [self._inner], backend
         if holder[0] is not None:
-            threading.Thread(target=holder.clear, name="trainguard-pg-retire", daemon=True).start()
+            def retire() -> None:
+                holder.clear()
+                _retiring.discard(thread)
+            thread = threading.Thread(target=retire, name="trainguard-pg-retire", daemon=True)
+            _retiring.add(thread)
+            thread.start()
+
+    def close(self) -> None:
+        """Destroy the inner backend now, on the calling thread, and refuse
+        collectives from then on; left alone while a call is in flight (its
+        destructor would wait for the peer that never answered it).
+
+        The process's exit does this for every group (:func:`_close_at_exit`):
+        a backend still alive when the interpreter finalizes keeps threads
+        that may yet need the GIL -- a collective's callback still running,
+        or the release of a tensor whose last reference the backend held --
+        and such a thread aborts the whole process ("terminate called without
+        an active exception") instead of letting it exit with its code.
+        """
+        if self._pending:
+            return
+        self._halted = True
+        inner, self._inner = self._inner, None
+        del inner  # the destructor releases the GIL and joins the backend's threads
 
     # ------------------------------------------------------------ collectives
     def black_hole(self) -> None:
@@ -335,6 +368,19 @@ class AbortableProcessGroup(dist.ProcessGroup):
 
     def name(self) -> str:
         return "trainguard"
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Before the interpreter finalizes: destroy every group's backend
+    (:meth:`AbortableProcessGroup.close`) and give backends being retired
+    :data:`RETIRE_AT_EXIT_S` to finish, while their threads can still take
+    the GIL. (A controller's exit command ends the process before this.)"""
+    for group in list(_live):
+        group.close()
+    deadline = time.monotonic() + RETIRE_AT_EXIT_S
+    for thread in list(_retiring):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def run_cancellable(fn: Callable[[], Any], cancelled: Callable[[], bool], what: str) -> Any:
