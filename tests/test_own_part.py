@@ -6,6 +6,7 @@ every update, packed without pickling, never put on a device by a load.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import types
@@ -225,3 +226,39 @@ def test_mindspore_file_records_cross_its_32_bit_all_gather_exactly():
     assert collectives.Collectives.all_gather_ints(single, [7, 2**31 - 1]) == [7, 2**31 - 1]
     with pytest.raises(ValueError, match="32-bit values"):
         collectives.Collectives.all_gather_ints(single, [2**62 + 12345])
+
+
+def test_mindspore_streams_keep_the_op_seeds_its_functional_random_ops_draw_from():
+    """MindSpore's functional random operators (``ops.dropout``...) derive
+    each call's seeds from its op-seed table, not from the generator state
+    ``ms.get_rng_state`` returns: the streams carry the table, through an
+    own-part record too, so a redone step draws the same mask. A record
+    written before (no table) leaves the table as it is; a bad one is refused."""
+    pytest.importorskip("mindspore")
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    from trainguard.adapters.mindspore import own
+    from trainguard.adapters.mindspore.state import set_streams, streams, streams_sha256
+
+    ms.set_seed(7)
+    x = Tensor(np.ones((4, 16), np.float32))
+    ops.dropout(x, p=0.5, training=True)
+    saved = own.unpack(own.pack(streams()), "the record")
+    first = ops.dropout(x, p=0.5, training=True).asnumpy()
+    assert not np.array_equal(ops.dropout(x, p=0.5, training=True).asnumpy(), first)  # the stream moves on
+    moved = streams_sha256()
+    set_streams(saved)
+    assert np.array_equal(ops.dropout(x, p=0.5, training=True).asnumpy(), first)
+    assert streams_sha256() != moved  # the hash sees the op seeds
+    record = json.loads(own.pack(streams()))
+    assert record["ops"] and all(isinstance(k, str) for k, _, _ in record["ops"]), record["ops"]
+    older = own.unpack(json.dumps({k: v for k, v in record.items() if k != "ops"}).encode(), "an older record")
+    assert older["ops"] is None
+    ops.dropout(x, p=0.5, training=True)  # the op seeds move on from the record's
+    table = streams()["ops"]
+    set_streams(older)
+    assert streams()["ops"] == table != {(k, o): v for k, o, v in record["ops"]}
+    for bad in ([[7, 0, 1]], [["dropout", "zero", 1]], "dropout"):
+        with pytest.raises(CheckpointError, match="the record is not a record of random streams"):
+            own.unpack(json.dumps({**record, "ops": bad}).encode(), "the record")

@@ -248,3 +248,22 @@ def test_the_mindspore_guard_refuses_before_its_first_collective(tmp_path, fault
     assert done.returncode == 3, done.stdout + done.stderr[-3000:]
     assert f"ConfigError: {message.format(tmp=tmp_path)}" in done.stdout, done.stdout
     assert not (tmp_path / "ckpt").exists()
+
+
+@needs_mindspore
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("net", ["dropout", "dense"])
+def test_the_mindspore_guard_names_random_ops_whose_streams_no_recovery_sets_back(tmp_path, net):
+    """``nn.Dropout`` keeps its random state inside MindSpore's kernel,
+    which trainguard cannot save or set: the Guard says so before the first
+    step, and its report lists them; a network without such ops starts quietly."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MS_"))}
+    done = subprocess.run([sys.executable, str(WORKERS / "ms_guard_start.py"), str(tmp_path / "ckpt"), net], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    warning = ("1.dropout keep their random state inside MindSpore's kernels, which trainguard cannot save or set: "
+               "steps redone or resumed after a fault draw other numbers there than a run without the fault would")
+    if net == "dropout":
+        assert "started ['1.dropout']" in done.stdout and warning in done.stderr, done.stdout + done.stderr[-3000:]
+    else:
+        assert "started []" in done.stdout and "keep their random state" not in done.stderr, done.stderr[-3000:]

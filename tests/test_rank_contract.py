@@ -96,6 +96,7 @@ CRASH = "crash:rank=1,step=3,phase=backward"
 
 
 SAVES = {"CONTRACT_SAVE_EVERY": "2"}
+SAVE_CRASH = "crash:rank=1,step=4,phase=save"
 
 
 def _run_job(framework: str, tmp, name: str, fault: str | None, *, rc: int = 0, steps: int = JOB_STEPS,
@@ -196,6 +197,29 @@ class RankJobContract:
             assert longer[rank]["state_sha256"] == reference[rank]["state_sha256"], (rank, jobs["longer"]["log"][-3000:])
             assert longer[rank]["streams_sha256"] == reference[rank]["streams_sha256"], \
                 (rank, jobs["longer"]["log"][-3000:])
+
+
+    def test_a_crash_inside_a_periodic_save_dumps_its_step_and_the_relaunch_is_bit_identical(self, jobs, tmp_path):
+        """Rank 1 dies as its periodic save of step 4 begins, while rank 0
+        writes its part and waits to learn what the others wrote: the save
+        is never finalised, the controller dumps step 4 (every rank
+        committed it), and the same command resumes there and ends as the
+        fault-free run does, random streams included."""
+        if not self.periodic:
+            pytest.skip(self.periodic_skip)
+        dump = _run_job(self.framework, tmp_path, "save-crash", SAVE_CRASH, rc=75, env=SAVES)
+        manifests = {m["step"]: m for m in (json.loads(p.read_text()) for p in dump["ckpt"].rglob("manifest.json"))}
+        assert sorted(manifests) == [2, 4], sorted(manifests)
+        faults = [r["fault"] for r in manifests[4]["meta"]["history"]["records"]]
+        assert faults == ["process_lost"], manifests[4]["meta"]  # the dump's, not the periodic save's
+        relaunch = _run_job(self.framework, tmp_path, "save-crash", SAVE_CRASH, env=SAVES)
+        reference = jobs["reference"]["ranks"]
+        for rank, report in relaunch["ranks"].items():
+            assert [(r["rank"], r["strategy"], r["step"]) for r in report["recoveries"]] == [(1, "dump", 4)], \
+                (rank, report["recoveries"], dump["log"][-3000:])
+            assert report["steps_completed"] == JOB_STEPS and report["lost_steps"] == 0, (rank, report)
+            assert report["state_sha256"] == reference[rank]["state_sha256"], (rank, relaunch["log"][-3000:])
+            assert report["streams_sha256"] == reference[rank]["streams_sha256"], (rank, relaunch["log"][-3000:])
 
 
 class TestTorchJob(RankJobContract):

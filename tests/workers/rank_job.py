@@ -5,8 +5,9 @@ parallel_state driven through MindIO's TTP API).
 
     rank_job.py STEPS REPORT CHECKPOINT_DIR
 
-Every step draws from the process's random streams -- torch's (dropout;
-MindSpore's generator is hashed too), Python's ``random`` and NumPy's global
+Every step draws from the process's random streams -- the framework's
+(dropout: torch's generator, MindSpore's op seeds, whose functional
+``ops.dropout`` draws from them), Python's ``random`` and NumPy's global
 stream -- and each draw changes the update, so a stream not set back after a
 recovery shows in the state as well as in the streams' hash; each rank
 draws its own count (``OWN_DRAWS``), so its streams are its own. Batches are
@@ -127,8 +128,10 @@ def torch_job() -> None:
 
 
 def mindspore_job() -> None:
+    import importlib
+
     import mindspore as ms
-    from mindspore import Tensor, nn
+    from mindspore import Tensor, nn, ops
     from mindspore.communication import get_rank, init
 
     from trainguard.mindspore import Guard
@@ -147,11 +150,13 @@ def mindspore_job() -> None:
         with guard.protect():
             data = np.random.default_rng(100 * step + rank)
             x = Tensor(data.standard_normal((4, 8)).astype(np.float32) * script_draws(rank))
+            x = ops.dropout(x, p=0.2, training=True)
             _, grads = grad_fn(x, Tensor(data.standard_normal((4, 1)).astype(np.float32)))
             guard.optimizer(grads)
     out = guard.report()
     write(rank, {**out, "state_sha256": out["final_state_sha256"],
-                 "streams_sha256": streams_sha256(ms.get_rng_state().asnumpy().tobytes())})
+                 "streams_sha256": streams_sha256(ms.get_rng_state().asnumpy().tobytes() + repr(sorted(
+                     importlib.import_module("mindspore.common.seed")._KERNEL_SEED.items())).encode())})
     guard.close()
 
 

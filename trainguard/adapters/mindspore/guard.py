@@ -75,7 +75,7 @@ from .compile_cache import MindSporeCompileCache, key_parts
 from .handlers import MindSporeHandlers
 from .markers import MindSporeMarkers
 from .optimizer import OptTFTWrapper
-from .state import ModelState
+from .state import ModelState, kernel_random_ops
 
 __all__ = ["Guard"]
 
@@ -168,6 +168,12 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             raise ConfigError("this optimizer wrapper already belongs to another Guard")
         self.network = network
         self.state = ModelState(network, self.optimizer.opt)
+        self.kernel_random_ops = kernel_random_ops(network)
+        if self.kernel_random_ops and self.rank == 0:
+            log.warning("%s keep their random state inside MindSpore's kernels, which trainguard cannot save or set: "
+                        "steps redone or resumed after a fault draw other numbers there than a run without the fault "
+                        "would (the functional operators, ops.dropout, ops.randn..., draw from op seeds trainguard "
+                        "keeps)", ", ".join(self.kernel_random_ops[:8]))
         cache_root = resolve_root(compile_cache, checkpoint_dir)  # before the first graph is compiled
         self.compile_cache = MindSporeCompileCache(cache_root, key_parts(
             network, network.get_parameters(), rank=self.rank, world_size=self.world_size, extra=compile_cache_key)
@@ -341,6 +347,9 @@ class Guard(Collectives, Checkpoints, RankRuntime):
 
     def _state_sha256(self) -> str:
         return self.state.sha256()
+
+    def _report_extras(self) -> dict:
+        return {"kernel_random_ops": list(self.kernel_random_ops)}  # streams no recovery sets back
 
     def _detach(self) -> None:
         if self._graph:

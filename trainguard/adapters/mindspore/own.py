@@ -1,6 +1,6 @@
 """A MindSpore rank's own part -- its random streams (Python's, NumPy's
-global one, MindSpore's default generator, :func:`.state.streams`) -- as
-bytes.
+global one, MindSpore's default generator and its op seeds,
+:func:`.state.streams`) -- as bytes.
 
 Replicas share their parameters, so any of them saves or serves those;
 each rank's streams are its own. The same bytes go into the node agent's
@@ -58,6 +58,7 @@ def pack(streams: dict[str, Any]) -> bytes:
         "python": [version, np.asarray(internal, np.int64).tobytes().hex(), gauss],
         "numpy": [name, np.asarray(keys, np.uint32).tobytes().hex(), int(pos), int(has_gauss), float(cached)],
         "mindspore": {"dtype": str(generator.dtype), "shape": list(generator.shape), "hex": generator.tobytes().hex()},
+        "ops": sorted([kernel, int(op_seed), int(value)] for (kernel, op_seed), value in streams["ops"].items()),
     }, separators=(",", ":")).encode()
 
 
@@ -83,6 +84,13 @@ def unpack(data: bytes, what: str) -> dict[str, Any]:
             raise ValueError(f"a generator state of dtype {generator['dtype']!r}")
         raw = np.frombuffer(bytes.fromhex(generator["hex"]), np.dtype(generator["dtype"]))
         mindspore = Tensor(raw.reshape([int(n) for n in generator["shape"]]).copy())
+        ops = None if "ops" not in record else {(_kernel(k), int(o)): int(v) for k, o, v in record["ops"]}
     except (ValueError, TypeError, KeyError, OverflowError) as e:
         raise CheckpointError(f"{what} is not a record of random streams: {type(e).__name__}: {e}") from None
-    return {"python": python, "numpy": numpy, "mindspore": mindspore}
+    return {"python": python, "numpy": numpy, "mindspore": mindspore, "ops": ops}
+
+
+def _kernel(name: Any) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"an op seed's kernel name {name!r}")
+    return name

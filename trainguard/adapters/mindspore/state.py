@@ -1,9 +1,11 @@
 """The state a MindSpore replica holds, gathered from the network and the
 optimizer, and the per-step snapshot a retry rolls back to: the buffers a
 forward pass moves, and this rank's random streams (Python's, NumPy's
-global one, MindSpore's default generator), so a retried step draws what
-the abandoned one drew. (MindSpore's older random operators on CPU keep
-their state inside each kernel, which MindSpore cannot save or set.)
+global one, MindSpore's default generator and the op seeds its functional
+random operators draw from: ``ops.dropout``, ``ops.randn``...), so a retried
+step draws what the abandoned one drew. Operators built once with their
+seeds (``nn.Dropout``'s ``ops.Dropout``) keep their state inside the kernel,
+which MindSpore cannot save or set (:func:`kernel_random_ops` finds them).
 
 MindSpore keeps everything in named ``Parameter`` objects: trainable weights,
 buffers such as BatchNorm's moving statistics (``requires_grad=False``), and
@@ -16,6 +18,7 @@ for a broadcast and a checkpoint.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import random
 from typing import Any
 
@@ -23,7 +26,16 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-__all__ = ["ModelState", "set_streams", "streams", "streams_sha256"]
+__all__ = ["ModelState", "kernel_random_ops", "set_streams", "streams", "streams_sha256"]
+
+#: MindSpore's op seeds: the functional random operators derive each call's
+#: seeds from this table, (kernel name, op seed) -> the next seed, and
+#: advance it (``mindspore/common/seed.py``).
+_OP_SEEDS: dict = importlib.import_module("mindspore.common.seed")._KERNEL_SEED
+
+#: Attributes of a primitive that was given seeds when it was built: one
+#: that keeps its random state inside its kernel.
+_KERNEL_SEED_ATTRS = ("Seed0", "seed0", "seed2")
 
 
 class ModelState:
@@ -107,17 +119,34 @@ class ModelState:
         return h.hexdigest()
 
 
+def kernel_random_ops(network: nn.Cell) -> list[str]:
+    """The random operators in ``network`` that keep their state inside
+    their kernel (``nn.Dropout``'s ``ops.Dropout``, a cell's own
+    ``ops.StandardNormal``...), by the cell attribute holding each."""
+    found = []
+    for name, cell in network.cells_and_names():
+        for attr, value in vars(cell).get("_primitives", {}).items():
+            if value is not None and any(a in value.attrs for a in _KERNEL_SEED_ATTRS):
+                found.append(f"{name}.{attr}" if name else attr)
+    return found
+
+
 def streams() -> dict[str, Any]:
     """This process's random streams, as copies."""
     return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "mindspore": Tensor(ms.get_rng_state().asnumpy().copy())}
+            "mindspore": Tensor(ms.get_rng_state().asnumpy().copy()), "ops": dict(_OP_SEEDS)}
 
 
 def set_streams(now: dict[str, Any]) -> None:
-    """Set this process's random streams to ``now`` (:func:`streams`'s)."""
+    """Set this process's random streams to ``now`` (:func:`streams`'s;
+    ``ops`` None: a record written before they were kept, which leaves
+    the op seeds as they are)."""
     random.setstate(now["python"])
     np.random.set_state(now["numpy"])
     ms.set_rng_state(now["mindspore"])
+    if now.get("ops") is not None:
+        _OP_SEEDS.clear()
+        _OP_SEEDS.update(now["ops"])
 
 
 def streams_sha256() -> str:
@@ -127,4 +156,5 @@ def streams_sha256() -> str:
     kind, keys, pos, gauss, cached = now["numpy"]
     h.update(f"{kind}:{pos}:{gauss}:{cached};".encode() + keys.tobytes())
     h.update(now["mindspore"].asnumpy().tobytes())
+    h.update(repr(sorted(now["ops"].items())).encode())
     return h.hexdigest()
