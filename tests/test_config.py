@@ -67,7 +67,7 @@ def test_a_script_without_a_guard_reads_its_faults_by_the_same_rule():
 
 
 def test_the_workers_store_prefix_is_named_by_the_agent_s_round_else_by_the_restart_count():
-    from trainguard.adapters.torch.process_group import job_namespace
+    from trainguard.adapters.torch.comm import job_namespace
 
     assert job_namespace(RankConfig(run_id="job-a", store_round="41234", restart_count=2)) == "trainguard/job-a/41234"
     assert job_namespace(RankConfig(run_id="job-a", restart_count=2)) == "trainguard/job-a/2"

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch.distributed as dist
 
-from trainguard.adapters.torch.process_group import job_namespace
+from trainguard.adapters.torch.comm import job_namespace
 from trainguard.core import CheckpointError, ConfigError, RankConfig
 from trainguard.core.checkpoint import FileInfo
 from trainguard.core.preflight import check_checkpoint_dir

@@ -44,7 +44,7 @@ from trainguard.core.snapshot.shared import Sharing, local_ranks
 
 from .handlers import read_shard, shard_name
 from .own import own_file, pack, unpack
-from .process_group import job_namespace
+from .comm import job_namespace
 from .snapshot import Snapshots, destinations, filled, on_device, read_payload_into
 
 __all__ = ["Checkpoints"]

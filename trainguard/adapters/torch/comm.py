@@ -17,12 +17,12 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from trainguard.core import ConfigError
+from trainguard.core import ConfigError, RankConfig
 
 from .device import Device
 from .process_group import AbortableProcessGroup
 
-__all__ = ["GroupRef", "TorchComm", "allreduce_hook"]
+__all__ = ["GroupRef", "TorchComm", "allreduce_hook", "job_namespace"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -35,7 +35,7 @@ class TorchComm:
         device: where the model lives (it builds and aborts the backend).
         ddp: the ``DistributedDataParallel`` being trained, or ``None``.
         timeout: the inner backend's own timeout.
-        namespace: the groups' store prefix (:func:`.process_group.job_namespace`).
+        namespace: the groups' store prefix (:func:`job_namespace`).
         generation: the group's generation (a joining process's is the
             recovery's that started it).
         first_bucket: called once per :meth:`arm`, before DDP sends that
@@ -143,3 +143,14 @@ def allreduce_hook(state, bucket):  # no annotations: DDP compares them to real 
     tensor = bucket.buffer()
     tensor.div_(group.size())
     return group.allreduce([tensor]).get_future().then(lambda fut: fut.value()[0])
+
+
+def job_namespace(settings: RankConfig) -> str:
+    """A store prefix unique to this launch of the job. Under ``trainguard
+    run`` each round of workers gets a fresh store, named by the agent
+    (:attr:`~trainguard.core.RankConfig.store_round`: the same on every
+    node, also on one that replaced a lost node and counts its restarts
+    from 0); under plain torchrun the restarts reuse one store, so the
+    restart count names it."""
+    round_ = settings.store_round if settings.store_round is not None else settings.restart_count
+    return f"trainguard/{settings.run_id}/{round_}"

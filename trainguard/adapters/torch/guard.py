@@ -59,7 +59,7 @@ from trainguard.core.profiling import recorder_from_env
 from trainguard.core.rehearsal import Rehearsal
 
 from .checkpoints import Checkpoints
-from .comm import TorchComm
+from .comm import TorchComm, job_namespace
 from .compile_cache import TorchCompileCache, key_parts
 from .device import for_module
 from .handlers import TorchHandlers
@@ -67,7 +67,7 @@ from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .own import fingerprints
-from .process_group import AbortableProcessGroup, job_namespace
+from .process_group import AbortableProcessGroup
 from .state import state_sha256
 from .trainstate import TrainState
 

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
 
-from trainguard.core import ForceStop, RankConfig
+from trainguard.core import ForceStop
 
-__all__ = ["AbortableProcessGroup", "job_namespace", "run_cancellable"]
+__all__ = ["AbortableProcessGroup", "run_cancellable"]
 
 log = logging.getLogger("trainguard.torch")
 
@@ -264,22 +264,12 @@ class AbortableProcessGroup(dist.ProcessGroup):
             thread.start()
 
     def close(self) -> None:
-        """Destroy the inner backend now, on the calling thread, and refuse
-        collectives from then on; left alone while a call is in flight (its
-        destructor would wait for the peer that never answered it).
-
-        The process's exit does this for every group (:func:`_close_at_exit`):
-        a backend still alive when the interpreter finalizes keeps threads
-        that may yet need the GIL -- a collective's callback still running,
-        or the release of a tensor whose last reference the backend held --
-        and such a thread aborts the whole process ("terminate called without
-        an active exception") instead of letting it exit with its code.
-        """
-        if self._pending:
-            return
-        self._halted = True
-        inner, self._inner = self._inner, None
-        del inner  # the destructor releases the GIL and joins the backend's threads
+        """Destroy the inner backend now (its destructor releases the GIL and
+        joins the backend's threads) and refuse collectives from then on;
+        not while a call is in flight (the destructor would wait for the
+        peer that never answered it). The process's exit does it (:func:`_close_at_exit`)."""
+        if not self._pending:
+            self._halted, self._inner = True, None
 
     # ------------------------------------------------------------ collectives
     def black_hole(self) -> None:
@@ -372,10 +362,11 @@ class AbortableProcessGroup(dist.ProcessGroup):
 
 @atexit.register
 def _close_at_exit() -> None:
-    """Before the interpreter finalizes: destroy every group's backend
-    (:meth:`AbortableProcessGroup.close`) and give backends being retired
-    :data:`RETIRE_AT_EXIT_S` to finish, while their threads can still take
-    the GIL. (A controller's exit command ends the process before this.)"""
+    """Close every group and give backends being retired :data:`RETIRE_AT_EXIT_S`,
+    while their threads can still take the GIL: a backend thread still
+    running Python (a collective's callback, the release of a tensor it held)
+    once the interpreter finalizes aborts the process ("terminate called
+    without an active exception"). A controller's exit command ends it before."""
     for group in list(_live):
         group.close()
     deadline = time.monotonic() + RETIRE_AT_EXIT_S
@@ -407,14 +398,3 @@ def run_cancellable(fn: Callable[[], Any], cancelled: Callable[[], bool], what: 
     if "error" in done:
         raise done["error"]
     return done["value"]
-
-
-def job_namespace(settings: RankConfig) -> str:
-    """A store prefix unique to this launch of the job. Under ``trainguard
-    run`` each round of workers gets a fresh store, named by the agent
-    (:attr:`~trainguard.core.RankConfig.store_round`: the same on every
-    node, also on one that replaced a lost node and counts its restarts
-    from 0); under plain torchrun the restarts reuse one store, so the
-    restart count names it."""
-    round_ = settings.store_round if settings.store_round is not None else settings.restart_count
-    return f"trainguard/{settings.run_id}/{round_}"
