@@ -264,10 +264,9 @@ class AbortableProcessGroup(dist.ProcessGroup):
             thread.start()
 
     def close(self) -> None:
-        """Destroy the inner backend now (its destructor releases the GIL and
-        joins the backend's threads) and refuse collectives from then on;
-        not while a call is in flight (the destructor would wait for the
-        peer that never answered it). The process's exit does it (:func:`_close_at_exit`)."""
+        """Destroy the inner backend now (the destructor releases the GIL and
+        joins its threads) and refuse collectives from then on; not while a
+        call is in flight (it would wait for the peer that never answered)."""
         if not self._pending:
             self._halted, self._inner = True, None
 
@@ -362,12 +361,13 @@ class AbortableProcessGroup(dist.ProcessGroup):
 
 @atexit.register
 def _close_at_exit() -> None:
-    """Close every group and give backends being retired :data:`RETIRE_AT_EXIT_S`,
-    while their threads can still take the GIL: a backend thread still
-    running Python (a collective's callback, the release of a tensor it held)
-    once the interpreter finalizes aborts the process ("terminate called
-    without an active exception"). A controller's exit command ends it before."""
-    for group in list(_live):
+    """Close every group on gloo and give backends being retired
+    :data:`RETIRE_AT_EXIT_S`, while their threads can still take the GIL: a
+    gloo thread still running Python (a collective's callback, the release
+    of a tensor it held) once the interpreter finalizes aborts the process
+    ("terminate called without an active exception"). NCCL's are left to
+    its own exit; a controller's exit command ends the process before this."""
+    for group in [g for g in _live if isinstance(g._inner, dist.ProcessGroupGloo)]:
         group.close()
     deadline = time.monotonic() + RETIRE_AT_EXIT_S
     for thread in list(_retiring):
