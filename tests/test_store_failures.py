@@ -274,7 +274,8 @@ def test_a_full_store_leaves_training_going_and_the_last_checkpoint_that_fit(tmp
     4 is the newest complete checkpoint and verifies, and no failed save
     left anything behind."""
     job = StoreJob(tmp_path, "full", env={"STORE_BREAK_AT": "5", "STORE_HOLD_AT": "8"})
-    status = job.hold(8, lambda s: s.get("persist") is not None)
+    # Each rank's failed persist reaches the controller with its own next report: wait for both.
+    status = job.hold(8, lambda s: "on ranks [0, 1]" in (s.get("persist") or {}).get("failing", ""))
     job.finish()
     assert job.rc == 0, job
     assert all(rep["final_state_sha256"] == fault_free for rep in job.ranks.values()), job
