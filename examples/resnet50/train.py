@@ -94,6 +94,10 @@ def main(cfg: DictConfig) -> None:
                              f"to let ranks share GPUs")
         device = torch.device("cuda", local_rank % gpus)  # gloo: ranks share the GPUs in turn
         torch.cuda.set_device(device)
+        if cfg.deterministic:  # a step redone after a fault must compute what it computed the first time
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts (torch's docs)
+            torch.backends.cudnn.benchmark = False
+            torch.use_deterministic_algorithms(True)  # an op without a deterministic kernel raises, never differs
     elif cfg.device == "cpu":
         device = torch.device("cpu")
     else:
