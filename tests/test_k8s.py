@@ -22,6 +22,8 @@ from trainguard.core import annotations as ann
 from trainguard.core.api import Strategy
 from trainguard.core.config import ENV, parse_strategies
 
+pytest.importorskip("jsonschema", reason="the manifests' schemas (the dev extra; a GPU image lacks it)")
+
 from k8s_files import (DEPLOY, MANIFESTS, by_kind, containers, env_of, expand, flag, jobs, kubelet_file,
                        manifest_docs, mounted, mutations, validate)
 

@@ -74,7 +74,10 @@ def _mirror_ddp(ddp: torch.nn.parallel.DistributedDataParallel, group: dist.Proc
     _verify_param_shape_across_processes(group, parameters)
     ignore = ddp.parameters_to_ignore
     states = [p.detach().clone() for n, p in ddp.module.named_parameters() if n not in ignore]
-    if ddp.forward_sync_buffers:
+    # torch 2.13 names it forward_sync_buffers (broadcast_buffers is its alias); before, broadcast_buffers
+    # (torch 2.11 on an H200 had no forward_sync_buffers: the join failed on it)
+    sync_buffers = getattr(ddp, "forward_sync_buffers", None)
+    if ddp.broadcast_buffers if sync_buffers is None else sync_buffers:
         states += [b.detach().clone() for n, b in ddp.module.named_buffers() if n not in ignore]
     _sync_params_and_buffers(group, states, ddp.broadcast_bucket_size, 0)
 
