@@ -5,7 +5,10 @@
 MODE ``loop``: a custom loop with ``CheckpointManager`` (each worker's
 ``tf.data`` iterator over its shard, a Dense model with Dropout, Adam);
 MODE ``fit``: the same model under ``model.fit`` with the ``Checkpointing``
-callback, STEPS steps per epoch for SAVE_EVERY epochs... (see below).
+callback, STEPS steps per epoch for SAVE_EVERY epochs, a checkpoint after each;
+MODE ``probe``: CKPT_DIR is a comma-separated list of directories; load the
+newest verified checkpoint of each and append ``{"dir", "step"}`` or
+``{"dir", "error"}`` to OUT_JSON (one process, no training).
 Every worker appends one JSON line to OUT_JSON at the end: its index, pid,
 the step it resumed from, and the SHA-256 of every model and optimizer
 variable (the final state) and of the next batch it would read (its data
@@ -85,6 +88,20 @@ if mode == "loop":
     record["resumed"] = manager._state.loaded.step if manager._state.loaded else 0
     record["next_batch"] = hashlib.sha256(next(it)[0].numpy().tobytes()).hexdigest()
     manager.close()
+elif mode == "probe":
+    from trainguard.core import ResumeError
+
+    it = iter(dataset(True).shuffle(64, seed=2).repeat().batch(BATCH))
+    for directory in ckpt_dir.split(","):
+        manager = CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), directory, data=it)
+        try:
+            result = {"dir": directory, "step": manager.restore_or_initialize(),
+                      "state": digest(model.variables + optimizer.variables)}
+        except ResumeError as e:
+            result = {"dir": directory, "error": str(e)}
+        with open(out, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    sys.exit(0)
 else:  # fit: STEPS steps per epoch, SAVE_EVERY epochs
     with strategy.scope():
         model.compile(optimizer=optimizer,

@@ -9,7 +9,9 @@ line per event:
 * ``resumed N`` -- the worker loaded the checkpoint of step N (0: a fresh start);
 * ``step N``    -- step N completed (the heartbeat, once a step);
 * ``save N`` / ``saved N`` -- a checkpoint save of step N opened and closed
-  (the launcher's hang limit for a save is a section's, not a step's).
+  (the launcher's hang limit for a save is a section's, not a step's);
+* ``done N``    -- training ended at step N (what follows, TensorFlow's own
+  shutdown included, is not watched for progress).
 
 A pipe needs no address, port or secret (only the worker holds the write
 end) and costs one ``write`` a step. The write end is non-blocking: a full
@@ -32,7 +34,7 @@ __all__ = ["ENV_FD", "KINDS", "StepEvent", "StepPipe", "StepReader"]
 log = logging.getLogger("trainguard.launcher")
 
 ENV_FD = "TRAINGUARD_HEARTBEAT_FD"
-KINDS = ("resumed", "step", "save", "saved")
+KINDS = ("resumed", "step", "save", "saved", "done")
 _MAX_LINE = 64  # longer is not a line a worker wrote
 
 

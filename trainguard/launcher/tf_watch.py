@@ -62,6 +62,7 @@ class TFWorker:
         self.reader = reader
         self.step = -1  # the last step it completed or resumed from (-1: none yet)
         self.resumed: int | None = None
+        self.done = False  # it reported the end of training
         self._frozen = frozen
         self._watch = watchdog.enabled
         self.watchdog = ProgressWatchdog(watchdog, clock=clock, track_gc=False)
@@ -83,6 +84,9 @@ class TFWorker:
             elif event.kind == "saved" and self._save is not None:
                 self._save.__exit__(None, None, None)
                 self._save = None
+            elif event.kind == "done":
+                self.step, self.done = event.step, True
+                self.watchdog.disarm()
 
     @property
     def code(self) -> int | None:
@@ -96,6 +100,8 @@ class TFWorker:
         if code is not None:
             if code == 0:
                 return ""
+            if self.done:  # training ended: an untidy exit loses nothing (the attempt logs it)
+                return ""
             if code < 0:
                 return f"{where} was killed by signal {-code}{at}"
             if code == EXIT_UNRECOVERABLE:
@@ -104,7 +110,7 @@ class TFWorker:
         stopped = self._frozen.stopped(self.proc.pid)
         if stopped:
             return f"{where} hung{at}: {stopped}"
-        alarm = self.watchdog.check() if self._watch else None
+        alarm = self.watchdog.check() if self._watch and not self.done else None
         if alarm is not None:
             return f"{where} hung{at}: {alarm.describe().replace('; not in a collective', '')}"
         return ""

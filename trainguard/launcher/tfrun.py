@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,6 +53,11 @@ from .watch import FrozenWatch
 __all__ = ["Job", "main", "parser"]
 
 log = logging.getLogger("trainguard.launcher")
+
+#: How long workers that all reported the end of training may take to exit
+#: before they are killed (TensorFlow's shutdown of a multi-worker job can
+#: wait on peers that already left).
+DONE_GRACE_S = 30.0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -117,9 +123,14 @@ class Job:
                 log.info("job %s finished (%d restart%s)", self.job_id, self.restarts, "" if self.restarts == 1 else "s")
                 note("exit", code=0, restarts=self.restarts)
                 return 0
-            record = {"reason": outcome.reason, "restart": None, "attempt_s": round(time.monotonic() - started, 2)}
+            record = {"reason": outcome.reason, "restart": None, "attempt_s": round(time.monotonic() - started, 2),
+                      "signature": re.sub(r"\(pid \d+\)", "", outcome.reason) if outcome.step < 0 else None}
             self.history.append(record)
             note("fault", reason=outcome.reason, step=outcome.step, restart=self.restarts)
+            if outcome.step < 0 and self.history[:-1] and self.history[-2]["signature"] == record["signature"]:
+                print(f"trainguard: {outcome.reason}, as in the attempt before, both before any step: a restart "
+                      f"would fail the same way; not restarting", file=sys.stderr)
+                return 1
             if not outcome.restartable:
                 print(f"trainguard: {outcome.reason}; not restarting (a restart would meet the same refusal)",
                       file=sys.stderr)
@@ -138,6 +149,7 @@ class Job:
         cluster = {"worker": [f"{self.host}:{p}" for p in ports]}
         frozen = FrozenWatch()
         workers: list[TFWorker] = []
+        ended = 0.0  # when every worker had reported the end of training
         try:
             for index in range(self.workers):
                 workers.append(self._start(index, cluster, frozen))
@@ -151,8 +163,17 @@ class Job:
                     reason = faults[0] + (f" (then: {'; '.join(faults[1:])})" if faults[1:] else "")
                     step = max(x.step for x in workers)
                     return Outcome(False, reason, restartable="refused to go on" not in reason, step=step)
-                if all(w.code == 0 for w in workers):
+                if all(w.code == 0 or (w.done and w.code is not None) for w in workers):
+                    for w in workers:
+                        if w.code:
+                            log.warning("worker %d exited with code %d after training ended", w.index, w.code)
                     return Outcome(True, step=max(w.step for w in workers))
+                if all(w.done for w in workers):
+                    ended = ended or time.monotonic()
+                    if time.monotonic() - ended > DONE_GRACE_S:
+                        log.warning("every worker ended training %.0f s ago; killing those still running: %s",
+                                    DONE_GRACE_S, [w.index for w in workers if w.code is None])
+                        return Outcome(True, step=max(w.step for w in workers))
                 frozen.last_poll = time.time()
                 time.sleep(self.monitor_interval_s)
         finally:

@@ -80,6 +80,9 @@ class Checkpointing(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None) -> None:
         self.worker.send("step", self._step())
 
+    def on_train_end(self, logs=None) -> None:
+        self.worker.send("done", self._step())
+
     def on_epoch_end(self, epoch, logs=None) -> None:
         if (epoch + 1) % self.every_epochs == 0:
             self._state.save(self._step(), meta={"epoch": epoch + 1})

@@ -108,6 +108,7 @@ class CheckpointManager:
             self.worker.send("step", self.step)
             if self.save_every and self.step % self.save_every == 0:
                 self.save(self.step)
+        self.worker.send("done", self.step)
 
     @property
     def latest_checkpoint(self) -> str | None:

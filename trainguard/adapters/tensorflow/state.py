@@ -179,7 +179,11 @@ class Checkpointer:
             raise ResumeError(f"worker {w.index}: the workers found different verified checkpoints in "
                               f"{self.root} (steps {steps}) and not every worker can read step {chosen}")
         if found is None:
-            log.info("no verified checkpoint in %s: starting from step 0", self.root)
+            if self.store.steps():
+                raise ResumeError(f"worker {w.index}: no checkpoint in {self.root} passes verification (each "
+                                  f"reason is logged above); refusing to start over from step 0 beside them: move "
+                                  f"them away to start fresh")
+            log.info("no checkpoint in %s: starting from step 0", self.root)
             return None
         world = found.manifest["layout"]["world_size"]
         if world != w.count:
