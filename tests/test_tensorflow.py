@@ -169,3 +169,19 @@ def test_fit_callback_crash_resumes_equal_at_the_epoch(tmp_path):
     assert rc == 0, log[-6000:]
     assert len(restarts(log)) == 1, log[-6000:]
     check_resumed_equal(ref, [r for r in run if r["restart"] == "1"], resumed=8)  # the end of epoch 2
+
+
+@pytest.mark.slow  # CI: the refusal with stand-in workers (test_tf_launcher.py) and the probe above
+def test_unloadable_directory_stops_the_job_without_restarts(tmp_path):
+    rc, log, records, ckpt = tf_job(tmp_path, "first", steps=10, save_every=5)
+    assert rc == 0, log[-6000:]
+    for step in ckpt.glob("step_*"):
+        (step / "manifest.json").unlink()
+    out = tmp_path / "second.jsonl"
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--framework", "tensorflow", "--workers-per-node", "2",
+           str(TRAIN), "loop", "20", str(ckpt), str(out), "5"]
+    proc = run_bounded(cmd, env=_env(), cwd=tmp_path, timeout=240, merge=True)
+    assert proc.returncode == 1, proc.stdout[-6000:]
+    assert not restarts(proc.stdout) and "refused to go on (exit 76)" in proc.stdout
+    assert "no checkpoint in" in proc.stdout and "passes verification" in proc.stdout
+    assert not out.exists() and sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000005", "step_00000010"]

@@ -124,7 +124,7 @@ class Job:
                 note("exit", code=0, restarts=self.restarts)
                 return 0
             record = {"reason": outcome.reason, "restart": None, "attempt_s": round(time.monotonic() - started, 2),
-                      "signature": re.sub(r"\(pid \d+\)", "", outcome.reason) if outcome.step < 0 else None}
+                      "signature": _signature(outcome.reason) if outcome.step < 0 else None}
             self.history.append(record)
             note("fault", reason=outcome.reason, step=outcome.step, restart=self.restarts)
             if outcome.step < 0 and self.history[:-1] and self.history[-2]["signature"] == record["signature"]:
@@ -194,6 +194,13 @@ class Job:
         log.info("worker %d: pid %d, TF_CONFIG task index %d of %s", index, proc.pid, index,
                  ",".join(cluster["worker"]))
         return TFWorker(index, proc, StepReader(read), self.watchdog, frozen)
+
+
+def _signature(reason: str) -> str:
+    """What failed, without which worker or pid, nor what followed: two
+    start-ups that end alike have one signature whichever worker went first."""
+    first = reason.partition(" (then: ")[0]
+    return re.sub(r"^worker \d+ \(pid \d+\) ", "", first)
 
 
 def _end(workers: list[TFWorker]) -> None:
