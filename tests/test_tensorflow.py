@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS, run_bounded
+from conftest import WORKERS, run_bounded
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                                 reason="needs the tensorflow extra (pip install -e '.[tensorflow]')")
