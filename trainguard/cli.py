@@ -1,7 +1,9 @@
 """The ``trainguard`` command.
 
 * ``trainguard run [torchrun flags] SCRIPT [ARGS]`` -- launch a protected job;
-  ``trainguard run --framework mindspore [msrun flags] SCRIPT [ARGS]`` -- the same with msrun.
+  ``trainguard run --framework mindspore [msrun flags] SCRIPT [ARGS]`` -- the same with msrun;
+  ``trainguard run --framework tensorflow --workers-per-node N SCRIPT [ARGS]`` -- a multi-worker
+  TensorFlow job, restarted whole on a fault.
 * ``trainguard rehearse [--quick] [--json FILE] [--strategies LIST] [launcher flags] SCRIPT [ARGS]`` --
   inject every kind of fault into your own script and check each run ends
   bit-identical to a fault-free one (:mod:`trainguard.rehearse`).
@@ -31,7 +33,8 @@ __all__ = ["main"]
 USAGE = """usage: trainguard {run,rehearse,status,report,ckpt,slow-nodes} ...
 
   run     launch a training script like torchrun, protected by trainguard
-          (--framework mindspore: like msrun, with msrun's flags)
+          (--framework mindspore: like msrun, with msrun's flags;
+           --framework tensorflow: TF_CONFIG per worker, the whole job restarted on a fault)
   rehearse  run your script once per fault kind and check each ends bit-identical
           to a fault-free run (--quick: one case per kind)
   status  show a running job's controller state (--watch: live, per rank)
@@ -187,8 +190,8 @@ def _framework(argv: list[str]) -> tuple[str, list[str]]:
     """``--framework NAME`` / ``--framework=NAME`` at the front of ``run``'s arguments."""
     first = argv[0]
     name, rest = (first.partition("=")[2], argv[1:]) if "=" in first else (argv[1] if len(argv) > 1 else "", argv[2:])
-    if name not in ("torch", "mindspore"):
-        raise SystemExit(f"trainguard run: --framework must be torch or mindspore, got {name!r}")
+    if name not in ("torch", "mindspore", "tensorflow"):
+        raise SystemExit(f"trainguard run: --framework must be torch, mindspore or tensorflow, got {name!r}")
     return name, rest
 
 
@@ -204,6 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trainguard.launcher.msrun import main as msrun_main
 
             return msrun_main(rest)
+        if framework == "tensorflow":
+            from trainguard.launcher.tfrun import main as tf_main
+
+            return tf_main(rest)
     if command == "run":
         from trainguard.launcher.run import main as run_main
 

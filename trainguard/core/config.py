@@ -93,6 +93,10 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_HANG_MIN_S": "... but never sooner than this many seconds (default 2)",
     "TRAINGUARD_FIRST_STEP_TIMEOUT_S": "limit for the first step after start or recovery, and for a section's "
                                        "first run (default 600)",
+    "TRAINGUARD_HEARTBEAT_FD": "set by `trainguard run --framework tensorflow` for each worker: the pipe its steps "
+                               "are reported on (do not set by hand)",
+    "TRAINGUARD_RESTART": "set by `trainguard run --framework tensorflow` for each worker: how many times the job "
+                          "was restarted before this run (do not set by hand)",
 }
 
 
