@@ -303,6 +303,8 @@ class MsrunPlugin:
         for rank, code in sorted(codes.items()):
             if code:
                 print(f"trainguard: rank {rank} failed with exit code {code}", file=sys.stderr)
+        if records and records[-1]["strategy"] == "exit":
+            print(f"trainguard: the job stopped ({records[-1]['reason']})", file=sys.stderr)
         return 1
 
 

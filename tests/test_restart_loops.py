@@ -1,0 +1,81 @@
+"""No restart loops, and no strategy that can never act: on real jobs under ``trainguard run``.
+
+A bug in the script raises at the same step on every launch. The first launch saves a dying
+gasp and exits 75; a relaunch (a scheduler relaunching on 75, or ``--max-restarts``) resumes
+from it and fails the same way at the same step: the job stops with exit 1 and says why,
+instead of dumping the same step again and asking to be relaunched forever. A strategy the
+launch flags cannot serve (``recover-in-place`` without a restart budget) is refused with
+exit 2 before any worker starts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import WORKERS, run_job
+
+pytestmark = pytest.mark.timeout(300)
+
+BUG = {"TINY_BUG": "1,4"}  # rank 1 raises ValueError inside step 4, on every launch
+SAME = "the same fault (unknown ValueError) failed the launch before at the same step"
+
+
+def relaunch_on_75(tmp_path, name: str, *, limit: int = 4, extra_args: list[str] | None = None):
+    """What a scheduler does: launch, and launch again while the job exits 75."""
+    jobs, ckpt = [], tmp_path / f"{name}-ckpt"
+    while len(jobs) < limit:
+        jobs.append(run_job(tmp_path, f"{name}{len(jobs)}", nproc=2, steps=8, env=BUG, strategies="dump,exit",
+                            ckpt=ckpt, extra_args=extra_args))
+        if jobs[-1].rc != 75:
+            break
+    return jobs
+
+
+def test_a_scheduler_relaunching_on_75_converges_when_the_script_fails_the_same_way(tmp_path):
+    jobs = relaunch_on_75(tmp_path, "loop")
+    assert [j.rc for j in jobs] == [75, 1], [str(j) for j in jobs]
+    first, second = jobs
+    assert "saved a dying-gasp checkpoint at step 4" in first.log
+    assert SAME in second.log and "trainguard: the job stopped" in second.log, second
+    assert "relaunch the same command to resume" not in second.log, second
+    # Nothing newer was written: the dying gasp of step 4 is still the newest checkpoint.
+    assert (second.ckpt / "latest_step.txt").read_text().strip() == "4"
+
+
+def test_max_restarts_is_not_spent_replaying_the_same_fault(tmp_path):
+    job = run_job(tmp_path, "budget", nproc=2, steps=8, env=BUG, strategies="dump,exit",
+                  extra_args=["--max-restarts", "3"])
+    assert job.rc == 1, job
+    # The first round dumped, torch's agent restarted the group once, the second round stopped.
+    assert job.log.count("rank 1 left step 4") == 2, job
+    assert SAME in job.log, job
+
+
+def launch(tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", *args,
+                           str(WORKERS / "tiny_train.py"), "4", str(tmp_path / "r.json"), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, env=full, cwd=tmp_path, timeout=120)
+
+
+@pytest.mark.parametrize("strategies, args, needs", [
+    ("recover-in-place,dump,exit", [], "--max-restarts N"),
+    ("recover,dump", ["--max-restarts", "2"], "--spare-slots N"),
+])
+def test_a_strategy_the_flags_cannot_serve_is_refused_before_any_worker_starts(tmp_path, strategies, args, needs):
+    out = launch(tmp_path, *args, env={"TRAINGUARD_STRATEGIES": strategies})
+    assert out.returncode == 2, out.stderr
+    assert needs in out.stderr and "TRAINGUARD_STRATEGIES" in out.stderr, out.stderr
+    assert "registered" not in out.stderr and not (tmp_path / "ckpt").exists(), out.stderr
+
+
+def test_a_node_range_is_refused_saying_what_to_give(tmp_path):
+    out = launch(tmp_path, "--nnodes", "1:2")
+    assert out.returncode == 2, out.stderr
+    assert "takes every torchrun flag but a node range; give a fixed count such as --nnodes 2" in out.stderr
