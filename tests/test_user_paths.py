@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import ast
 import builtins
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -78,17 +75,13 @@ def test_the_taskd_package_exports_the_names_the_docs_give_it():
         assert name in taskd.__all__ and getattr(taskd, name) is getattr(api, name)
 
 
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    return subprocess.run([sys.executable, "-m", "trainguard.cli", *args], capture_output=True, text=True,
-                          timeout=60, env=env, cwd=cwd or ROOT)
+def test_rehearse_help_is_rehearses_own_and_runs_nothing(capsys):
+    from trainguard.cli import main
 
-
-def test_rehearse_help_is_rehearses_own_and_runs_nothing():
-    out = cli("rehearse", "--help")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: trainguard rehearse [--quick]") and "--kinds" in out.stdout
-    assert "fault-free" not in out.stderr and not out.stderr.strip(), out.stderr
+    assert main(["rehearse", "--help"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: trainguard rehearse [--quick]") and "--kinds" in out
+    assert "fault-free" not in err and not err.strip(), err
 
 
 @pytest.mark.parametrize("naming, name, tracker", [
@@ -96,20 +89,21 @@ def test_rehearse_help_is_rehearses_own_and_runs_nothing():
     ("MEGATRON", "mp_rank_00/model_optim_rng.pt", "latest_checkpointed_iteration.txt"),
     ("TORCH", "shard_k0_r0.pt", "latest_step.txt"),
 ])
-def test_ckpt_verify_finds_each_layout_by_itself(tmp_path, naming, name, tracker):
+def test_ckpt_verify_finds_each_layout_by_itself(tmp_path, capsys, naming, name, tracker):
     import trainguard.core as core
+    from trainguard.cli import main
 
     store = core.CheckpointStore(tmp_path, getattr(core, naming))
     info = store.write_path(6, name, lambda p: p.write_bytes(b"weights"))
     store.finalize(6, [info], layout={"world_size": 1, "shards": [
         {"kind": 0, "copies": [0], "full": True, "saved_by": 0, "files": [name]}]})
     assert (tmp_path / tracker).exists()
-    ok = cli("ckpt", "verify", str(tmp_path))
-    assert ok.returncode == 0 and ok.stdout.startswith("ok "), ok.stdout + ok.stderr
+    assert main(["ckpt", "verify", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("ok ")
     broken = next(p for p in tmp_path.rglob("*") if p.is_file() and p.name == Path(name).name)
     broken.write_bytes(b"weightz")
-    bad = cli("ckpt", "verify", str(tmp_path))
-    assert bad.returncode == 1 and "BROKEN" in bad.stdout, bad.stdout + bad.stderr
+    assert main(["ckpt", "verify", str(tmp_path)]) == 1
+    assert "BROKEN" in capsys.readouterr().out
 
 
 def test_the_cpu_install_lines_take_the_cpu_wheel():
