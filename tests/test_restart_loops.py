@@ -16,6 +16,9 @@ import sys
 import pytest
 
 from conftest import WORKERS, run_job
+from trainguard.core import (ControllerConfig, DataStatus, Fault, FaultKind, RankState, ReplicaGroup, RunStatus,
+                             Strategy, decide)
+from trainguard.core.config_launch import unrunnable
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,6 +26,58 @@ BUG = {"TINY_BUG": "1,4"}  # rank 1 raises ValueError inside step 4, on every la
 SAME = "the same fault (unknown ValueError) failed the launch before at the same step"
 
 
+# ------------------------------------------------------------------- the pure decisions
+FULL = {r: (ReplicaGroup.full(range(2)),) for r in range(2)}
+
+
+def stopped_at(step: int) -> dict[int, RankState]:
+    return {r: RankState(rank=r, step=step, data=DataStatus.UPDATED, run=RunStatus.STOPPED, stopped=True)
+            for r in range(2)}
+
+
+def bug(rank: int = 1, error: str = "ValueError") -> Fault:
+    return Fault(kind=FaultKind.UNKNOWN, rank=rank, message=f"{error}: a bug in the script (rank {rank})")
+
+
+@pytest.mark.parametrize("faults, previous, expected", [
+    ([bug(1)], (4, "unknown ValueError"), Strategy.EXIT),      # the same class at the step it resumed from
+    ([bug(0)], (4, "unknown ValueError"), Strategy.EXIT),      # on another rank: still the same class
+    ([Fault(kind=FaultKind.COMM, rank=0, message="Connection reset by peer"), bug(1)],
+     (4, "unknown ValueError"), Strategy.EXIT),                 # a peer's broken collective is the symptom
+    ([bug(1, "KeyError")], (4, "unknown ValueError"), Strategy.DUMP),   # another error: dumped again
+    ([bug(1)], (3, "unknown ValueError"), Strategy.DUMP),      # progress since the last dump
+    ([bug(1)], None, Strategy.DUMP),                           # the launch resumed from no dying gasp
+])
+def test_a_dump_is_refused_only_for_the_same_fault_at_the_step_the_job_resumed_from(faults, previous, expected):
+    config = ControllerConfig(strategies="dump,exit")
+    plan, reason = decide(stopped_at(4), faults, config, 0.0, layout=FULL, previous=previous)
+    assert plan.strategy is expected, reason
+    assert plan.final is (expected is Strategy.EXIT)
+    if expected is Strategy.EXIT:
+        assert "failed the launch before at the same step" in reason and "step 4" in reason
+
+
+def test_the_fault_class_is_the_same_on_every_rank():
+    assert bug(0).cause == bug(1).cause == "unknown ValueError"
+    assert Fault(kind=FaultKind.PROCESS_LOST, rank=3, message="exit code -9 (SIGKILL)").cause == "process_lost"
+
+
+@pytest.mark.parametrize("strategies, max_restarts, spare, refused", [
+    ("retry,dump,exit", 0, 0, None),
+    ("recover-in-place,dump", 0, 0, "--max-restarts N"),
+    ("recover-in-place,dump", 1, 0, None),
+    ("recover,dump", 0, 1, "--max-restarts N"),
+    ("recover,dump", 2, 0, "--spare-slots N"),
+    ("recover,dump", 2, 1, None),
+])
+def test_a_strategy_the_launch_flags_cannot_serve_is_named(strategies, max_restarts, spare, refused):
+    from trainguard.core.config import parse_strategies
+
+    why = unrunnable(parse_strategies(strategies), max_restarts=max_restarts, spare_slots=spare)
+    assert (why is None) if refused is None else (refused in why), why
+
+
+# ------------------------------------------------------------------- real jobs
 def relaunch_on_75(tmp_path, name: str, *, limit: int = 4, extra_args: list[str] | None = None):
     """What a scheduler does: launch, and launch again while the job exits 75."""
     jobs, ckpt = [], tmp_path / f"{name}-ckpt"
