@@ -261,3 +261,17 @@ def test_every_page_that_speaks_of_device_memory_errors_says_what_cuda_does():
         if path.name in ("support.md",) or not gen.speaks_of_uce(text):
             continue
         assert "<!-- generated:cuda-note -->" in text, f"{path.name} speaks of device memory errors without the CUDA note"
+
+
+def test_every_setting_says_its_meaning_default_and_reader():
+    """The settings page is generated from config_env.ENV: each entry a Setting with all three told
+    (a plain string added there would leave the page without a default or a reader)."""
+    spec = importlib.util.spec_from_file_location("config_env_check", ROOT / "trainguard" / "core" / "config_env.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for name, setting in module.ENV.items():
+        assert name.startswith("TRAINGUARD_") and isinstance(setting, module.Setting), name
+        assert setting.meaning and setting.default and setting.read_by, name
+    page = (ROOT / "docs" / "settings.md").read_text()
+    assert all(f"| `{name}` |" in page for name in module.ENV)
