@@ -100,6 +100,7 @@ def test_a_scheduler_relaunching_on_75_converges_when_the_script_fails_the_same_
     assert (second.ckpt / "latest_step.txt").read_text().strip() == "4"
 
 
+@pytest.mark.slow  # CI: the same under the patched torchrun (tests/test_patch.py, the same agent)
 def test_max_restarts_is_not_spent_replaying_the_same_fault(tmp_path):
     job = run_job(tmp_path, "budget", nproc=2, steps=8, env=BUG, strategies="dump,exit",
                   extra_args=["--max-restarts", "3"])
@@ -119,18 +120,32 @@ def launch(tmp_path, *args: str, env: dict | None = None) -> subprocess.Complete
                           capture_output=True, text=True, env=full, cwd=tmp_path, timeout=120)
 
 
-@pytest.mark.parametrize("strategies, args, needs", [
-    ("recover-in-place,dump,exit", [], "--max-restarts N"),
-    ("recover,dump", ["--max-restarts", "2"], "--spare-slots N"),
-])
-def test_a_strategy_the_flags_cannot_serve_is_refused_before_any_worker_starts(tmp_path, strategies, args, needs):
-    out = launch(tmp_path, *args, env={"TRAINGUARD_STRATEGIES": strategies})
+def test_a_strategy_the_flags_cannot_serve_is_refused_before_any_worker_starts(tmp_path):
+    out = launch(tmp_path, env={"TRAINGUARD_STRATEGIES": "recover-in-place,dump,exit"})
     assert out.returncode == 2, out.stderr
-    assert needs in out.stderr and "TRAINGUARD_STRATEGIES" in out.stderr, out.stderr
+    assert "--max-restarts N" in out.stderr and "TRAINGUARD_STRATEGIES" in out.stderr, out.stderr
     assert "registered" not in out.stderr and not (tmp_path / "ckpt").exists(), out.stderr
 
 
-def test_a_node_range_is_refused_saying_what_to_give(tmp_path):
-    out = launch(tmp_path, "--nnodes", "1:2")
-    assert out.returncode == 2, out.stderr
-    assert "takes every torchrun flag but a node range; give a fixed count such as --nnodes 2" in out.stderr
+def refusal(tmp_path, monkeypatch, *args: str, strategies: str | None = None) -> str:
+    """The launcher's refusal of these flags, in process (nothing starts before it)."""
+    from trainguard.core import TrainguardError
+    from trainguard.launcher.run import launch as launch_in_process
+
+    for name in [k for k in __import__("os").environ if k.startswith("TRAINGUARD_")]:
+        monkeypatch.delenv(name)
+    if strategies:
+        monkeypatch.setenv("TRAINGUARD_STRATEGIES", strategies)
+    with pytest.raises(TrainguardError) as refused:
+        launch_in_process(["--nproc-per-node", "2", *args, str(WORKERS / "tiny_train.py"), "4",
+                           str(tmp_path / "r.json"), str(tmp_path / "ckpt")])
+    return str(refused.value)
+
+
+def test_recover_without_spare_slots_is_refused(tmp_path, monkeypatch):
+    assert "--spare-slots N" in refusal(tmp_path, monkeypatch, "--max-restarts", "2", strategies="recover,dump")
+
+
+def test_a_node_range_is_refused_saying_what_to_give(tmp_path, monkeypatch):
+    assert "takes every torchrun flag but a node range; give a fixed count such as --nnodes 2" in \
+        refusal(tmp_path, monkeypatch, "--nnodes", "1:2")
