@@ -1,7 +1,7 @@
 """Write ``bench/README.md`` from ``bench/results/*.json``.
 
-    python bench/readme.py           # regenerate bench/README.md
-    python bench/readme.py --check   # exit 1 when bench/README.md is not what this writes
+    python bench/readme.py           # regenerate bench/README.md and docs/performance.md's tables
+    python bench/readme.py --check   # exit 1 when either is not what this writes
 
 One section per result file: its benchmark, machine and date, its goals (met or
 not, measured against the target) and its rows as a table. The figures are
@@ -201,19 +201,34 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+PERFORMANCE_PAGE = HERE.parent / "docs" / "performance.md"
+_BLOCK = re.compile(r"(<!-- generated:performance -->\n).*?(<!-- /generated:performance -->)", re.S)
+
+
+def performance_page(results: Path = RESULTS) -> str:
+    """docs/performance.md with its generated block (between its markers) rendered now."""
+    text = PERFORMANCE_PAGE.read_text()
+    if len(_BLOCK.findall(text)) != 1:
+        raise SystemExit(f"{PERFORMANCE_PAGE}: needs one <!-- generated:performance --> ... "
+                         f"<!-- /generated:performance --> pair")
+    body = render_performance(results).rstrip()
+    return _BLOCK.sub(lambda m: f"{m.group(1)}{body}\n{m.group(2)}", text)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 when bench/README.md is stale; write nothing")
+    p.add_argument("--check", action="store_true", help="exit 1 when either page is stale; write nothing")
     args = p.parse_args(argv)
-    text = render()
+    wanted = {README: render(), PERFORMANCE_PAGE: performance_page()}
     if args.check:
-        if not README.exists() or README.read_text() != text:
-            print("bench/README.md is stale: run python bench/readme.py", file=sys.stderr)
+        stale = [str(path) for path, text in wanted.items() if not path.exists() or path.read_text() != text]
+        if stale:
+            print(f"stale: {', '.join(stale)}: run python bench/readme.py", file=sys.stderr)
             return 1
         return 0
-    README.write_text(text)
-    print(f"wrote {README} ({text.count(chr(10))} lines); docs/performance.md's tables: python scripts/gen_docs.py",
-          file=sys.stderr)
+    for path, text in wanted.items():
+        path.write_text(text)
+        print(f"wrote {path} ({text.count(chr(10))} lines)", file=sys.stderr)
     return 0
 
 

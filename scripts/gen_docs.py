@@ -187,8 +187,7 @@ def outputs() -> dict[Path, str]:
     readme = replace_block(readme, "cuda-note", cuda_note(data, "docs/support.md"), "README.md")
     readme = replace_block(readme, "support", support_grid(data), "README.md")
     out[README] = readme
-    perf = DOCS / "performance.md"
-    out[perf] = replace_block(perf.read_text(), "performance", bench.render_performance(), "docs/performance.md")
+    out[DOCS / "performance.md"] = bench.performance_page()
     for page in sorted(DOCS.glob("*.md")):
         if page in out:
             continue
