@@ -19,11 +19,35 @@ from .api import ConfigError, Strategy
 from .faults import FaultSpec, faults_from_env
 from .secret import TLS
 
-__all__ = ["ENV", "HEARTBEATS_PER_S", "ControllerConfig", "PersistConfig", "ProcessorConfig", "RankConfig",
-           "WatchdogConfig", "check_env", "parse_strategies"]
+__all__ = ["DEFAULT_MAX_RESTARTS", "ENV", "HEARTBEATS_PER_S", "ControllerConfig", "PersistConfig", "ProcessorConfig", "RankConfig",
+           "WatchdogConfig", "check_env", "launch_defaults", "parse_strategies"]
 
 #: Heartbeats a second one controller is sized for (see heartbeat_interval_for).
 HEARTBEATS_PER_S = 4096
+
+#: The restart budget of a ``trainguard run`` launch without ``--max-restarts``
+#: (see :func:`launch_defaults` and docs/recovery.md): enough for a long
+#: job's faults between relaunches (each process restarted alone, or the
+#: group after a dump, spends one), few enough that a fault that keeps coming
+#: back ends the launch within minutes.
+DEFAULT_MAX_RESTARTS = 10
+
+
+def launch_defaults(max_restarts: int | None) -> tuple[int, tuple[Strategy, ...]]:
+    """What ``trainguard run`` uses when the user named neither a restart
+    budget (``None``: :data:`DEFAULT_MAX_RESTARTS`) nor strategies: a lost
+    process is started again in place while the others keep running
+    (``recover-in-place``), and a dump is the way out only when that cannot
+    work; with no budget (``--max-restarts 0``) no process can be restarted,
+    so the list leaves ``recover-in-place`` out rather than plan on it.
+
+    Returns:
+        ``(max_restarts, strategies)``.
+    """
+    budget = DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts
+    if budget > 0:
+        return budget, (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.DUMP, Strategy.EXIT)
+    return budget, (Strategy.RETRY, Strategy.DUMP, Strategy.EXIT)
 
 #: Every environment variable trainguard reads, and what it is for.
 ENV: Mapping[str, str] = {
@@ -38,7 +62,8 @@ ENV: Mapping[str, str] = {
     "TRAINGUARD_CHECKPOINT_DIR": "where trainguard.compat.mindio_ttp.megatron_ttp saves and loads when Megatron-LM's "
                                  "args.save/args.load are not there",
     "TRAINGUARD_JOB_ID": "job id used in logs and checkpoints",
-    "TRAINGUARD_STRATEGIES": "ordered recover strategies, comma-separated (retry,dump,exit)",
+    "TRAINGUARD_STRATEGIES": "ordered recover strategies, comma-separated (trainguard run: "
+                             "retry,recover-in-place,dump,exit with a restart budget, else retry,dump,exit)",
     "TRAINGUARD_ANNOTATIONS": "the pod's annotations file (Kubernetes Downward API, metadata.annotations), whose "
                               "recover-strategy is used when neither --strategies nor TRAINGUARD_STRATEGIES is "
                               "given (default /etc/podinfo/annotations, read only if it exists)",
