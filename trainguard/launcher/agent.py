@@ -57,6 +57,7 @@ from trainguard.core.snapshot import PeerServer, SnapshotDir
 
 from .watch import FrozenWatch, report_exit, stop_controller
 from .restart import Replacements
+from .warm import WarmGroup
 
 __all__ = ["TrainguardAgent"]
 
@@ -105,6 +106,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._ended_at: float | None = None  # when a failure's episode ended the job (see ENDED_GRACE_S)
         self._reported: set[int] = set()
         self._frozen = FrozenWatch()
+        self._warm = WarmGroup()
         self.last_status: dict | None = None
         self.snapshot_dir: SnapshotDir | None = None
         self.peer_server: PeerServer | None = None
@@ -133,7 +135,9 @@ class TrainguardAgent(LocalElasticAgent):
         self._fresh_worker_store(worker_group)
         world_size = worker_group.workers[0].world_size
         if worker_group.group_rank == 0:
-            self.last_status, self.controller = stop_controller(self.controller, self.last_status), None
+            # The round is over (every worker here exited): the streams still open are
+            # relays' that will be replaced, so no call needs the default second to finish.
+            self.last_status, self.controller = stop_controller(self.controller, self.last_status, 0.1), None
             if worker_group.group_world_size > 1 and self._config.host in ("127.0.0.1", "localhost", "::1"):
                 log.warning("the controller listens on %s: only agents on this host can reach it; for nodes "
                             "on other hosts pass --controller-host (or TRAINGUARD_HOST)", self._config.host)
@@ -252,6 +256,22 @@ class TrainguardAgent(LocalElasticAgent):
         if self.snapshot_dir is not None:
             self.snapshot_dir.remove()
             self.snapshot_dir = None
+        self._warm.close()
+
+    # ----------------------------------------------------------- group restarts
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """torch's, but a restarted group runs in warm standbys when it can
+        (see :mod:`.warm`)."""
+        previous = self._pcontext
+        if previous is not None and self._launch.standby and "TORCHELASTIC_ENABLE_FILE_TIMER" not in os.environ:
+            restart_count = worker_group.spec.max_restarts - self._remaining_restarts
+            context = self._warm.start(previous, worker_group, restart_count, self._logs_specs,
+                                       self._log_line_prefix_template)
+            if context is not None:
+                self._pcontext = context
+                return context.pids()
+        return super()._start_workers(worker_group)
+
 
     # ----------------------------------------------------------- monitoring
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -260,6 +280,8 @@ class TrainguardAgent(LocalElasticAgent):
             return super()._monitor_workers(worker_group)
         if self.replacements is None or self.replacements.context is not self._pcontext:
             self.replacements = Replacements(self, worker_group, self._pcontext, standby=self._wants_standby())
+        if self._remaining_restarts > 0 and self._launch.standby:  # for a restart of the group (see .warm)
+            self._warm.fill(worker_group.spec.local_world_size)
         self._take_orders()
         for event in self.replacements.ready():
             self.relay.report(event)
@@ -323,7 +345,25 @@ class TrainguardAgent(LocalElasticAgent):
             elif running:
                 log.error("ranks %s still running %.0f s after a failure; stopping them", running,
                           now - self._failed_at)
-        return super()._monitor_workers(worker_group)
+        result = super()._monitor_workers(worker_group)
+        if result.state is WorkerState.FAILED and self._remaining_restarts > 0:
+            self._no_restart_after_script_error()
+        return result
+
+    def _no_restart_after_script_error(self) -> None:
+        """After a dump caused by the script's own exception, torch's restart
+        of the group would run into it again (a restart loop): the launch
+        ends instead (exit 75; fix the script and relaunch)."""
+        try:
+            status = self.controller.snapshot() if self.controller is not None else self._client.status()
+        except Exception:  # noqa: BLE001 - no controller: torch's rule stands
+            return
+        records = status.get("recoveries") or []
+        if records and records[-1]["strategy"] == "dump" and records[-1]["fault"] == "unknown":
+            log.warning("not restarting the group: the dump followed an exception of the script itself "
+                        "(rank %d: %s), which a restart would meet again", records[-1]["rank"],
+                        records[-1]["message"][:200])
+            self._remaining_restarts = 0
 
     def _controller_state(self) -> str | None:
         """The job's controller state (``None``: it is gone and gives no more orders)."""

@@ -31,7 +31,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +40,7 @@ from torch.distributed.elastic.utils import macros
 
 from trainguard.core.protocol import trainguard_pb2 as pb
 
-from .standby import command_for
+from .standby import command_for, handler_for, new_standby
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -79,8 +78,7 @@ class Replacements:
             self._standby = self._new_standby()
 
     def _new_standby(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-u", "-m", "trainguard.launcher.standby"], stdin=subprocess.PIPE,
-                                start_new_session=True, text=True)
+        return new_standby()
 
     def _launch(self, args: tuple, env: dict[str, str], stdout: str | None, stderr: str | None,
                 local_rank: int) -> SubprocessHandler:
@@ -97,7 +95,7 @@ class Replacements:
                 log.warning("the standby process is gone; starting the worker cold")
             else:
                 self._standby = self._new_standby()
-                return _Running(standby, local_rank)
+                return handler_for(standby, local_rank)
         return get_subprocess_handler(entrypoint=ctx.entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
                                       local_rank_id=local_rank)
 
@@ -220,12 +218,3 @@ class Replacements:
             self._standby.kill()
             self._standby.wait()
             self._standby = None
-
-
-class _Running(SubprocessHandler):
-    """torch's handle for a worker that already runs (a standby put to work)."""
-
-    def __init__(self, proc: subprocess.Popen, local_rank: int) -> None:  # noqa: D107 - no new process here
-        self.proc = proc
-        self.local_rank_id = local_rank
-        self._stdout = self._stderr = None
