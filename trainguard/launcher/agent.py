@@ -54,6 +54,8 @@ from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.secret import TLS
 from trainguard.core.snapshot import PeerServer, SnapshotDir
+from trainguard.core.snapshot.own import install_own, own_steps
+from trainguard.core.snapshot.own_peer import OwnMirror, fetch_own
 
 from .watch import FrozenWatch, report_exit, stop_controller
 from .restart import Replacements
@@ -110,6 +112,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.last_status: dict | None = None
         self.snapshot_dir: SnapshotDir | None = None
         self.peer_server: PeerServer | None = None
+        self.own_mirror: OwnMirror | None = None
         self.link_sink: LinkSink | None = None
 
     # ----------------------------------------------------------- controller
@@ -191,6 +194,39 @@ class TrainguardAgent(LocalElasticAgent):
         key = f"trainguard/peer/{store.get(_ROUND_KEY).decode()}"
         store.set(f"{key}/{me}", f"{here}:{port}")
         os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"{key}/{(me + 1) % nodes}").decode()
+        if self.own_mirror is None:  # this node's ranks' own-part records, copied to the next node (own_peer.py)
+            self.own_mirror = OwnMirror(self.snapshot_dir.path, self._mirrored_ranks,
+                                        lambda: os.environ.get("TRAINGUARD_SNAPSHOT_PEER"), lambda: self._secret)
+            self.own_mirror.start()
+
+    def _mirrored_ranks(self) -> list[int]:
+        replacements = self.replacements
+        return sorted(replacements.processes()) if replacements is not None else []
+
+    def _own_copy(self, rank: int, step: int) -> str | None:
+        """Bring ``rank``'s own-part record of ``step`` from the host that
+        keeps its copy (the next one after its home node) into this node's
+        directory: ``None`` when done, else why it cannot be had."""
+        group = self._worker_group
+        nodes = group.group_world_size
+        if nodes < 2 or self.snapshot_dir is None:
+            return None
+        home = rank // group.spec.local_world_size
+        key = f"trainguard/peer/{group.store.get(_ROUND_KEY).decode()}/{(home + 1) % nodes}"
+        what = f"rank {rank}'s random streams and data position at step {step}"
+        try:
+            if not group.store.check([key]):
+                return f"no host kept a copy of {what}"
+            raw = fetch_own(group.store.get(key).decode(), rank=rank, token=self._secret)
+        except Exception as e:  # noqa: BLE001 - the reason is the answer
+            return f"the copy of {what} could not be fetched: {e}"
+        if raw is None or step not in own_steps(raw):
+            held = own_steps(raw) if raw is not None else []
+            return (f"no copy of {what} survived on another host (the copy holds steps {held}); starting it "
+                    f"would go on from its seed, not as the fault-free run")
+        install_own(self.snapshot_dir.path, rank, raw)
+        log.info("took the copy of %s from node %d's peer host", what, home)
+        return None
 
     def _link_sink(self, worker_group: WorkerGroup) -> str:
         """With several nodes, this node's link-probe sink (:mod:`trainguard.core.links`): its address, or ""."""
@@ -247,6 +283,9 @@ class TrainguardAgent(LocalElasticAgent):
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self.own_mirror is not None:
+            self.own_mirror.stop()
+            self.own_mirror = None
         if self.peer_server is not None:
             self.peer_server.stop()
             self.peer_server = None
@@ -279,7 +318,8 @@ class TrainguardAgent(LocalElasticAgent):
         if not handlers:
             return super()._monitor_workers(worker_group)
         if self.replacements is None or self.replacements.context is not self._pcontext:
-            self.replacements = Replacements(self, worker_group, self._pcontext, standby=self._wants_standby())
+            self.replacements = Replacements(self, worker_group, self._pcontext, standby=self._wants_standby(),
+                                             own_copy=self._own_copy)
         if self._remaining_restarts > 0 and self._launch.standby:  # for a restart of the group (see .warm)
             self._warm.fill(worker_group.spec.local_world_size)
         self._take_orders()

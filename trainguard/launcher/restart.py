@@ -63,8 +63,11 @@ class Replacements:
         standby: keep a warm standby process for the next restart.
     """
 
-    def __init__(self, agent: Any, group: "WorkerGroup", context: Any, *, standby: bool = False) -> None:
+    def __init__(self, agent: Any, group: "WorkerGroup", context: Any, *, standby: bool = False,
+                 own_copy: Any = None) -> None:
         self.context = context
+        # (rank, step) -> None, or why the rank's own part of that step cannot be had on this node
+        self._own_copy = own_copy
         self._group = group
         self._local = {w.global_rank: w.local_rank for w in group.workers}
         self._adopted: dict[int, Any] = {}  # other nodes' ranks run here: global rank -> handler
@@ -114,6 +117,13 @@ class Replacements:
         rank = start.rank
         if rank in self._local:
             self._moved.discard(rank)  # a rank elastic training dropped comes back here
+        elif start.step >= 0 and self._own_copy is not None:
+            # Another node's rank: its random streams and data position come from the copy another host
+            # keeps, or the new process would go on from its seed (not the job a fault-free run trains).
+            why = self._own_copy(rank, start.step)
+            if why:
+                log.error("not starting rank %d here: %s", rank, why)
+                return pb.AgentEvent(rank=rank, order=order.id, ok=False, message=why)
         try:
             self._end(rank)
             store = None
