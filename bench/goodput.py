@@ -26,6 +26,9 @@ launch of the same steps with no checkpoints, measured in this run) / wall
 time, steps lost (computed twice), faults survived, and whether the final
 parameters equal that layer's fault-free run's, bit for bit.
 
+A job that gains no step for 120 s is ended as stuck (not finished), and
+so is one past 6x the fault-free time.
+
 usage: python bench/goodput.py [--quick] [--intervals 10,25,50] [--steps S]
 """
 
@@ -82,12 +85,25 @@ def _clean_env() -> dict:
     return env
 
 
-def _wait(procs: list[subprocess.Popen], deadline: float, done=lambda: False) -> bool:
-    """Wait for every process (or ``done()``); past the deadline kill their
-    process groups. True when they ended in time."""
+#: A job whose timeline gained no step for this long is stuck (torchft
+#: with a replica hung in Python: its heartbeats go on, so the quorum keeps
+#: it), and is ended as not finished.
+STALL_S = 120.0
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float, done=lambda: False, timeline: Path | None = None) -> bool:
+    """Wait for every process (or ``done()``); False past the deadline or
+    when ``timeline`` gained no line for :data:`STALL_S`."""
+    last, size = time.monotonic(), -1
     while time.monotonic() < deadline:
         if all(p.poll() is not None for p in procs) or done():
             return True
+        now_size = timeline.stat().st_size if timeline is not None and timeline.exists() else 0
+        if now_size != size:
+            last, size = time.monotonic(), now_size
+        elif timeline is not None and time.monotonic() - last > STALL_S:
+            print(f"no step for {STALL_S:.0f} s: ending the job as stuck", file=sys.stderr)
+            return False
         time.sleep(0.1)
     return False
 
@@ -133,7 +149,7 @@ def run_layer(layer: str, faults: list[dict], steps: int, size: list[str], tmp: 
                     env["TRAINGUARD_FAULT"] = spec(faults)
             with open(tmp / f"launch-{len(launches)}.log", "w") as log:
                 proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-                ended = _wait([proc], deadline)
+                ended = _wait([proc], deadline, timeline=timeline)
                 _kill([proc])
             launches.append(proc.returncode if ended else "time limit")
             if not ended or proc.returncode == 0:
@@ -176,7 +192,7 @@ def _torchft(worker, faults, fault_log, env, restarts, result, tmp, deadline, la
             # torchft's Manager meets its replica group on the agent's store (torchrun's default).
             procs.append(subprocess.Popen(cmd, env=dict(env, BENCH_REPLICA=str(replica)),
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        ended = _wait(procs, deadline, done=result.exists)
+        ended = _wait(procs, deadline, done=result.exists, timeline=tmp / "timeline")
         if ended and procs[1].poll() is None:
             _wait(procs[1:], min(deadline, time.monotonic() + 30))  # replica 1's last steps
         launches.extend(p.poll() if p.poll() is not None else "left running" for p in procs)
@@ -200,7 +216,7 @@ def main() -> None:
                                                                  "temporary directory, removed)")
     args = p.parse_args()
     intervals = [int(n) for n in (args.intervals or ("10" if args.quick else "10,25,50")).split(",")]
-    steps = args.steps or (30 if args.quick else 150)
+    steps = args.steps or (30 if args.quick else 120)
     layers = args.layers.split(",")
     size = ["--width", "192", "--layers", "2", "--batch-size", "16"]
     rows = []

@@ -54,12 +54,12 @@ from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.secret import TLS
 from trainguard.core.snapshot import PeerServer, SnapshotDir
-from trainguard.core.snapshot.own import install_own, own_steps
-from trainguard.core.snapshot.own_peer import OwnMirror, fetch_own
+from trainguard.core.snapshot.own_peer import OwnMirror
 
 from .watch import FrozenWatch, report_exit, stop_controller
 from .restart import Replacements
-from .warm import WarmGroup
+from .own_copies import ROUND_KEY, fetch_into
+from .warm import WarmGroup, script_error
 
 __all__ = ["TrainguardAgent"]
 
@@ -67,7 +67,7 @@ log = logging.getLogger("trainguard.launcher")
 
 _ADDRESS_KEY = "trainguard/controller"
 _WORKER_STORE_KEY = "trainguard/worker_store_port"
-_ROUND_KEY = "trainguard/round"  # a random id of the round: the key of the peer servers' addresses
+_ROUND_KEY = ROUND_KEY  # a random id of the round: the key of the peer servers' addresses
 #: The controller's states between a fault and its outcome.
 _HANDLING = ("ABNORMAL", "RECOVERING", "DUMPING")
 #: How long the others of a round in which a rank failed before every rank
@@ -204,29 +204,8 @@ class TrainguardAgent(LocalElasticAgent):
         return sorted(replacements.processes()) if replacements is not None else []
 
     def _own_copy(self, rank: int, step: int) -> str | None:
-        """Bring ``rank``'s own-part record of ``step`` from the host that
-        keeps its copy (the next one after its home node) into this node's
-        directory: ``None`` when done, else why it cannot be had."""
-        group = self._worker_group
-        nodes = group.group_world_size
-        if nodes < 2 or self.snapshot_dir is None:
-            return None
-        home = rank // group.spec.local_world_size
-        key = f"trainguard/peer/{group.store.get(_ROUND_KEY).decode()}/{(home + 1) % nodes}"
-        what = f"rank {rank}'s random streams and data position at step {step}"
-        try:
-            if not group.store.check([key]):
-                return f"no host kept a copy of {what}"
-            raw = fetch_own(group.store.get(key).decode(), rank=rank, token=self._secret)
-        except Exception as e:  # noqa: BLE001 - the reason is the answer
-            return f"the copy of {what} could not be fetched: {e}"
-        if raw is None or step not in own_steps(raw):
-            held = own_steps(raw) if raw is not None else []
-            return (f"no copy of {what} survived on another host (the copy holds steps {held}); starting it "
-                    f"would go on from its seed, not as the fault-free run")
-        install_own(self.snapshot_dir.path, rank, raw)
-        log.info("took the copy of %s from node %d's peer host", what, home)
-        return None
+        """``rank``'s own part of ``step`` brought here from another host (see :func:`.own_copies.fetch_into`)."""
+        return fetch_into(self._worker_group, self.snapshot_dir, self._secret, rank, step)
 
     def _link_sink(self, worker_group: WorkerGroup) -> str:
         """With several nodes, this node's link-probe sink (:mod:`trainguard.core.links`): its address, or ""."""
@@ -311,7 +290,6 @@ class TrainguardAgent(LocalElasticAgent):
                 return context.pids()
         return super()._start_workers(worker_group)
 
-
     # ----------------------------------------------------------- monitoring
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         handlers = getattr(self._pcontext, "subprocess_handlers", None)
@@ -320,7 +298,8 @@ class TrainguardAgent(LocalElasticAgent):
         if self.replacements is None or self.replacements.context is not self._pcontext:
             self.replacements = Replacements(self, worker_group, self._pcontext, standby=self._wants_standby(),
                                              own_copy=self._own_copy)
-        if self._remaining_restarts > 0 and self._launch.standby:  # for a restart of the group (see .warm)
+        # for a restart of the group (see .warm); an agent not run by run() has no budget
+        if getattr(self, "_remaining_restarts", 0) > 0 and self._launch.standby:
             self._warm.fill(worker_group.spec.local_world_size)
         self._take_orders()
         for event in self.replacements.ready():
@@ -386,23 +365,20 @@ class TrainguardAgent(LocalElasticAgent):
                 log.error("ranks %s still running %.0f s after a failure; stopping them", running,
                           now - self._failed_at)
         result = super()._monitor_workers(worker_group)
-        if result.state is WorkerState.FAILED and self._remaining_restarts > 0:
+        if result.state is WorkerState.FAILED and getattr(self, "_remaining_restarts", 0) > 0:
             self._no_restart_after_script_error()
         return result
 
     def _no_restart_after_script_error(self) -> None:
-        """After a dump caused by the script's own exception, torch's restart
-        of the group would run into it again (a restart loop): the launch
-        ends instead (exit 75; fix the script and relaunch)."""
+        """No restart of the group after a dump the script's own exception
+        caused: it would meet the exception again (see :func:`.warm.script_error`)."""
         try:
             status = self.controller.snapshot() if self.controller is not None else self._client.status()
         except Exception:  # noqa: BLE001 - no controller: torch's rule stands
             return
-        records = status.get("recoveries") or []
-        if records and records[-1]["strategy"] == "dump" and records[-1]["fault"] == "unknown":
-            log.warning("not restarting the group: the dump followed an exception of the script itself "
-                        "(rank %d: %s), which a restart would meet again", records[-1]["rank"],
-                        records[-1]["message"][:200])
+        why = script_error(status)
+        if why:
+            log.warning("not restarting the group: %s", why)
             self._remaining_restarts = 0
 
     def _controller_state(self) -> str | None:

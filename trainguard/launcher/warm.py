@@ -32,7 +32,7 @@ from torch.distributed.elastic.utils import macros
 
 from .standby import command_for, handler_for, new_standby
 
-__all__ = ["WarmGroup"]
+__all__ = ["WarmGroup", "script_error"]
 
 log = logging.getLogger("trainguard.launcher")
 
@@ -41,6 +41,18 @@ log = logging.getLogger("trainguard.launcher")
 _ROUND_VARS = ("RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "GROUP_WORLD_SIZE",
                "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
+
+
+def script_error(status: dict) -> str | None:
+    """Why the group must not be restarted after the job's last recovery
+    (``None``: it may): a dump that followed the script's own exception,
+    which a restart would meet again (a restart loop; exit 75 instead: fix
+    the script and relaunch)."""
+    records = status.get("recoveries") or []
+    if records and records[-1]["strategy"] == "dump" and records[-1]["fault"] == "unknown":
+        return (f"the dump followed an exception of the script itself (rank {records[-1]['rank']}: "
+                f"{records[-1]['message'][:200]}), which a restart would meet again")
+    return None
 
 
 class WarmGroup:
