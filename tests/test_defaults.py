@@ -14,7 +14,6 @@ import pytest
 from conftest import WORKERS, run_job
 from trainguard.core import Strategy
 from trainguard.core.annotations import resolve_strategies
-from trainguard.core.config import DEFAULT_MAX_RESTARTS, launch_defaults
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -23,17 +22,23 @@ STEPS = 8
 
 
 def test_without_flags_a_run_has_a_restart_budget_and_restarts_a_lost_process_in_place():
+    from trainguard.core.config import DEFAULT_MAX_RESTARTS, launch_defaults
+
     budget, strategies = launch_defaults(None)
     assert budget == DEFAULT_MAX_RESTARTS > 0
     assert strategies == (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.DUMP, Strategy.EXIT)
 
 
 def test_max_restarts_0_leaves_recover_in_place_out_of_the_default_strategies():
+    from trainguard.core.config import launch_defaults
+
     assert launch_defaults(0) == (0, (Strategy.RETRY, Strategy.DUMP, Strategy.EXIT))
     assert launch_defaults(3)[0] == 3
 
 
 def test_strategies_given_anywhere_win_over_the_default():
+    from trainguard.core.config import launch_defaults
+
     default = launch_defaults(None)[1]
     assert resolve_strategies(None, {}, default=default).strategies == default
     assert resolve_strategies("dump,exit", {}, default=default).strategies == (Strategy.DUMP, Strategy.EXIT)
