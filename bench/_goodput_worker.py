@@ -161,7 +161,7 @@ def main() -> None:
         from trainguard.torch import Guard
 
         guard = Guard(model, opt, scheduler=sched, checkpoint_dir=args.ckpt, save_every=args.save_every,
-                      snapshot_every=int(os.environ.get("BENCH_SNAPSHOT_EVERY", "1")))
+                      snapshot_every=int(os.environ.get("BENCH_SNAPSHOT_EVERY", "0")))
         steps, optimizer, start, protect = guard.steps(args.steps), guard.optimizer, guard.step, guard.protect
     else:
         start = _plain_resume(args.ckpt, model, opt, sched)

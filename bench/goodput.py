@@ -14,9 +14,9 @@ run under:
 * **torchft** 0.2: two replica groups of one process each, each under its
   own ``torchrun --max-restarts F``, a lighthouse, the quorum every step; a
   replica that comes back heals from its live peer;
-* **trainguard (defaults)**: ``trainguard run`` with no trainguard flag
-  (in-memory snapshots every step, as the Guard is given here); exit 75 is
-  relaunched, as a scheduler would;
+* **trainguard (defaults)**: ``trainguard run`` with no trainguard flag and
+  the Guard's defaults (no snapshots in memory: a restart in place copies
+  the state from a replica); exit 75 is relaunched, as a scheduler would;
 * **trainguard (best)**: the strategies that suit a schedule of lost
   processes, device and communication errors (``retry,recover-in-place,
   dump,exit``) with a restart budget that covers every fault.
