@@ -12,7 +12,9 @@
 * when a worker dies, the agent reports it to the controller at once and
   lets the survivors finish what the controller tells them (a dying-gasp
   save, then exit) instead of killing them on the spot. Once every worker
-  has exited, torch's usual restart logic (``--max-restarts``) applies;
+  has exited, torch's usual restart logic (``--max-restarts``) applies, the
+  group started again in warm standby processes (:mod:`.warm`) -- unless
+  the dump followed the script's own exception;
 * a worker found stopped (SIGSTOP, a frozen container: state ``T`` in
   ``/proc``) on two checks ``STOPPED_CONFIRM_S`` apart is a hang: the agent
   kills it and reports why, within a second instead of a heartbeat timeout;
@@ -20,7 +22,8 @@
   (:mod:`trainguard.core.snapshot`), so in-memory snapshots outlive the
   workers that took them, and removes it when it exits; with several
   nodes it also keeps the previous node's copies (a peer server) and
-  tells its workers where the next node's is;
+  tells its workers where the next node's is, and mirrors its ranks'
+  own-part records there (:mod:`.own_copies`);
 * it takes the controller's orders (:mod:`.restart`): start a new process
   for one rank while the others keep running (recover-in-place for its own
   ranks, recover for another node's), kill one, lower the restart budget, or

@@ -141,7 +141,8 @@ class Replacements:
         except Exception as e:  # answered to the controller, which falls back
             log.exception("could not start a new process for rank %d", rank)
             return pb.AgentEvent(rank=rank, order=order.id, ok=False, message=f"{type(e).__name__}: {e}")
-        log.warning("started pid %d for rank %d (joining generation %d at step %d)", handler.proc.pid, rank,
+        # INFO: a restart in place is the default way back; the controller's one WARNING tells the fault's story.
+        log.info("started pid %d for rank %d (joining generation %d at step %d)", handler.proc.pid, rank,
                     start.generation, start.step)
         self._starting[rank] = (order, handler, store, f"{host}:{port}", time.monotonic() + READY_TIMEOUT_S)
         return None
