@@ -260,7 +260,8 @@ def _torchft(args) -> None:
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         faults.at(step, "backward")
-        if optimizer.step():  # committed by the quorum
+        optimizer.step()  # updates only when the quorum commits the step (should_commit)
+        if manager.current_step() > step:
             sched.step()
             note(timeline, event="step", step=manager.current_step(), seconds=time.perf_counter() - t0,
                  participants=manager.num_participants())

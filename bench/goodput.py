@@ -212,12 +212,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps per job (default 150; quick: 30)")
     p.add_argument("--layers", default=",".join(LAYERS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replace-layers", default=None,
+                   help="run only these layers (and a fresh fault-free torchrun reference for their goodput) and "
+                        "put their rows into the existing results file in place of its rows of those layers")
     p.add_argument("--work-dir", type=Path, default=None, help="keep every launch's logs here (default: a "
                                                                  "temporary directory, removed)")
     args = p.parse_args()
     intervals = [int(n) for n in (args.intervals or ("10" if args.quick else "10,25,50")).split(",")]
     steps = args.steps or (30 if args.quick else 120)
     layers = args.layers.split(",")
+    out_path = args.out or common.RESULTS / f"goodput{'-quick' if args.quick else ''}.json"
+    kept, earlier = [], {}
+    if args.replace_layers:
+        layers = args.replace_layers.split(",")
+        earlier = json.loads(out_path.read_text())
+        kept = [r for r in earlier["rows"] if r["layer"] not in layers]
     size = ["--width", "192", "--layers", "2", "--batch-size", "16"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:
@@ -246,6 +255,14 @@ def main() -> None:
                 rows.append(row)
                 print(row, file=sys.stderr)
         plain_end = reference("torchrun", steps, ["--save-every", "0", *size], tmp / "ref-plain-end")
+    extra = {}
+    if args.replace_layers:
+        extra["rows_replaced"] = {"layers": layers, "by_run_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                  "fault_free_torchrun_s_of_that_run": [round(plain_s, 1),
+                                                                        round(plain_end["wall_s"], 1)],
+                                  "earlier_run": earlier.get("when"),
+                                  "fault_free_torchrun_s_of_the_earlier_run": earlier.get("fault_free_torchrun_s")}
+        rows = sorted(kept + rows, key=lambda r: (r["interval"], LAYERS.index(r["layer"])))
     goals = _goals(rows, intervals)
     result = common.report(
         "goodput", rows, ["layer", "interval", "faults", "faults_survived", "goodput", "wall_s", "fault_free_s",
@@ -254,7 +271,7 @@ def main() -> None:
         extra={"steps": steps, "nproc": NPROC, "model": size, "torchrun_checkpoint_every": SAVE_EVERY,
                "fault_free_torchrun_s": [round(plain_s, 1), round(plain_end["wall_s"], 1)],
                "schedules": {n: schedule(steps, n, args.seed) for n in intervals},
-               "load_average": os.getloadavg()})
+               "load_average": os.getloadavg(), **extra})
     _plot(result, args.out)
 
 
