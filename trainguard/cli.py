@@ -141,12 +141,25 @@ def _ckpt(argv: Sequence[str]) -> int:
             print(store.final_path(step))
             continue
         try:
-            store.verify(store.final_path(step))
-            print(f"ok      {store.final_path(step)}")
+            found = store.verify(store.final_path(step))
         except CheckpointError as e:
             bad += 1
             print(f"BROKEN  {e}")
+            continue
+        why = _content_problem(found) if args.layout == "torch" else None
+        if why is not None:
+            bad += 1
+            print(f"BROKEN  {found.path.name}: {why}")
+        else:
+            print(f"ok      {store.final_path(step)}")
     return 1 if bad else 0
+
+
+def _content_problem(found) -> str | None:
+    """What the torch adapter finds wrong inside a checkpoint's files (the
+    coverage of sharded state), imported only when there is one to check."""
+    from trainguard.adapters.torch.coverage import content_problem
+    return content_problem(found)
 
 
 def _slow_nodes(argv: Sequence[str]) -> int:

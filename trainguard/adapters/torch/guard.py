@@ -67,6 +67,7 @@ from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .own import fingerprints
+from .sharding import refuse_unsupported
 from .process_group import AbortableProcessGroup
 from .state import state_sha256
 from .trainstate import TrainState
@@ -163,7 +164,7 @@ class Guard(Checkpoints, RankRuntime):
             raise ConfigError(f"elastic_lr must be 'keep' or 'linear', got {elastic_lr!r}")
         if save_every < 0 or (save_every and checkpoint_dir is None):
             raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
-        _refuse_unsupported(model)
+        refuse_unsupported(model, optimizer)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         logs.setup(f"rank {self.rank}")
         self.settings = RankConfig.from_env()
@@ -371,13 +372,3 @@ class Guard(Checkpoints, RankRuntime):
 
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-
-
-def _refuse_unsupported(model: torch.nn.Module) -> None:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return
-    if isinstance(model, FullyShardedDataParallel) or any(
-            isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise ConfigError("FSDP models are not supported by trainguard's torch adapter yet")
