@@ -1,7 +1,8 @@
 """Sharded state the torch Guard does not protect is refused before step 0,
-and ``trainguard ckpt verify`` finds a checkpoint that claims a full state
+the FSDP2 layout it protects is described for the replica registry, and
+``trainguard ckpt verify`` finds a checkpoint that claims a full state
 while its shard holds one rank's part of a sharded one (in one process,
-world size 1)."""
+world size 1; ``test_fsdp.py`` runs 4 ranks)."""
 
 from __future__ import annotations
 
@@ -40,18 +41,41 @@ def test_fsdp1_is_refused_by_name(world):
         Guard(model, torch.optim.AdamW(model.parameters()))
 
 
-@pytest.mark.parametrize("how", ["tensor parallel", "fully_shard"])
-def test_dtensor_state_is_refused_naming_the_parameter(world, how):
+def test_tensor_parallel_dtensors_are_refused_naming_the_parameter(world):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     model = nn.Sequential(nn.Linear(4, 8))
-    if how == "fully_shard":
-        from torch.distributed.fsdp import fully_shard
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    else:
-        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-        parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel()})
+    parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel()})
     with pytest.raises(ConfigError, match=r"parameter 0.weight is a DTensor \(Shard\(dim=0\),\)"):
         Guard(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_fsdp_with_tensor_parallelism_is_refused(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(4, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        Guard(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_fully_shard_is_protected_with_each_rank_its_own_shard(world):
+    """FSDP2 over a 1-D mesh: the registry's group holds one copy of each
+    shard (none full), and a replicas= that says otherwise is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from trainguard.core import ReplicaGroup
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match="replicas= does not describe this FSDP2 model"):
+        Guard(model, opt, replicas=[ReplicaGroup((0,), 1, replica_shift=1)])
+    guard = Guard(model, opt)
+    assert guard.sharding.kind == "FSDP2" and guard.groups == (ReplicaGroup((0,), 1),)
+    guard.close()
 
 
 def _sharded_state() -> dict:
@@ -82,3 +106,36 @@ def test_ckpt_verify_breaks_a_full_shard_holding_dtensors(world, sharded):
         assert "BROKEN  step_00000003: shard_k0_r0-1.pt is listed as the full state but holds DTensors" in out.stdout
     else:
         assert out.returncode == 0 and out.stdout.startswith("ok"), out
+
+
+def test_ckpt_verify_breaks_a_dcp_checkpoint_whose_chunks_leave_rows_out(world):
+    """A DCP checkpoint whose metadata names a tensor's full size while its
+    chunks cover part of it (what torch's ``torch_save_to_dcp`` made of the
+    old Guard's FSDP2 saves) is broken; the whole one passes."""
+    import dataclasses
+    import pickle
+    from trainguard.adapters.torch import dcp
+    from trainguard.core.checkpoint import FileInfo, sha256_of
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    store = CheckpointStore(world / "ckpt")
+    for step, partial in [(3, False), (4, True)]:
+        directory = store.tmp_path(step)
+        directory.mkdir(parents=True)
+        names = dcp.write_part(directory, {"model": nn.Linear(4, 8).state_dict()}, 0)
+        dcp.merge(directory, [0])
+        if partial:
+            meta = dcp.read_metadata(directory / dcp.METADATA)
+            weight = meta.state_dict_metadata["model.weight"]
+            weight.chunks[0] = ChunkStorageMetadata(offsets=weight.chunks[0].offsets,
+                                                    sizes=torch.Size([2, 4]))  # 2 of the 8 rows
+            (directory / dcp.METADATA).write_bytes(pickle.dumps(dataclasses.replace(meta)))
+        files = [FileInfo(n, (directory / n).stat().st_size, sha256_of(directory / n))
+                 for n in [*names, dcp.METADATA]]
+        shard = SavedShard(kind=0, copies=(0,), full=False, rank=0, files=tuple(files[:-1]))
+        store.finalize(step, files, layout={"world_size": 1, "format": "dcp", "shards": [shard.describe()]})
+    out = _ckpt_verify(world / "ckpt")
+    assert out.returncode == 1, out
+    assert "ok      " in out.stdout and "step_00000003" in out.stdout
+    assert ("BROKEN  step_00000004: it does not hold the whole state: model.weight (size [8, 4]) is held in part: "
+            "its chunks hold 8 of its 32 elements") in out.stdout, out.stdout

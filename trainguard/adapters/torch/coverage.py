@@ -2,11 +2,13 @@
 
 The manifest's own check (:mod:`trainguard.core.manifest`) proves every
 listed file whole and the shards' copy sets covering the world; it cannot
-see inside a shard. A ``.pt`` shard that holds DTensors or
+see inside a shard. :func:`content_problem` does: a DCP checkpoint (a
+sharded model's) must hold every tensor whole in the files it lists
+(:func:`.dcp.coverage_problem`); a ``.pt`` shard that holds DTensors or
 ``ShardedTensor`` s holds one rank's part of a sharded state, whatever its
-layout says (a Guard before sharded state was refused wrote such files,
-marked ``full``): :func:`content_problem` names it, reading only the
-pickle's opcodes (nothing is unpickled).
+layout says (a Guard before sharded state was recognised wrote such files,
+marked ``full``) -- found by reading only the pickle's opcodes (nothing is
+unpickled).
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ def sharded_classes(path: Path) -> list[str]:
 def content_problem(found: Verified) -> str | None:
     """Why the shard files of ``found`` do not hold what its manifest says
     (``None``: nothing found)."""
+    if found.manifest.get("layout", {}).get("format") == "dcp":
+        from trainguard.core import CheckpointError
+        from .dcp import coverage_problem
+        try:
+            why = coverage_problem(found.path, list(found.manifest.get("files", {})))
+        except CheckpointError as e:
+            return str(e)
+        return None if why is None else f"it does not hold the whole state: {why}"
     for shard in found.manifest.get("layout", {}).get("shards", []):
         for name in shard.get("files", []):
             if not name.endswith(".pt"):

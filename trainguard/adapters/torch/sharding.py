@@ -2,32 +2,40 @@
 what the Guard cannot protect -- before step 0, on every rank alike.
 
 The Guard's default layout treats every rank as a full copy of the state
-(data parallelism). A sharded state -- DTensors (FSDP2's ``fully_shard``,
-tensor parallelism), ``ShardedTensor`` s, FSDP1's flat parameters -- holds
-only a part on each rank: saved or copied as a full copy, it would make
-checkpoints that claim the whole state and hold one rank's part, and
-repairs that copy one rank's part into another's. Such state is refused
-with a message saying what was found and what is supported.
+(data parallelism). A sharded state holds only a part on each rank: saved
+or copied as a full copy, it would make checkpoints that claim the whole
+state and hold one rank's part, and repairs that copy one rank's part into
+another's. :func:`sharding_of` recognises the sharded layouts the Guard
+protects -- FSDP2 (``fully_shard`` over a 1-D device mesh: every rank its
+own shard) and HSDP (``fully_shard`` over a 2-D ``(replicate, shard)``
+mesh: each shard on one rank of every replica group) -- and describes
+them for the replica registry (:class:`Sharding`); anything else sharded
+(FSDP1's flat parameters, DTensors that ``fully_shard`` does not manage:
+tensor parallelism, FSDP with TP, a mesh that leaves ranks out: pipeline
+parallelism; ``ShardedTensor`` s) is refused with a message naming what was
+found.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
-from trainguard.core import ConfigError
+from trainguard.core import ConfigError, ReplicaGroup
 
-__all__ = ["find_sharded", "refuse_unsupported"]
+__all__ = ["Sharding", "find_sharded", "refuse_unsupported", "sharding_of"]
 
 DOCS = "docs/torch.md#sharded-models-fsdp2-hsdp"
 
 
-def _sharded_types() -> tuple[type, ...]:
+def _sharded_types(dtensors: bool = True) -> tuple[type, ...]:
     types: list[type] = []
     try:
         from torch.distributed.tensor import DTensor
-        types.append(DTensor)
+        if dtensors:
+            types.append(DTensor)
     except ImportError:  # pragma: no cover - every supported torch has it
         pass
     try:
@@ -48,10 +56,11 @@ def _tensors(model: torch.nn.Module, optimizer: Any) -> Iterator[tuple[str, Any]
             yield f"optimizer state {i}.{key}", value
 
 
-def find_sharded(model: torch.nn.Module, optimizer: Any) -> tuple[str, Any] | None:
+def find_sharded(model: torch.nn.Module, optimizer: Any, *, dtensors: bool = True) -> tuple[str, Any] | None:
     """The first sharded tensor of the model or the optimizer's state, as
-    ``(where, tensor)``, or ``None`` when every tensor is a plain one."""
-    types = _sharded_types()
+    ``(where, tensor)``, or ``None`` when every tensor is a plain one
+    (DTensors not counted without ``dtensors``)."""
+    types = _sharded_types(dtensors)
     return next(((where, t) for where, t in _tensors(model, optimizer) if isinstance(t, types)), None)
 
 
@@ -63,8 +72,92 @@ def _fsdp1(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
-def refuse_unsupported(model: torch.nn.Module, optimizer: Any) -> None:
+@dataclass(frozen=True)
+class Sharding:
+    """A model sharded by ``fully_shard``, as the Guard protects it.
+
+    ``mesh``: the device mesh every sharded parameter lives on; ``kind``:
+    ``"FSDP2"`` (1-D) or ``"HSDP"`` (2-D, replicate x shard); ``replicas``:
+    the replica registry's group -- the mesh's ranks row by row, each shard
+    held by one rank of every replica group; ``param_groups``: FSDP's
+    parameter groups (their process groups are swapped for abortable ones,
+    :mod:`.fsdp`); ``root``: the module ``fully_shard`` was applied to last
+    (the one FSDP resets after an abandoned step).
+    """
+
+    mesh: Any
+    kind: str
+    replicas: ReplicaGroup
+    param_groups: tuple
+    root: torch.nn.Module
+
+    @property
+    def replica_groups(self) -> int:
+        return self.replicas.replica_cnt
+
+
+def sharding_of(model: torch.nn.Module, optimizer: Any, world_size: int) -> Sharding | None:
+    """The FSDP2/HSDP layout of ``model`` (``None``: nothing is sharded).
+
+    Raises:
+        ConfigError: sharded state the Guard does not protect (see
+            :func:`refuse_unsupported`), naming what and why.
+    """
+    refuse_unsupported(model, optimizer, fsdp2=True)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # pragma: no cover - every supported torch has them
+        return None
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        refuse_unsupported(model, optimizer)  # DTensors without fully_shard: tensor parallelism
+        return None
+    groups, managed = [], set()
+    for unit in units:
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            groups.append(group)
+            managed.update(id(p.sharded_param) for p in group.fsdp_params)
+    stray = next(((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in managed),
+                 None) or next(((n, b) for n, b in model.named_buffers() if isinstance(b, DTensor)), None)
+    if stray is not None:
+        raise ConfigError(f"{stray[0]} is a DTensor {tuple(stray[1].placements)} that fully_shard does not manage "
+                          f"(tensor parallelism?): only FSDP2 and HSDP are supported. See {DOCS}")
+    meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for g in groups}
+    if len(meshes) != 1:
+        raise ConfigError(f"fully_shard was applied over {len(meshes)} device meshes: the Guard protects one. "
+                          f"See {DOCS}")
+    (mesh,) = meshes.values()
+    for g in groups:
+        if g.mesh_info.is_spmd_mesh or any(getattr(p, "is_dtensor", False) for p in g.fsdp_params):
+            raise ConfigError(f"FSDP with tensor parallelism (a {mesh.ndim}-D SPMD mesh) is not supported. See {DOCS}")
+        if g.post_forward_mesh_info is not None and g.post_forward_mesh_info is not g.mesh_info:
+            raise ConfigError("fully_shard(reshard_after_forward=<int>) reshards onto a mesh of its own, which the "
+                              f"Guard cannot release; use True or False. See {DOCS}")
+    if mesh.size() != world_size:
+        raise ConfigError(f"the device mesh {tuple(mesh.shape)} covers {mesh.size()} of the job's {world_size} ranks "
+                          f"(pipeline parallelism, or another dimension): not supported. See {DOCS}")
+    want = (Shard,) if mesh.ndim == 1 else (Replicate, Shard)
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and (len(p.placements) != len(want) or
+                                       not all(isinstance(x, w) for x, w in zip(p.placements, want))):
+            raise ConfigError(f"parameter {name} is placed {tuple(p.placements)} on a {mesh.ndim}-D mesh: the Guard "
+                              f"protects FSDP2 (Shard) and HSDP (Replicate, Shard). See {DOCS}")
+    if mesh.ndim > 2:
+        raise ConfigError(f"a {mesh.ndim}-D device mesh is not supported (FSDP2: 1-D, HSDP: 2-D). See {DOCS}")
+    rows = mesh.mesh.reshape(1 if mesh.ndim == 1 else mesh.shape[0], -1)  # replica groups x shards
+    replicas = ReplicaGroup(tuple(int(r) for r in rows.flatten().tolist()), rows.shape[0])
+    roots = [u for u in units if not any(u is not o and any(m is u for m in o.modules()) for o in units)]
+    return Sharding(mesh=mesh, kind="FSDP2" if mesh.ndim == 1 else "HSDP", replicas=replicas,
+                    param_groups=tuple(groups), root=roots[0])
+
+
+def refuse_unsupported(model: torch.nn.Module, optimizer: Any, *, fsdp2: bool = False) -> None:
     """Refuse a model or optimizer whose state the Guard cannot protect.
+
+    Args:
+        fsdp2: DTensors that ``fully_shard`` manages are left to
+            :func:`sharding_of` (which calls this with it set).
 
     Raises:
         ConfigError: FSDP1 (``FullyShardedDataParallel``), or any sharded
@@ -75,7 +168,7 @@ def refuse_unsupported(model: torch.nn.Module, optimizer: Any) -> None:
         raise ConfigError("FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel) is not supported: its flat "
                           "parameters hold one rank's part of the state, which the Guard would save and copy as "
                           f"a full copy. See {DOCS}")
-    found = find_sharded(model, optimizer)
+    found = find_sharded(model, optimizer, dtensors=not fsdp2)
     if found is not None:
         where, tensor = found
         placements = getattr(tensor, "placements", None)
