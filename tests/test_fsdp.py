@@ -158,6 +158,19 @@ def test_hsdp_a_worker_killed_or_stopped_from_outside_dumps_bit_identical(tmp_pa
     assert record["rank"] == 1 and record["fault"] == ("process_lost" if sig == signal.SIGKILL else "hang")
 
 
+@pytest.mark.slow  # stands for it in CI: test_decide.py's test_no_process_is_restarted_into_a_job_that_says_...
+def test_hsdp_with_process_restarts_dumps_and_the_group_restart_resumes_bit_identical(tmp_path, hsdp_reference):
+    """recover-in-place is refused (a new process would wait for good in
+    init_device_mesh's collectives): the dump runs, and torch's restart of
+    the whole group resumes from it."""
+    job = run(tmp_path, "job", HSDP, fault="crash:rank=1,step=6,phase=forward",
+              strategies="retry,recover-in-place,dump", extra_args=["--max-restarts", "1"])
+    assert job.rc == 0, job
+    assert finals(job) == hsdp_reference[1]
+    (record,) = job.report["recoveries"]
+    assert record["strategy"] == "dump" and "a new process cannot join an HSDP job" in job.log
+
+
 def _outside(tmp: Path, name: str, sig: int, seed: int) -> Job:
     """Run the HSDP job and send ``sig`` to rank 1 at a random moment of
     its training (after its first update was recorded)."""

@@ -31,6 +31,7 @@ class Hello:
     replicas: tuple[ReplicaGroup, ...] = ()
     joining: bool = False
     device_repairable: bool = False  # in-process repair after a device memory error
+    join_refused: str = ""  # why no new process can join this rank's job (recover-in-place, recover)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -272,7 +272,10 @@ class Guard(Checkpoints, RankRuntime):
     # --------------------------------------------------------------- setup
     def _connect_details(self) -> dict:
         return {"device": self.device.name, "device_repairable": self.device.repairable,
-                "restart_count": self.settings.restart_count}
+                "restart_count": self.settings.restart_count,
+                **({"join_refused": f"a new process cannot join an {self.sharding.kind} job (its device mesh is "
+                                    "built with collectives the running ranks do not take part in)"}
+                   if self.sharding is not None else {})}
 
     @property
     def process_group(self) -> AbortableProcessGroup:
