@@ -52,15 +52,18 @@ class Batches:
 
 
 def plain_model() -> nn.Module:
+    """Three blocks (each a unit of its own) and, in the root unit, a norm
+    and the head, whose gradients wait for the end of the backward pass."""
     return nn.Sequential(nn.Sequential(nn.Linear(16, 30), nn.LayerNorm(30), nn.GELU(), nn.Dropout(0.2)),
                          nn.Sequential(nn.Linear(30, 30), nn.GELU(), nn.Dropout(0.2)),
-                         nn.Linear(30, 5))
+                         nn.Sequential(nn.Linear(30, 30), nn.GELU()),
+                         nn.LayerNorm(30), nn.Linear(30, 5))
 
 
 def build(mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # the same initial weights on every rank, as torchtitan's seeded init
     model = plain_model()
-    for block in model:
+    for block in model[:3]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)

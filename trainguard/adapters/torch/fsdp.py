@@ -28,7 +28,8 @@ layout and gives the replica registry its group):
 
 torch internals used (torch 2.13): ``FSDPModule._get_fsdp_state()``, its
 ``_fsdp_param_groups`` and their ``mesh_info`` / ``fsdp_params`` (each
-``sharded_param`` and ``mesh_info``), ``_all_gather_result``; c10d's
+``sharded_param``, ``mesh_info``, ``_unsharded_param`` and
+``unsharded_accumulated_grad``), ``_all_gather_result``; c10d's
 ``_world.pg_group_ranks`` and ``pg_map`` (not ``pg_names``: the groups
 named there are the ones ``destroy_process_group`` shuts down).
 """
@@ -134,9 +135,18 @@ def reset(sharding: Sharding) -> None:
     """Clear what an abandoned step left in FSDP (unsharded parameters,
     pending all-gathers and reductions, per-iteration trackers), so the
     step can run again. The abandoned all-gathers' works are dropped
-    first: waiting on one released by a STOP would raise."""
+    first: waiting on one released by a STOP would raise. So are the
+    gradients the abandoned backward pass left on unsharded parameters
+    whose reduce-scatter never ran (the root unit's reduces last): the
+    repeated pass would add to them (FSDP's own reset keeps them; a retry
+    in the backward pass parted from the fault-free run without this)."""
     for group in sharding.param_groups:
         group._all_gather_result = None
+        for param in group.fsdp_params:
+            unsharded = getattr(param, "_unsharded_param", None)  # none before the first all-gather
+            if unsharded is not None:
+                unsharded.grad = None
+            param.unsharded_accumulated_grad = None
     state = sharding.root._get_fsdp_state()
     if state._is_root:  # None before the first forward: nothing ran yet
         sharding.root.reset_iter_state()

@@ -1,8 +1,9 @@
-"""Sharded state the torch Guard does not protect is refused before step 0,
+"""Sharded state in one process (world size 1; ``test_fsdp.py`` runs 4
+ranks): what the torch Guard does not protect is refused before step 0;
 the FSDP2 layout it protects is described for the replica registry, and
+its report, snapshots, DCP saves and resume work on DTensor state;
 ``trainguard ckpt verify`` finds a checkpoint that claims a full state
-while its shard holds one rank's part of a sharded one (in one process,
-world size 1; ``test_fsdp.py`` runs 4 ranks)."""
+while its files hold part of it."""
 
 from __future__ import annotations
 
@@ -139,3 +140,53 @@ def test_ckpt_verify_breaks_a_dcp_checkpoint_whose_chunks_leave_rows_out(world):
     assert "ok      " in out.stdout and "step_00000003" in out.stdout
     assert ("BROKEN  step_00000004: it does not hold the whole state: model.weight (size [8, 4]) is held in part: "
             "its chunks hold 8 of its 32 elements") in out.stdout, out.stdout
+
+
+def _fsdp_model(seed: int = 0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(guard, model, steps):
+    for step in guard.steps(steps):
+        with guard.protect():
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            loss = model(x).square().mean()
+            guard.optimizer.zero_grad()
+            loss.backward()
+            guard.optimizer.step()
+
+
+def _whole(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {"model": msd, "optimizer": osd["state"]}
+
+
+@pytest.mark.parametrize("snapshot_every", [0, 1])
+def test_a_sharded_guard_reports_snapshots_saves_and_resumes(world, snapshot_every):
+    """guard.report() hashes DTensor state (it raised on ``.numpy()``),
+    snapshots take it (they crashed the process), and a resumed Guard
+    holds the same state from its DCP checkpoint."""
+    model, opt = _fsdp_model()
+    guard = Guard(model, opt, checkpoint_dir=world / "ckpt", save_every=2, snapshot_every=snapshot_every)
+    _train(guard, model, 4)
+    report = guard.report()
+    assert report["steps_completed"] == 4 and len(report["final_state_sha256"]) == 64
+    guard.close()
+    assert (world / "ckpt" / "step_00000004" / ".metadata").exists()
+    again, opt2 = _fsdp_model(seed=1)
+    resumed = Guard(again, opt2, checkpoint_dir=world / "ckpt", save_every=2)
+    assert resumed.step == 4 and resumed.resumed_from["source"] == "storage"
+    want, got = _whole(model, opt), _whole(again, opt2)
+    assert want["model"].keys() == got["model"].keys() and want["optimizer"].keys() == got["optimizer"].keys()
+    assert all(torch.equal(want["model"][k], got["model"][k]) for k in want["model"])
+    assert all(torch.equal(v, got["optimizer"][k][n]) for k, s in want["optimizer"].items() for n, v in s.items())
+    assert resumed.report()["final_state_sha256"] == report["final_state_sha256"]
+    resumed.close()
