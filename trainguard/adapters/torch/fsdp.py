@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from trainguard.core import CheckpointError, ConfigError
+from trainguard.core import CheckpointError, ConfigError, RecoveryError
 from trainguard.core.checkpoint import FileInfo, Verified, io_error, sha256_of
 
 from . import dcp
@@ -148,8 +148,12 @@ def reset(sharding: Sharding) -> None:
                 unsharded.grad = None
             param.unsharded_accumulated_grad = None
     state = sharding.root._get_fsdp_state()
-    if state._is_root:  # None before the first forward: nothing ran yet
-        sharding.root.reset_iter_state()
+    if not state._is_root:  # None before the first forward: nothing ran yet
+        return
+    if not hasattr(sharding.root, "reset_iter_state"):
+        raise RecoveryError(f"torch {torch.__version__} has no FSDPModule.reset_iter_state (torch 2.13 has): a step "
+                            "abandoned in FSDP's forward or backward pass cannot be run again in place")
+    sharding.root.reset_iter_state()
 
 
 def backward_hook(sharding: Sharding, strike: Callable[[], None]) -> Any:
