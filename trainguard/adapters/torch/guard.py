@@ -62,14 +62,14 @@ from .checkpoints import Checkpoints
 from .comm import TorchComm, job_namespace
 from .compile_cache import TorchCompileCache, key_parts
 from .device import for_module
+from .fsdp import MeshGroups, backward_hook
 from .handlers import TorchHandlers
 from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .own import fingerprints
-from .fsdp import MeshGroups, backward_hook
-from .sharding import sharding_of
 from .process_group import AbortableProcessGroup
+from .sharding import sharding_of
 from .state import state_sha256
 from .trainstate import TrainState
 
@@ -273,9 +273,7 @@ class Guard(Checkpoints, RankRuntime):
     def _connect_details(self) -> dict:
         return {"device": self.device.name, "device_repairable": self.device.repairable,
                 "restart_count": self.settings.restart_count,
-                **({"join_refused": f"a new process cannot join an {self.sharding.kind} job (its device mesh is "
-                                    "built with collectives the running ranks do not take part in)"}
-                   if self.sharding is not None else {})}
+                **({"join_refused": self.sharding.join_refused} if self.sharding is not None else {})}
 
     @property
     def process_group(self) -> AbortableProcessGroup:

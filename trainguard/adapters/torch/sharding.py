@@ -92,8 +92,10 @@ class Sharding:
     root: torch.nn.Module
 
     @property
-    def replica_groups(self) -> int:
-        return self.replicas.replica_cnt
+    def join_refused(self) -> str:
+        """Why no new process can join the job (recover-in-place, recover)."""
+        return (f"a new process cannot join an {self.kind} job (its device mesh is built with collectives the "
+                "running ranks do not take part in)")
 
 
 def sharding_of(model: torch.nn.Module, optimizer: Any, world_size: int) -> Sharding | None:
