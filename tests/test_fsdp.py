@@ -9,9 +9,10 @@ last checkpoint. Checkpoints are DCP's: torch's own ``dcp.load`` reads
 them, and the script's own DCP checkpoint is resumed under the Guard.
 
 CI runs the HSDP crash -> dump -> relaunch, a UCE in the backward pass
-retried in place, FSDP2's communication fault retried in place and both
-DCP directions; the rest are ``-m slow``, each naming the CI case that
-stands for it."""
+retried in place and the read of a checkpoint by torch's ``dcp.load``; the
+rest (FSDP2 on 4 ranks, the other phases, kills from outside, the script's
+own DCP checkpoint, the example) are ``-m slow``, each naming the CI case
+that stands for it."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def stopped_then_relaunched(tmp: Path, reference: dict, fault: str, shard: int) 
 
 
 # ------------------------------------------------------------------ HSDP
-def test_hsdp_crash_dumps_one_copy_of_each_shard_and_the_relaunch_is_bit_identical(tmp_path, hsdp_reference):
+def test_hsdp_crash_dumps_one_copy_of_each_shard_and_the_relaunch_is_bit_identical(tmp_path, hsdp_reference,
+                                                                                  capsys):
     def check_dump(first: Job) -> None:
         manifest = json.loads((first.ckpt / "step_00000006" / "manifest.json").read_text())
         layout = manifest["layout"]
@@ -123,9 +125,10 @@ def test_hsdp_crash_dumps_one_copy_of_each_shard_and_the_relaunch_is_bit_identic
         assert sorted((s["copies"], s["saved_by"], s["full"]) for s in layout["shards"]) == \
             [([0, 2], 0, False), ([1, 3], 3, False)], "rank 1's shard is saved by its replica, rank 3"
         assert {".metadata", "own_r1.bin"} <= set(manifest["files"]), "DCP's metadata and the lost rank's own part"
-        out = subprocess.run([sys.executable, "-m", "trainguard.cli", "ckpt", "verify", str(first.ckpt)],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0 and "ok      " in out.stdout and "BROKEN" not in out.stdout, out
+        from trainguard.cli import main
+        capsys.readouterr()
+        code, out = main(["ckpt", "verify", str(first.ckpt)]), capsys.readouterr().out  # checks DCP's chunks too
+        assert code == 0 and "ok      " in out and "BROKEN" not in out, out
 
     _, record = dump_and_relaunch(tmp_path, hsdp_reference[1], "crash:rank=1,step=6,phase=forward",
                                   check_dump=check_dump)
@@ -217,6 +220,8 @@ def _rank_of(pid: int) -> int | None:
 
 
 # ------------------------------------------------------------------ FSDP2
+@pytest.mark.slow  # stands for it in CI: the HSDP tests above (the same groups, reset and retry) and
+# test_sharded_state.py's FSDP2 layout
 def test_fsdp2_comm_fault_in_the_backward_pass_is_retried_in_place(tmp_path, fsdp2_reference):
     """Every shard is still whole after a communication fault: the ranks
     are released from FSDP's reduce-scatter and repeat the step, with no
@@ -226,7 +231,7 @@ def test_fsdp2_comm_fault_in_the_backward_pass_is_retried_in_place(tmp_path, fsd
     assert record["fault"] == "comm"
 
 
-@pytest.mark.slow  # stands for them in CI: test_fsdp2_comm_fault_in_the_backward_pass_is_retried_in_place
+@pytest.mark.slow  # stands for them in CI: test_decide.py's test_fsdp2_has_no_copy_of_a_lost_or_corrupted_shard
 @pytest.mark.parametrize("fault,shard", [("crash:rank=1,step=6,phase=forward", 1),
                                          ("uce:rank=1,step=6,phase=forward", 1),
                                          ("uce:rank=2,step=6,phase=backward", 2),
@@ -265,6 +270,8 @@ def test_a_trainguard_checkpoint_of_an_fsdp_model_is_read_by_dcp_into_a_plain_mo
     assert worker.state_sha256(state["model"], state["optimizer"]) == reference[0][0]
 
 
+@pytest.mark.slow  # stands for it in CI: test_a_trainguard_checkpoint_of_an_fsdp_model_is_read_by_dcp_... (the
+# other direction) and test_sharded_state.py's resume
 def test_the_scripts_own_dcp_checkpoint_is_resumed_under_the_guard(tmp_path, hsdp_reference):
     """The script loads the checkpoint ``dcp.save`` wrote after step 6 (with
     its random streams and data position) and tells the Guard its step;
@@ -281,7 +288,7 @@ def test_the_scripts_own_dcp_checkpoint_is_resumed_under_the_guard(tmp_path, hsd
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fsdp" / "train.py"
 
 
-@pytest.mark.slow  # stands for it in CI: test_fsdp2_comm_fault_in_the_backward_pass_is_retried_in_place
+@pytest.mark.slow  # stands for it in CI: test_hsdp_uce_in_the_backward_pass_is_retried_in_place_from_the_...
 def test_the_fsdp_example_retries_a_comm_fault_and_every_rank_exits_cleanly(tmp_path):
     """The example's GPT (attention, three units and the root): after the
     retry every rank ends with exit 0 -- a retired backend kept open by the

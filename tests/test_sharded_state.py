@@ -7,9 +7,6 @@ while its files hold part of it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -87,13 +84,16 @@ def _sharded_state() -> dict:
     return {"model": model.state_dict(), "step": 3}
 
 
-def _ckpt_verify(directory) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainguard.cli", "ckpt", "verify", str(directory)],
-                          capture_output=True, text=True, timeout=120)
+def _ckpt_verify(directory, capsys) -> tuple[int, str]:
+    """``trainguard ckpt verify DIRECTORY``: its exit code and output."""
+    from trainguard.cli import main
+    capsys.readouterr()
+    code = main(["ckpt", "verify", str(directory)])
+    return code, capsys.readouterr().out
 
 
 @pytest.mark.parametrize("sharded", [True, False])
-def test_ckpt_verify_breaks_a_full_shard_holding_dtensors(world, sharded):
+def test_ckpt_verify_breaks_a_full_shard_holding_dtensors(world, sharded, capsys):
     """What a Guard before the refusal wrote for FSDP2: rank 0's shards,
     the manifest saying ``full``; a plain state beside it passes."""
     store = CheckpointStore(world / "ckpt")
@@ -101,15 +101,15 @@ def test_ckpt_verify_breaks_a_full_shard_holding_dtensors(world, sharded):
     info = store.write(3, "shard_k0_r0-1.pt", lambda f: torch.save(state, f))
     shard = SavedShard(kind=0, copies=(0, 1), full=True, rank=0, files=(info,))
     store.finalize(3, [info], layout={"world_size": 2, "shards": [shard.describe()]})
-    out = _ckpt_verify(world / "ckpt")
+    code, out = _ckpt_verify(world / "ckpt", capsys)
     if sharded:
-        assert out.returncode == 1, out
-        assert "BROKEN  step_00000003: shard_k0_r0-1.pt is listed as the full state but holds DTensors" in out.stdout
+        assert code == 1, out
+        assert "BROKEN  step_00000003: shard_k0_r0-1.pt is listed as the full state but holds DTensors" in out
     else:
-        assert out.returncode == 0 and out.stdout.startswith("ok"), out
+        assert code == 0 and out.startswith("ok"), out
 
 
-def test_ckpt_verify_breaks_a_dcp_checkpoint_whose_chunks_leave_rows_out(world):
+def test_ckpt_verify_breaks_a_dcp_checkpoint_whose_chunks_leave_rows_out(world, capsys):
     """A DCP checkpoint whose metadata names a tensor's full size while its
     chunks cover part of it (what torch's ``torch_save_to_dcp`` made of the
     old Guard's FSDP2 saves) is broken; the whole one passes."""
@@ -135,11 +135,11 @@ def test_ckpt_verify_breaks_a_dcp_checkpoint_whose_chunks_leave_rows_out(world):
                  for n in [*names, dcp.METADATA]]
         shard = SavedShard(kind=0, copies=(0,), full=False, rank=0, files=tuple(files[:-1]))
         store.finalize(step, files, layout={"world_size": 1, "format": "dcp", "shards": [shard.describe()]})
-    out = _ckpt_verify(world / "ckpt")
-    assert out.returncode == 1, out
-    assert "ok      " in out.stdout and "step_00000003" in out.stdout
+    code, out = _ckpt_verify(world / "ckpt", capsys)
+    assert code == 1, out
+    assert "ok      " in out and "step_00000003" in out
     assert ("BROKEN  step_00000004: it does not hold the whole state: model.weight (size [8, 4]) is held in part: "
-            "its chunks hold 8 of its 32 elements") in out.stdout, out.stdout
+            "its chunks hold 8 of its 32 elements") in out, out
 
 
 def _fsdp_model(seed: int = 0):
