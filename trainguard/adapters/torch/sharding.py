@@ -147,8 +147,7 @@ def sharding_of(model: torch.nn.Module, optimizer: Any, world_size: int) -> Shar
                               f"protects FSDP2 (Shard) and HSDP (Replicate, Shard). See {DOCS}")
     if mesh.ndim > 2:
         raise ConfigError(f"a {mesh.ndim}-D device mesh is not supported (FSDP2: 1-D, HSDP: 2-D). See {DOCS}")
-    rows = mesh.mesh.reshape(1 if mesh.ndim == 1 else mesh.shape[0], -1)  # replica groups x shards
-    replicas = ReplicaGroup(tuple(int(r) for r in rows.flatten().tolist()), rows.shape[0])
+    replicas = ReplicaGroup.mesh(mesh.mesh.reshape(1 if mesh.ndim == 1 else mesh.shape[0], -1).tolist())
     roots = [u for u in units if not any(u is not o and any(m is u for m in o.modules()) for o in units)]
     return Sharding(mesh=mesh, kind="FSDP2" if mesh.ndim == 1 else "HSDP", replicas=replicas,
                     param_groups=tuple(groups), root=roots[0])
