@@ -38,7 +38,7 @@ def run_fsdp(tmp: Path, quick: bool) -> tuple[list[dict], dict]:
     """Launch the ranks; returns the table rows and ``{"ours": s, "async": s, "save": s, "bytes": n}``."""
     out = tmp / "fsdp.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
            __file__, "worker", str(tmp), str(out), "1" if quick else "0"]
     proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1800)
     if proc.returncode or not out.exists():

@@ -290,9 +290,10 @@ def finalize(store: Any, step: int, shards: Sequence[Any], extra: Sequence[FileI
     why = dcp.coverage_problem(directory, [f.name for f in files])
     if why is not None:
         raise CheckpointError(f"step {step} is not saved: its parts do not hold the whole state ({why})")
+    # Sizes only: each saver hashed its files as it wrote them, and every load checks the checksums.
     store.finalize(step, files + [metadata] + list(extra),
                    layout={"world_size": world_size, "format": "dcp", "shards": [s.describe() for s in shards]},
-                   meta=meta)
+                   meta=meta, rehash=False)
 
 
 def is_dcp(found: Verified) -> bool:
