@@ -36,7 +36,6 @@ named there are the ones ``destroy_process_group`` shuts down).
 
 from __future__ import annotations
 
-import logging
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -53,12 +52,11 @@ from .sharding import Sharding
 __all__ = ["MeshGroups", "backward_hook", "finalize", "is_dcp", "load", "local", "optimizer_with_specs", "reset",
            "with_specs", "write_part"]
 
-log = logging.getLogger("trainguard.torch")
-
 
 class MeshGroups:
-    """Abortable groups in place of the device mesh's, in FSDP and in
-    c10d's registry of group names.
+    """Abortable groups in place of the device mesh's in FSDP's parameter
+    groups (c10d's Python side knows each by its mesh group's ranks and
+    backend name).
 
     Args:
         sharding: the model's layout.
