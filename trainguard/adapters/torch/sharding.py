@@ -174,6 +174,6 @@ def refuse_unsupported(model: torch.nn.Module, optimizer: Any, *, fsdp2: bool = 
         where, tensor = found
         placements = getattr(tensor, "placements", None)
         raise ConfigError(f"{where} is a {type(tensor).__name__}{f' {tuple(placements)}' if placements else ''}: "
-                          "sharded state (FSDP2's fully_shard, tensor or pipeline parallelism) is not supported "
-                          "by this version of the torch Guard, which would save and copy each rank's part as a "
-                          f"full copy. See {DOCS}")
+                          "sharded state that fully_shard does not manage (tensor or pipeline parallelism, "
+                          "ShardedTensor) is not supported: the torch Guard would save and copy each rank's part "
+                          f"as a full copy; it protects FSDP2 and HSDP (fully_shard). See {DOCS}")
