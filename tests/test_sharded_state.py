@@ -190,3 +190,42 @@ def test_a_sharded_guard_reports_snapshots_saves_and_resumes(world, snapshot_eve
     assert all(torch.equal(v, got["optimizer"][k][n]) for k, s in want["optimizer"].items() for n, v in s.items())
     assert resumed.report()["final_state_sha256"] == report["final_state_sha256"]
     resumed.close()
+
+
+def _stage(rank: int, world_size: int, store: str, errors) -> None:
+    """One rank of a two-stage pipeline in plain torch: each rank its own
+    stage (plain tensors, no DTensor), given to the Guard as its model."""
+    import os
+    for name in [n for n in os.environ if n.startswith("TRAINGUARD_")]:
+        del os.environ[name]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        stage = nn.Sequential(nn.Linear(4, 8), nn.ReLU()) if rank == 0 else nn.Sequential(nn.Linear(8, 2))
+        try:
+            Guard(stage, torch.optim.SGD(stage.parameters(), lr=0.1)).close()
+            errors.put((rank, None))
+        except ConfigError as e:
+            errors.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pipeline_stages_in_plain_torch_are_refused_on_every_rank(tmp_path):
+    """Two ranks, each holding its own pipeline stage as plain tensors: no
+    DTensor tells them apart from data parallelism, so the Guard compares the
+    ranks' models (names, shapes, dtypes) and every rank refuses before step
+    0 (they were taken as two copies of one model: rank 0's checkpoint was
+    'the whole state')."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_stage, args=(r, 2, str(tmp_path / "store"), errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(errors.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert sorted(got) == [0, 1]
+    for rank in (0, 1):
+        assert got[rank] is not None and "rank 1's model differs from rank 0's" in got[rank], got
+        assert "pipeline parallelism in plain torch" in got[rank]

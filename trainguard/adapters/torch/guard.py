@@ -69,7 +69,7 @@ from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .own import fingerprints
 from .process_group import AbortableProcessGroup
-from .sharding import sharding_of
+from .sharding import refuse_different_models, sharding_of, structure
 from .state import state_sha256
 from .trainstate import TrainState
 
@@ -235,10 +235,13 @@ class Guard(Checkpoints, RankRuntime):
             # the state, the step and the history come from a replica.
             self.pids = {self.rank: os.getpid()}
         else:
-            ids = self.process_group.all_gather_json([os.getpid(), started_at, start_step], self.device.torch_device)
-            if len({s for _, _, s in ids}) > 1:
-                raise ConfigError(f"the ranks were given different start_step values: {[s for _, _, s in ids][:16]}")
-            self.pids = {r: pid for r, (pid, _, _) in enumerate(ids)}
+            ids = self.process_group.all_gather_json([os.getpid(), started_at, start_step, structure(model)],
+                                                     self.device.torch_device)
+            if len({s for _, _, s, _ in ids}) > 1:
+                raise ConfigError(f"the ranks were given different start_step values: {[i[2] for i in ids][:16]}")
+            if not replicas:  # replicas= says which ranks hold the same state
+                refuse_different_models([i[3] for i in ids])
+            self.pids = {r: pid for r, (pid, _, _, _) in enumerate(ids)}
             started_at = ids[0][1]  # one default profiling job id for every rank
             self._step = self._load()
         self.state.commit(self._step)

@@ -13,19 +13,22 @@ them for the replica registry (:class:`Sharding`); anything else sharded
 (FSDP1's flat parameters, DTensors that ``fully_shard`` does not manage:
 tensor parallelism, FSDP with TP, a mesh that leaves ranks out: pipeline
 parallelism; ``ShardedTensor`` s) is refused with a message naming what was
-found.
+found. Ranks that should hold copies of one model but hold different ones
+(plain-torch pipeline stages) are found by :func:`structure` and refused by
+:func:`refuse_different_models` once every rank's has been gathered.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from trainguard.core import ConfigError, ReplicaGroup
 
-__all__ = ["Sharding", "find_sharded", "refuse_unsupported", "sharding_of"]
+__all__ = ["Sharding", "find_sharded", "refuse_different_models", "refuse_unsupported", "sharding_of", "structure"]
 
 DOCS = "docs/torch.md#sharded-models-fsdp2-hsdp"
 
@@ -177,3 +180,31 @@ def refuse_unsupported(model: torch.nn.Module, optimizer: Any, *, fsdp2: bool = 
                           "sharded state that fully_shard does not manage (tensor or pipeline parallelism, "
                           "ShardedTensor) is not supported: the torch Guard would save and copy each rank's part "
                           f"as a full copy; it protects FSDP2 and HSDP (fully_shard). See {DOCS}")
+
+
+def structure(model: torch.nn.Module) -> str:
+    """A digest of the model's parameter and buffer names, (global) shapes
+    and dtypes: the same on every rank of a data-parallel, FSDP2 or HSDP job."""
+    h = hashlib.sha256()
+    for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in items:
+            h.update(f"{kind} {name} {tuple(t.shape)} {t.dtype}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def refuse_different_models(digests: Sequence[str]) -> None:
+    """Refuse a job whose ranks (``digests[rank]``: :func:`structure`)
+    hold models of different names, shapes or dtypes -- each a different
+    part, as pipeline stages in plain torch are -- while the Guard would
+    save and copy each as the whole model. Called with the same list on
+    every rank, so all of them refuse alike.
+
+    Raises:
+        ConfigError: naming the first rank whose model differs from rank 0's.
+    """
+    odd = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+    if odd is not None:
+        raise ConfigError(f"rank {odd}'s model differs from rank 0's (parameter or buffer names, shapes or dtypes): "
+                          "the ranks hold different parts of a model (pipeline parallelism in plain torch?), which "
+                          "the Guard would save and copy as whole copies; it protects data parallelism (DDP), FSDP2 "
+                          f"and HSDP. For parts that are replicated, pass replicas=. See {DOCS}")
