@@ -163,15 +163,36 @@ def test_hsdp_a_worker_killed_or_stopped_from_outside_dumps_bit_identical(tmp_pa
 
 @pytest.mark.slow  # stands for it in CI: test_decide.py's test_no_process_is_restarted_into_a_job_that_says_...
 def test_hsdp_with_process_restarts_dumps_and_the_group_restart_resumes_bit_identical(tmp_path, hsdp_reference):
-    """recover-in-place is refused (a new process would wait for good in
-    init_device_mesh's collectives): the dump runs, and torch's restart of
-    the whole group resumes from it."""
-    job = run(tmp_path, "job", HSDP, fault="crash:rank=1,step=6,phase=forward",
-              strategies="retry,recover-in-place,dump", extra_args=["--max-restarts", "1"])
+    """Under ``trainguard run``'s defaults (retry, recover-in-place, dump,
+    exit; a restart budget): recover-in-place is refused (a new process
+    would wait for good in init_device_mesh's collectives), the dump runs,
+    and the launcher's restart of the whole group resumes from it."""
+    job = run(tmp_path, "job", HSDP, fault="crash:rank=1,step=6,phase=forward", max_restarts=None)
     assert job.rc == 0, job
     assert finals(job) == hsdp_reference[1]
     (record,) = job.report["recoveries"]
     assert record["strategy"] == "dump" and "a new process cannot join an HSDP job" in job.log
+    assert "restarted ranks [0, 1, 2, 3]" in job.log
+
+
+@pytest.mark.slow  # stands for it in CI: test_decide.py's test_fsdp2_has_no_copy_of_a_lost_or_corrupted_shard
+@pytest.mark.parametrize("snapshot_every,resumed", [("0", "resumed from storage at step 4"),
+                                                    ("1", "resumed from memory at step 6")])
+def test_fsdp2_under_the_default_restart_budget_resumes_bit_identical(tmp_path, fsdp2_reference, snapshot_every,
+                                                                      resumed):
+    """Under ``trainguard run``'s defaults a lost FSDP2 rank leaves its
+    shard with no live copy: no dump (nothing newer written), the job exits
+    and the launcher's group restart resumes -- from the last periodic
+    checkpoint, or with ``snapshot_every=1`` from every rank's own snapshot
+    of the step in the node's memory (no step lost) -- ending bit-identical,
+    once, not a loop."""
+    job = run(tmp_path, "job", {**FSDP2, "FSDP_SNAPSHOT_EVERY": snapshot_every},
+              fault="crash:rank=1,step=6,phase=forward", max_restarts=None)
+    assert job.rc == 0, job
+    assert finals(job) == fsdp2_reference
+    assert "dump: no consistent copy of shard [1] (state kind 0) at step 6; exit" in job.log
+    assert job.log.count("restarted ranks [0, 1, 2, 3]") == 1, job.log[-3000:]
+    assert all(f"rank {r} {resumed}" in job.log for r in range(4)), job.log[-3000:]
 
 
 def _outside(tmp: Path, name: str, sig: int, seed: int) -> Job:
