@@ -16,6 +16,7 @@ that stands for it."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -58,9 +59,21 @@ def run(tmp: Path, name: str, mesh: dict, **kwargs) -> Job:
 @pytest.fixture(scope="module")
 def hsdp_reference(tmp_path_factory):
     """The fault-free HSDP run; it also saves a DCP checkpoint of the
-    script's own after step 6 (``dcp.save``, collective)."""
-    tmp = tmp_path_factory.mktemp("hsdp-reference")
-    job = run(tmp, "reference", HSDP, env={"FSDP_DCP_OUT": f"{tmp / 'users-dcp'}:6"})
+    script's own after step 6 (``dcp.save``, collective). Run once per
+    session: ``pytest -n 2`` workers share it through the session's base
+    directory (the first one runs it under a lock, the other reads it)."""
+    base = tmp_path_factory.getbasetemp()  # under xdist: the session's directory's popen-gwN
+    tmp = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "fsdp-hsdp-reference"
+    tmp.mkdir(exist_ok=True)
+    with open(tmp / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (tmp / "done").exists():
+            job = Job(0, (tmp / "done").read_text(), json.loads((tmp / "reference.json").read_text()),
+                      tmp / "reference-ckpt", tmp / "reference.json")
+        else:
+            job = run(tmp, "reference", HSDP, env={"FSDP_DCP_OUT": f"{tmp / 'users-dcp'}:6"})
+            if job.rc == 0:
+                (tmp / "done").write_text(job.log)
     assert job.rc == 0, job
     assert job.report["steps_completed"] == STEPS and not job.report["recoveries"]
     return job, finals(job)
