@@ -229,3 +229,19 @@ def test_pipeline_stages_in_plain_torch_are_refused_on_every_rank(tmp_path):
     for rank in (0, 1):
         assert got[rank] is not None and "rank 1's model differs from rank 0's" in got[rank], got
         assert "pipeline parallelism in plain torch" in got[rank]
+
+
+def test_the_model_structure_compared_across_ranks():
+    """What the ranks compare: names, shapes and dtypes (not values, which
+    differ before DDP's broadcast), a lazy module's too."""
+    from trainguard.adapters.torch.sharding import refuse_different_models, structure
+    torch.manual_seed(0)
+    a = structure(nn.Sequential(nn.Linear(4, 8)))
+    torch.manual_seed(1)
+    assert structure(nn.Sequential(nn.Linear(4, 8))) == a
+    assert structure(nn.Sequential(nn.Linear(4, 8)).double()) != a
+    assert structure(nn.Sequential(nn.Linear(8, 4))) != a
+    assert structure(nn.Sequential(nn.LazyLinear(8))) == structure(nn.Sequential(nn.LazyLinear(8)))
+    refuse_different_models([a, a, a])
+    with pytest.raises(ConfigError, match="rank 2's model differs from rank 0's"):
+        refuse_different_models([a, a, structure(nn.Sequential(nn.Linear(8, 4)))])

@@ -185,10 +185,12 @@ def refuse_unsupported(model: torch.nn.Module, optimizer: Any, *, fsdp2: bool = 
 def structure(model: torch.nn.Module) -> str:
     """A digest of the model's parameter and buffer names, (global) shapes
     and dtypes: the same on every rank of a data-parallel, FSDP2 or HSDP job."""
+    from torch.nn.parameter import UninitializedTensorMixin
     h = hashlib.sha256()
     for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, t in items:
-            h.update(f"{kind} {name} {tuple(t.shape)} {t.dtype}\n".encode())
+            shape = "lazy" if isinstance(t, UninitializedTensorMixin) else tuple(t.shape)  # a Lazy* module's
+            h.update(f"{kind} {name} {shape} {t.dtype}\n".encode())
     return h.hexdigest()[:16]
 
 
