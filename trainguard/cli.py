@@ -145,7 +145,7 @@ def _naming(directory: Path, layout: str):
 
 
 def _ckpt(argv: Sequence[str]) -> int:
-    from trainguard.core import CheckpointError, CheckpointStore
+    from trainguard.core import TORCH, CheckpointError, CheckpointStore
 
     p = argparse.ArgumentParser(prog="trainguard ckpt")
     p.add_argument("action", choices=["list", "verify"])
@@ -154,7 +154,8 @@ def _ckpt(argv: Sequence[str]) -> int:
                    help="the directory's naming (default auto: the one whose tracker file or step directories "
                         "are there)")
     args = p.parse_args(argv)
-    store = CheckpointStore(args.directory, _naming(args.directory, args.layout))
+    naming = _naming(args.directory, args.layout)
+    store = CheckpointStore(args.directory, naming)
     try:
         steps = store.steps()
     except OSError as e:
@@ -169,12 +170,25 @@ def _ckpt(argv: Sequence[str]) -> int:
             print(store.final_path(step))
             continue
         try:
-            store.verify(store.final_path(step))
-            print(f"ok      {store.final_path(step)}")
+            found = store.verify(store.final_path(step))
         except CheckpointError as e:
             bad += 1
             print(f"BROKEN  {e}")
+            continue
+        why = _content_problem(found) if naming is TORCH else None
+        if why is not None:
+            bad += 1
+            print(f"BROKEN  {found.path.name}: {why}")
+        else:
+            print(f"ok      {store.final_path(step)}")
     return 1 if bad else 0
+
+
+def _content_problem(found) -> str | None:
+    """What the torch adapter finds wrong inside a checkpoint's files (the
+    coverage of sharded state), imported only when there is one to check."""
+    from trainguard.adapters.torch.coverage import content_problem
+    return content_problem(found)
 
 
 def _slow_nodes(argv: Sequence[str]) -> int:
