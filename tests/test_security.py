@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from attackers import forged
 from conftest import WORKERS
 
 from trainguard.core import Controller, ControllerConfig, Processor, ProcessorConfig, ProtocolError, ReplicaGroup
@@ -103,9 +104,12 @@ def test_the_rendezvous_store_holds_nothing_that_lets_a_client_in(tmp_path):
             if not text or any(c.isspace() or not c.isprintable() for c in text):
                 continue
             client = ControllerClient(address, text, timeout_s=5)
-            with pytest.raises(ProtocolError, match="UNAUTHENTICATED|missing or wrong job token"):
-                client.status()
+            with pytest.raises(ProtocolError, match="did not prove it knows the job secret"):
+                client.status()  # the controller's proof fails under that value: nothing is sent
             client.close()
+            with pytest.raises(grpc.RpcError) as refused:  # and a proof made with it is refused
+                _unary_raw(address, "GetStatus", b"", text)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             tried += 1
         assert tried >= 3, values
         assert ControllerClient(address, SECRET).status()["world_size"] == 2, "the secret itself gets in"
@@ -175,7 +179,7 @@ def test_a_tls_controller_serves_its_nodes_and_no_one_else(pki):
             ControllerClient(c.address, SECRET, timeout_s=3).status()
         with pytest.raises(ControllerLostError):  # a certificate of another authority: the handshake fails
             ControllerClient(c.address, SECRET, tls=TLS.from_env(pki["stranger"]), timeout_s=3).status()
-        with pytest.raises(ProtocolError, match="missing or wrong job token"):  # a certificate, not the secret
+        with pytest.raises(ProtocolError, match="did not prove"):  # a certificate, not the secret
             ControllerClient(c.address, "not-the-secret-" + "0" * 20, tls=tls).status()
     with pytest.raises(ConfigError, match="TRAINGUARD_TLS_CA not set"):
         TLS.from_env({k: v for k, v in pki["node"].items() if k != "TRAINGUARD_TLS_CA"})
@@ -288,9 +292,10 @@ def test_a_hello_without_a_key_reserves_no_name():
 # ------------------------------------------------------------ refusals: cheap and quiet
 def _unary_raw(address: str, method: str, body: bytes, token: str):
     channel = grpc.insecure_channel(address)
-    call = channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None)
+    path = f"/{SERVICE}/{method}"
+    call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
     try:
-        return call(body, metadata=(("authorization", f"Bearer {token}"),), timeout=10)
+        return call(body, metadata=forged(channel, address, token, path), timeout=10)
     finally:
         channel.close()
 
@@ -332,7 +337,8 @@ def test_the_relay_logs_every_kind_of_refusal_as_the_controller_does(caplog):
                                     (b"\xff\xff\xff", SECRET), (b"", "wrong-" + "0" * 20),
                                     (b"\x0a" + b"\xff" * (5 << 20), SECRET)):  # over gRPC's own limit
                     with pytest.raises(grpc.RpcError):
-                        list(session(iter([body]), metadata=(("authorization", f"Bearer {token}"),), timeout=10))
+                        list(session(iter([body]), metadata=forged(channel, address, token, f"/{SERVICE}/Session"),
+                                     timeout=10))
             channel.close()
             text = caplog.text
             for kind in ("refused INVALID_ARGUMENT", "refused UNAUTHENTICATED"):

@@ -47,7 +47,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.config_launch import LaunchConfig
-from trainguard.core.control.client import ControllerClient
+from trainguard.core.control.client import ControllerClient, find_controller
 from trainguard.core.control.wire import agent_event_to_pb, agent_order
 from trainguard.core.links import LinkSink, answer_probe
 from trainguard.core.protocol import trainguard_pb2 as pb
@@ -78,6 +78,8 @@ STARTING_GRACE_S = 3.0
 ENDED_GRACE_S = 15.0
 #: How long the agent waits for the others at exit once a node agent was lost.
 EXIT_BARRIER_AFTER_LOSS_S = 10
+#: How often node 0 writes the controller's address to the store again.
+REPUBLISH_S = 1.0
 
 
 class TrainguardAgent(LocalElasticAgent):
@@ -86,6 +88,8 @@ class TrainguardAgent(LocalElasticAgent):
     nodes' ranks under ``recover``, warm standby, where snapshots go), the
     job secret and the control plane's TLS settings (see
     :mod:`trainguard.core.secret`)."""
+
+    _published: tuple[Any, str, float] | None = None  # node 0 of several: (store, the controller's address, when)
 
     def __init__(self, *args: Any, controller_config: ControllerConfig, launch: LaunchConfig = LaunchConfig(),
                  secret: str, tls: TLS | None = None, **kwargs: Any) -> None:
@@ -132,6 +136,11 @@ class TrainguardAgent(LocalElasticAgent):
         store = worker_group.store
         self._fresh_worker_store(worker_group)
         world_size = worker_group.workers[0].world_size
+        # First what every node publishes for the others (its peer server), so no node waits for another
+        # that is still looking for the controller.
+        if worker_group.group_rank == 0:
+            store.set(_ROUND_KEY, secrets.token_hex(8))
+        self._snapshots(worker_group, store, self._secret)
         if worker_group.group_rank == 0:
             self.last_status, self.controller = stop_controller(self.controller, self.last_status), None
             if worker_group.group_world_size > 1 and self._config.host in ("127.0.0.1", "localhost", "::1"):
@@ -141,9 +150,12 @@ class TrainguardAgent(LocalElasticAgent):
             # restarts of the whole group draw on --max-restarts alike.
             config = dataclasses.replace(self._config, max_restarts=self._remaining_restarts)
             self.controller = Controller(config, world_size, token=self._secret, tls=self._tls)
-            store.set(_ROUND_KEY, secrets.token_hex(8))
-            store.set(_ADDRESS_KEY, self.controller.start())
-        address = store.get(_ADDRESS_KEY).decode()
+            address = self.controller.start()  # its own, never read back: anyone may write the store meanwhile
+            store.set(_ADDRESS_KEY, address)
+            self._published = (store, address, time.monotonic()) if worker_group.group_world_size > 1 else None
+        else:  # the store's value is a hint: taken once the server there proved the secret
+            self._published = None
+            address = find_controller(lambda: store.get(_ADDRESS_KEY).decode(), self._secret, tls=self._tls)
         token = self._secret
         if self.relay is not None:
             self.relay.stop()
@@ -159,7 +171,6 @@ class TrainguardAgent(LocalElasticAgent):
                            on_order=self._orders.put, tls=self._tls)
         os.environ.update(TRAINGUARD_CONTROLLER=self.relay.start(), TRAINGUARD_TOKEN=token,
                           TRAINGUARD_JOB_ID=self._config.job_id)
-        self._snapshots(worker_group, store, token)
         if self._client is not None:
             self._client.close()
         self._client = ControllerClient(address, token, tls=self._tls)
@@ -254,7 +265,21 @@ class TrainguardAgent(LocalElasticAgent):
             self.snapshot_dir = None
 
     # ----------------------------------------------------------- monitoring
+    def _republish(self) -> None:
+        """Node 0: write the controller's address again every
+        ``REPUBLISH_S``, so a node that found another value there (anyone
+        may write the store) finds the true one on its next read."""
+        if self._published is None or time.monotonic() - self._published[2] < REPUBLISH_S:
+            return
+        store, address, _ = self._published
+        try:
+            store.set(_ADDRESS_KEY, address)
+        except Exception as e:  # noqa: BLE001 - torch's store raises many kinds; the job goes on without it
+            log.debug("could not write the controller's address to the store again: %s", e)
+        self._published = (store, address, time.monotonic())
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._republish()
         handlers = getattr(self._pcontext, "subprocess_handlers", None)
         if not handlers:
             return super()._monitor_workers(worker_group)
