@@ -35,7 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 
-__all__ = ["NONCE_BYTES", "Names", "Nonces", "client_proof", "derive", "nonce", "server_proof", "split_address"]
+__all__ = ["NONCE_BYTES", "Admission", "Names", "Nonces", "client_proof", "derive", "nonce", "server_proof", "split_address"]
 
 NONCE_BYTES = 16
 MAX_ADDRESS = 300
@@ -178,3 +178,30 @@ class Nonces:
         if entry is None or entry[0] < self.clock():
             return None
         return entry[1], entry[2]
+
+
+class Admission:
+    """Connections that have not proved the secret yet: at most
+    ``per_host`` from one address and ``total`` in all, so a few silent or
+    trickling sockets cannot take the places of real peers (which hold
+    places of their own once they proved it)."""
+
+    def __init__(self, per_host: int = 2, total: int = 16) -> None:
+        self.per_host, self.total = per_host, total
+        self._open: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def enter(self, host: str) -> bool:
+        with self._lock:
+            if self._open.get(host, 0) >= self.per_host or sum(self._open.values()) >= self.total:
+                return False
+            self._open[host] = self._open.get(host, 0) + 1
+            return True
+
+    def leave(self, host: str) -> None:
+        with self._lock:
+            left = self._open.get(host, 0) - 1
+            if left > 0:
+                self._open[host] = left
+            else:
+                self._open.pop(host, None)

@@ -35,7 +35,6 @@ import logging
 import os
 import queue
 import secrets
-import socket
 import threading
 import time
 from typing import Any
@@ -49,12 +48,13 @@ from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.config_launch import LaunchConfig
 from trainguard.core.control.client import ControllerClient, find_controller
 from trainguard.core.control.wire import agent_event_to_pb, agent_order
-from trainguard.core.links import LinkSink, answer_probe
+from trainguard.core.links import answer_probe
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.secret import TLS
-from trainguard.core.snapshot import PeerServer, SnapshotDir
+from trainguard.core.snapshot import SnapshotDir
 
+from .node_servers import NodeServers
 from .watch import FrozenWatch, report_exit, stop_controller
 from .restart import Replacements
 
@@ -110,9 +110,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._reported: set[int] = set()
         self._frozen = FrozenWatch()
         self.last_status: dict | None = None
-        self.snapshot_dir: SnapshotDir | None = None
-        self.peer_server: PeerServer | None = None
-        self.link_sink: LinkSink | None = None
+        self.node = NodeServers(self._config.job_id, launch, secret, self._config.host)
 
     # ----------------------------------------------------------- controller
     def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec) -> list:
@@ -140,7 +138,7 @@ class TrainguardAgent(LocalElasticAgent):
         # that is still looking for the controller.
         if worker_group.group_rank == 0:
             store.set(_ROUND_KEY, secrets.token_hex(8))
-        self._snapshots(worker_group, store, self._secret)
+        self.node.snapshots(worker_group, store, _ROUND_KEY)
         if worker_group.group_rank == 0:
             self.last_status, self.controller = stop_controller(self.controller, self.last_status), None
             if worker_group.group_world_size > 1 and self._config.host in ("127.0.0.1", "localhost", "::1"):
@@ -166,7 +164,7 @@ class TrainguardAgent(LocalElasticAgent):
         # one stream per node instead of one per rank; it carries the
         # agent's orders too.
         hello = pb.AgentHello(ranks=[w.global_rank for w in worker_group.workers], spare=self._spare,
-                              key=self._key, probe=self._link_sink(worker_group))
+                              key=self._key, probe=self.node.sink(worker_group))
         self.relay = Relay(address, token, max_message_bytes=self._config.max_message_bytes, agent=hello,
                            on_order=self._orders.put, tls=self._tls)
         os.environ.update(TRAINGUARD_CONTROLLER=self.relay.start(), TRAINGUARD_TOKEN=token,
@@ -175,46 +173,9 @@ class TrainguardAgent(LocalElasticAgent):
             self._client.close()
         self._client = ControllerClient(address, token, tls=self._tls)
 
-    def _snapshots(self, worker_group: WorkerGroup, store: Any, token: str) -> None:
-        """The node's snapshot directory (kept across rounds, so restarted
-        workers find their snapshots) and, with several nodes, the server
-        keeping the previous node's copies; the workers learn both from the
-        environment."""
-        if self.snapshot_dir is None:  # one per agent: a replacement node may share a host with another
-            self.snapshot_dir = SnapshotDir.create(f"{self._config.job_id}-{os.getpid()}", self._launch.snapshot_root)
-        os.environ["TRAINGUARD_SNAPSHOT_DIR"] = str(self.snapshot_dir.path)
-        nodes, me = worker_group.group_world_size, worker_group.group_rank
-        if nodes < 2:
-            os.environ.pop("TRAINGUARD_SNAPSHOT_PEER", None)
-            return
-        bind, here = self._addresses(worker_group)
-        if self.peer_server is None:
-            self.peer_server = PeerServer(self.snapshot_dir, token, bind)
-            self.peer_server.start()
-        self.peer_server.token = token
-        port = self.peer_server.address.rsplit(":", 1)[1]
-        # Keyed by this round's id, so a value left by a node of an earlier
-        # round (one that was lost) is never read.
-        key = f"trainguard/peer/{store.get(_ROUND_KEY).decode()}"
-        store.set(f"{key}/{me}", f"{here}:{port}")
-        os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"{key}/{(me + 1) % nodes}").decode()
-
-    def _link_sink(self, worker_group: WorkerGroup) -> str:
-        """With several nodes, this node's link-probe sink (:mod:`trainguard.core.links`): its address, or ""."""
-        if worker_group.group_world_size < 2:
-            return ""
-        bind, here = self._addresses(worker_group)
-        if self.link_sink is None:
-            self.link_sink = LinkSink(bind, self._secret)
-            self._sink_port = self.link_sink.start().rsplit(":", 1)[1]
-        return f"{here}:{self._sink_port}"
-
-    def _addresses(self, worker_group: WorkerGroup) -> tuple[str, str]:
-        """Where this node's servers listen, and the address the others
-        reach this host at (torchrun's --local-addr, when given)."""
-        if self._config.host in ("127.0.0.1", "localhost", "::1"):
-            return "127.0.0.1", "127.0.0.1"
-        return "0.0.0.0", worker_group.spec.local_addr or socket.getfqdn()
+    @property
+    def snapshot_dir(self) -> SnapshotDir | None:
+        return self.node.snapshot_dir
 
     def _probe_links(self, order: pb.AgentOrder) -> None:
         """A link survey's order, on a thread of its own: measure, answer."""
@@ -254,15 +215,7 @@ class TrainguardAgent(LocalElasticAgent):
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self.peer_server is not None:
-            self.peer_server.stop()
-            self.peer_server = None
-        if self.link_sink is not None:
-            self.link_sink.stop()
-            self.link_sink = None
-        if self.snapshot_dir is not None:
-            self.snapshot_dir.remove()
-            self.snapshot_dir = None
+        self.node.close()
 
     # ----------------------------------------------------------- monitoring
     def _republish(self) -> None:
