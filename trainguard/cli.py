@@ -84,6 +84,7 @@ def _status(argv: Sequence[str]) -> int:
 
 
 def _report(argv: Sequence[str]) -> int:
+    from trainguard.core import ConfigError
     from trainguard.report.timeline import RunDirError, load, summary
 
     p = argparse.ArgumentParser(prog="trainguard report",
@@ -110,9 +111,9 @@ def _report(argv: Sequence[str]) -> int:
             print("trainguard report: the picture needs matplotlib (pip install 'trainguard[report]')",
                   file=sys.stderr)
             return 2
-        except OSError as e:
+        except (OSError, ConfigError) as e:
             print(summary(timeline))
-            print(f"trainguard report: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+            print(f"trainguard report: cannot write {out}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
             return 1
     print(summary(timeline, picture))
     return 0

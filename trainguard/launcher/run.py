@@ -29,6 +29,7 @@ from trainguard.core.annotations import resolve_strategies
 from trainguard.core.config_launch import LaunchConfig
 from trainguard.core.events import note
 from trainguard.core.faults import check_ranks
+from trainguard.core.private import make_directory
 from trainguard.core.secret import TLS, job_secret
 
 __all__ = ["main", "parser"]
@@ -115,6 +116,8 @@ def launch(argv: Sequence[str]) -> int:
             os.environ[f"TRAINGUARD_{name.upper()}"] = getattr(args, name)
     if args.run_dir:  # the controller and the workers read it (trainguard.core.events)
         os.environ["TRAINGUARD_RUN_DIR"] = os.path.abspath(args.run_dir)
+    if os.environ.get("TRAINGUARD_RUN_DIR"):  # another user's, or one others may rename in: refused before the start
+        make_directory(os.environ["TRAINGUARD_RUN_DIR"], "run directory (--run-dir, TRAINGUARD_RUN_DIR)")
     # Before anything starts: a job of several nodes without a shared secret is refused (see core.secret).
     secret, tls = job_secret(nodes=config.max_nodes), TLS.from_env()
     for name in ("TRAINGUARD_TLS_CERT", "TRAINGUARD_TLS_KEY", "TRAINGUARD_TLS_CA"):
