@@ -120,14 +120,18 @@ def _report(argv: Sequence[str]) -> int:
 
 
 def _ckpt(argv: Sequence[str]) -> int:
-    from trainguard.core import MEGATRON, TORCH, CheckpointError, CheckpointStore
+    from trainguard.core import MEGATRON, TORCH, CheckpointError, CheckpointStore, ConfigError
 
     p = argparse.ArgumentParser(prog="trainguard ckpt")
     p.add_argument("action", choices=["list", "verify"])
     p.add_argument("directory", type=Path)
     p.add_argument("--layout", choices=["torch", "megatron"], default="torch")
     args = p.parse_args(argv)
-    store = CheckpointStore(args.directory, TORCH if args.layout == "torch" else MEGATRON)
+    try:  # only read: a directory of another user may be inspected (its unkeyed checkpoints are refused)
+        store = CheckpointStore(args.directory, TORCH if args.layout == "torch" else MEGATRON, writer=False)
+    except ConfigError as e:  # a key file that cannot be used
+        print(f"trainguard ckpt: {e}", file=sys.stderr)
+        return 2
     try:
         steps = store.steps()
     except OSError as e:

@@ -32,6 +32,9 @@ ENV: Mapping[str, str] = {
                         "job; a single-node launcher makes one)",
     "TRAINGUARD_TOKEN_FILE": "a file holding the job secret, mounted on every node (a Kubernetes Secret); read "
                              "before TRAINGUARD_TOKEN",
+    "TRAINGUARD_KEY_FILE": "project key file: checkpoints and compile-cache entries carry an HMAC under it",
+    "TRAINGUARD_CHECKPOINT_KEY": "set by the launcher for its workers: that key in hex, or none (not by hand)",
+    "TRAINGUARD_ALLOW_SHARED_DIRS": "1: use directories of other users, or that others may write in",
     "TRAINGUARD_TLS_CERT": "PEM certificate of this node for mutual TLS on the control plane (with _KEY and _CA)",
     "TRAINGUARD_TLS_KEY": "PEM private key of TRAINGUARD_TLS_CERT",
     "TRAINGUARD_TLS_CA": "PEM certificate of the authority that signed every node's certificate",

@@ -31,11 +31,12 @@ import logging
 import os
 import stat
 from dataclasses import dataclass
-from typing import Mapping
-
-import grpc
+from typing import TYPE_CHECKING, Mapping
 
 from .api import ConfigError
+
+if TYPE_CHECKING:  # imported when used: checkpoints read the secret without the control plane
+    import grpc
 
 __all__ = ["MIN_SECRET_CHARS", "TLS", "configured_secret", "job_secret", "new_token", "shared_secret"]
 
@@ -77,7 +78,7 @@ def configured_secret(environ: Mapping[str, str] | None = None) -> str | None:
     return value
 
 
-def _read_token_file(path: str) -> str:
+def _read_token_file(path: str, variable: str = "TRAINGUARD_TOKEN_FILE") -> str:
     """The secret in ``path``, checked as ssh checks a private key: a regular
     file of this user or root, that no one else may write, nor read unless
     in its group (a Kubernetes Secret mounted ``defaultMode: 0400``, or 0440
@@ -90,10 +91,10 @@ def _read_token_file(path: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise ConfigError(f"cannot read the job secret from TRAINGUARD_TOKEN_FILE={path}: {e.strerror}") from None
+        raise ConfigError(f"cannot read the job secret from {variable}={path}: {e.strerror}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
-        where = f"the job secret in TRAINGUARD_TOKEN_FILE={path}"
+        where = f"the {'job secret' if variable == 'TRAINGUARD_TOKEN_FILE' else 'key'} in {variable}={path}"
         if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
             raise ConfigError(f"{where} is not a regular file of at most 4096 bytes")
         if st.st_uid not in (os.geteuid(), 0):
@@ -175,10 +176,14 @@ class TLS:
 
     def server(self) -> grpc.ServerCredentials:
         """Credentials of a server that asks every client for a certificate."""
+        import grpc
+
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=True)
 
     def channel(self) -> grpc.ChannelCredentials:
         """Credentials of a client that checks the server and shows its own."""
+        import grpc
+
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)

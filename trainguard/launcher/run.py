@@ -29,6 +29,7 @@ from trainguard.core.annotations import resolve_strategies
 from trainguard.core.config_launch import LaunchConfig
 from trainguard.core.events import note
 from trainguard.core.faults import check_ranks
+from trainguard.core import integrity
 from trainguard.core.private import make_directory
 from trainguard.core.secret import TLS, job_secret
 
@@ -120,6 +121,9 @@ def launch(argv: Sequence[str]) -> int:
         make_directory(os.environ["TRAINGUARD_RUN_DIR"], "run directory (--run-dir, TRAINGUARD_RUN_DIR)")
     # Before anything starts: a job of several nodes without a shared secret is refused (see core.secret).
     secret, tls = job_secret(nodes=config.max_nodes), TLS.from_env()
+    # The workers' key for checkpoints and compile caches: a key file or a configured secret, never this
+    # launch's fresh one (read now, before the agent puts that in TRAINGUARD_TOKEN; core.integrity).
+    os.environ[integrity.KEY_ENV] = integrity.key_for_workers()
     for name in ("TRAINGUARD_TLS_CERT", "TRAINGUARD_TLS_KEY", "TRAINGUARD_TLS_CA"):
         os.environ.pop(name, None)  # the workers reach their node's relay on loopback, with the secret
     controller_config = ControllerConfig.from_env(

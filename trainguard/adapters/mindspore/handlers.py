@@ -20,6 +20,7 @@ written with ``mindspore.save_checkpoint`` (with ``epoch_num``, ``step_num``,
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import stat
@@ -307,11 +308,11 @@ def load_checkpoint(found: Verified, rank: int, state: ModelState) -> dict:
     if mine is None:
         raise CheckpointError(f"{found.path} holds no shard for rank {rank} (saved with world size "
                               f"{found.manifest.get('layout', {}).get('world_size')})")
-    path = found.file(mine["files"][0])
-    try:
-        loaded = ms.load_checkpoint(str(path))
-    except Exception as e:
-        raise CheckpointError(f"{path} could not be loaded: {e}") from None
+    with found.open(mine["files"][0]) as path:  # the bytes verified, whatever is at the name now
+        try:
+            loaded = ms.load_checkpoint(io.BytesIO(path.read_bytes()))
+        except Exception as e:
+            raise CheckpointError(f"{path} could not be loaded: {e}") from None
     arrays = {k: v.asnumpy() for k, v in loaded.items() if k in state.params}
     try:
         state.load_arrays(arrays, source=str(path))
