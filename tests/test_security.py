@@ -185,6 +185,24 @@ def test_a_tls_controller_serves_its_nodes_and_no_one_else(pki):
         TLS.from_env({k: v for k, v in pki["node"].items() if k != "TRAINGUARD_TLS_CA"})
 
 
+def test_failed_tls_handshakes_do_not_fill_the_log(pki):
+    """Before, gRPC printed one line for every connection that failed the
+    TLS handshake: anyone who reached the port filled the log."""
+    code = (f"import socket, time, trainguard\n"
+            f"from trainguard.core import Controller, ControllerConfig\n"
+            f"from trainguard.core.secret import TLS\n"
+            f"c = Controller(ControllerConfig(), 2, token={SECRET!r}, tls=TLS.from_env({pki['node']!r}))\n"
+            f"host, port = c.start().rsplit(':', 1)\n"
+            f"for _ in range(20):\n"
+            f"    with socket.create_connection((host, int(port))) as s:\n"
+            f"        s.sendall(b'GET / HTTP/1.1\\r\\n\\r\\n')\n"
+            f"        s.recv(100)\n"
+            f"c.stop()\n")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Handshake failed" not in out.stderr, out.stderr[-3000:]
+
+
 def test_a_job_runs_over_mutual_tls(tmp_path, pki):
     d = pki["node"]
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--monitor-interval", "0.1",
