@@ -1,7 +1,7 @@
 """The job secret and the control plane's TLS settings.
 
-Every control message carries the job secret. Where it comes from, first
-found wins:
+Every control call carries a proof of the job secret, never the secret
+itself (:mod:`.handshake`). Where the secret comes from, first found wins:
 
 1. ``TRAINGUARD_TOKEN_FILE``: a file every node mounts (a Kubernetes
    ``Secret``, say); the whole file, surrounding blanks dropped. Checked
@@ -21,8 +21,8 @@ With ``TRAINGUARD_TLS_CERT``, ``TRAINGUARD_TLS_KEY`` and ``TRAINGUARD_TLS_CA``
 (PEM files: this node's certificate and key, and the authority that signed
 every node's) the controller serves TLS and asks each client for a
 certificate signed by that authority (mutual TLS); relays and clients
-present theirs. The secret is still checked on every call: TLS keeps it
-off the wire and proves the endpoints, the secret proves the job.
+present theirs. The secret is still proved on every call: TLS proves the
+endpoints and keeps the traffic private, the secret proves the job.
 """
 
 from __future__ import annotations
