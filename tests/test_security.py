@@ -67,6 +67,7 @@ def test_a_job_of_several_nodes_without_a_shared_secret_is_refused_before_it_sta
 def test_secrets_from_a_file_or_the_environment_and_what_is_refused(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text(f"  {SECRET}\n")
+    secret.chmod(0o600)
     assert job_secret({"TRAINGUARD_TOKEN_FILE": str(secret), "TRAINGUARD_TOKEN": "x" * 40}, nodes=8) == SECRET
     assert job_secret({"TRAINGUARD_TOKEN": SECRET}, nodes=8) == SECRET
     assert len(job_secret({}, nodes=1)) == 64, "one node: a fresh secret"

@@ -172,7 +172,8 @@ def read_annotations(path: str | os.PathLike) -> dict[str, str]:
     except OSError as e:
         raise ConfigError(f"cannot read the pod annotations file {path} ({ENV_VAR}): {e.strerror or e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"the pod annotations file {path} ({ENV_VAR}) is not UTF-8 (byte {e.start})") from None
+        raise ConfigError(f"cannot read the pod annotations file {path} ({ENV_VAR}): not UTF-8 (byte {e.start})") \
+            from None
     return parse_annotations(text, str(path))
 
 

@@ -15,13 +15,16 @@ directory included), and hands the loader that descriptor:
   copy, which no one else can touch.
 
 A loader that takes a path gets ``/proc/self/fd/N`` (the same open file,
-not the name); one that takes bytes, :meth:`VerifiedFile.read_bytes`.
+not the name; :meth:`VerifiedFile.named` when it insists on the file's
+suffix); one that takes bytes, :meth:`VerifiedFile.read_bytes`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +80,19 @@ class VerifiedFile(os.PathLike):
 
     def __str__(self) -> str:
         return str(self.where)
+
+    @contextmanager
+    def named(self) -> Iterator[str]:
+        """A path that ends in the file's own name, for a loader that reads its
+        suffix (MindSpore's ``.ckpt``): a link to this descriptor, in a
+        directory of this process's own (0700), removed afterwards."""
+        directory = tempfile.mkdtemp(prefix="trainguard-verified-")
+        link = os.path.join(directory, self.name)
+        os.symlink(os.fspath(self), link)
+        try:
+            yield link
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def read_bytes(self) -> bytes:
         size, out = os.fstat(self.fd).st_size, bytearray()

@@ -20,7 +20,6 @@ written with ``mindspore.save_checkpoint`` (with ``epoch_num``, ``step_num``,
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import stat
@@ -308,9 +307,10 @@ def load_checkpoint(found: Verified, rank: int, state: ModelState) -> dict:
     if mine is None:
         raise CheckpointError(f"{found.path} holds no shard for rank {rank} (saved with world size "
                               f"{found.manifest.get('layout', {}).get('world_size')})")
-    with found.open(mine["files"][0]) as path:  # the bytes verified, whatever is at the name now
+    # The bytes verified, whatever is at the name now (MindSpore wants a .ckpt name: a link to the descriptor).
+    with found.open(mine["files"][0]) as path, path.named() as name:
         try:
-            loaded = ms.load_checkpoint(io.BytesIO(path.read_bytes()))
+            loaded = ms.load_checkpoint(name)
         except Exception as e:
             raise CheckpointError(f"{path} could not be loaded: {e}") from None
     arrays = {k: v.asnumpy() for k, v in loaded.items() if k in state.params}
