@@ -124,6 +124,7 @@ class _Answered(Exception):
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # socketserver's 5 let a burst of strangers' connections delay real peers' by seconds
     owner: "PeerServer"
 
 
