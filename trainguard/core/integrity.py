@@ -87,7 +87,7 @@ def key_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
 
 def _canonical(document: Mapping[str, Any]) -> bytes:
     body = {k: v for k, v in document.items() if k != "mac"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def key_id(key: bytes) -> str:
