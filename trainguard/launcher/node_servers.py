@@ -1,7 +1,8 @@
 """What a node agent serves to the other nodes, beside its relay: the node's
 snapshot directory with the server keeping the previous node's copies
-(:mod:`trainguard.core.snapshot.peer`), and the link-probe sink
-(:mod:`trainguard.core.links`).
+(:mod:`trainguard.core.snapshot.peer`), the mirror of its ranks' own-part
+records to the next node (:mod:`trainguard.core.snapshot.own_peer`), and
+the link-probe sink (:mod:`trainguard.core.links`).
 
 Where the next node's server is comes from the rendezvous store, which
 anyone who reaches it may write: it is a hint. A value that is no address
@@ -16,12 +17,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from trainguard.core.config_launch import LaunchConfig
 from trainguard.core.links import LinkSink
 from trainguard.core.proof import split_address
 from trainguard.core.snapshot import PeerServer, SnapshotDir
+from trainguard.core.snapshot.own_peer import OwnMirror
 
 __all__ = ["NodeServers"]
 
@@ -32,13 +34,17 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 class NodeServers:
     """Args: the job id, the launcher's settings (the snapshot root), the
-    job secret, and the controller's host setting (loopback keeps every
-    server on loopback)."""
+    job secret, the controller's host setting (loopback keeps every server
+    on loopback) and the ranks whose own-part records this node mirrors
+    (called each time it looks)."""
 
-    def __init__(self, job_id: str, launch: LaunchConfig, secret: str, controller_host: str) -> None:
+    def __init__(self, job_id: str, launch: LaunchConfig, secret: str, controller_host: str,
+                 mirrored_ranks: Callable[[], list[int]] = list) -> None:
         self.job_id, self.launch, self.secret, self.controller_host = job_id, launch, secret, controller_host
+        self.mirrored_ranks = mirrored_ranks
         self.snapshot_dir: SnapshotDir | None = None
         self.peer_server: PeerServer | None = None
+        self.own_mirror: OwnMirror | None = None
         self.link_sink: LinkSink | None = None
         self._sink_port = ""
 
@@ -76,6 +82,10 @@ class NodeServers:
                         "no peer copies this round", peer[:100])
             return
         os.environ["TRAINGUARD_SNAPSHOT_PEER"] = peer
+        if self.own_mirror is None:  # this node's ranks' own-part records, copied to the next node (own_peer.py)
+            self.own_mirror = OwnMirror(self.snapshot_dir.path, self.mirrored_ranks,
+                                        lambda: os.environ.get("TRAINGUARD_SNAPSHOT_PEER"), lambda: self.secret)
+            self.own_mirror.start()
 
     def sink(self, worker_group: Any) -> str:
         """With several nodes, this node's link-probe sink: its address, or ""."""
@@ -89,6 +99,9 @@ class NodeServers:
 
     def close(self) -> None:
         """Stop the servers and remove the node's snapshots."""
+        if self.own_mirror is not None:
+            self.own_mirror.stop()
+            self.own_mirror = None
         if self.peer_server is not None:
             self.peer_server.stop()
             self.peer_server = None

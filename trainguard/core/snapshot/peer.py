@@ -21,7 +21,8 @@ The stream is plain TCP, protocol 3, which opens with the mutual proof of
    (an address read from the rendezvous store is only a hint) gets no
    request, and no snapshot -- then sends a length-prefixed JSON header
    (``put``: rank, step, size; ``fetch``: rank) and its HMAC over both
-   nonces, the address and the header.
+   nonces, the address and the header (``put-own``/``fetch-own`` carry a
+   rank's own-part record file the same way, :mod:`.own_peer`).
 
 Both nonces make each header good for one connection to one server: a
 captured put or fetch replayed later, or at another node, is refused (no

@@ -18,6 +18,8 @@ from typing import Any
 
 from ..api import CheckpointError
 from ..proof import Admission, Names, client_proof, derive, nonce, server_proof
+from .own_peer import OPS as OWN_OPS
+from .own_peer import serve_own
 from .peer import HANDSHAKE_S, MAGIC, MAX_CONNECTIONS, MAX_HEADER, MAX_LINE, MAX_UNPROVEN, VERSION, _recv_exact, _store
 from .shm import SnapshotDir
 
@@ -214,6 +216,10 @@ class PeerServer:
 
     def receive(self, sock: socket.socket, meta: dict[str, Any]) -> None:
         sock.settimeout(60)  # authenticated: the payload may be large
+        if meta.get("op") in OWN_OPS:  # a rank's own-part record file (own_peer.py)
+            if serve_own(self.directory.path, sock, meta):
+                raise _Answered()
+            return
         rank = int(meta["rank"])
         if meta.get("op") == "fetch":
             self._send(sock, rank)
