@@ -179,3 +179,69 @@ def test_a_resumed_job_checks_what_an_earlier_job_of_the_same_key_file_wrote(tmp
         integrity.key_from_env({"TRAINGUARD_TOKEN": "t" * 32})
     assert integrity.key_for_workers({}) == "none"  # a single-node job without one: no key, unkeyed manifests
     assert integrity.key_from_env({"TRAINGUARD_CHECKPOINT_KEY": "none", "TRAINGUARD_TOKEN": "fresh" * 8}) is None
+
+
+TF_SWAP = r"""
+import json, os, sys
+import tensorflow as tf
+from trainguard.adapters.tensorflow.state import Checkpointer
+from trainguard.adapters.tensorflow.worker import WorkerInfo
+
+def checkpointer(directory, value):
+    v = tf.Variable(tf.fill([64], value))
+    return v, Checkpointer(tf.train.Checkpoint(v=v), directory, worker=WorkerInfo(), strategy=tf.distribute.get_strategy())
+
+v, ours = checkpointer(sys.argv[1], 2.0)
+ours.save(2)
+_, theirs = checkpointer(sys.argv[2], 3.0)
+theirs.save(2)
+v.assign(tf.fill([64], 0.0))
+verify = ours.store.latest
+
+def verified_then_swapped():
+    found = verify()
+    for name in ("model.index", "model.data-00000-of-00001"):  # the same names, other bytes, once verified
+        os.replace(theirs.store.final_path(2) / name, found.path / name)
+    return found
+
+ours.store.latest = verified_then_swapped
+try:
+    ours.restore()
+    print(json.dumps({"value": float(v[0])}))
+except Exception as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+"""
+
+
+@pytest.mark.slow  # TensorFlow's start costs 10-50 s here; CI: the linked directory's test below
+def test_a_tensorflow_checkpoint_swapped_after_it_was_verified_is_not_loaded(tmp_path):
+    """TensorFlow reads a checkpoint by its prefix (model.index, model.data-*): it is given links to the
+    files as verified, not the names. (Both files swapped: the index holds CRCs of the data.)"""
+    pytest.importorskip("tensorflow")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    out = subprocess.run([sys.executable, "-c", TF_SWAP, str(tmp_path / "ours"), str(tmp_path / "theirs")],
+                         env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if "error" in result:
+        assert "ResumeError" in result["error"] and "changed after it was verified" in result["error"], result
+    else:
+        assert result["value"] == 2.0, f"loaded {result['value']}: the swapped file, not the one verified"
+
+
+def test_a_loader_that_reads_by_name_gets_links_to_the_files_as_verified(tmp_path):
+    """Verified.linked, what the TensorFlow adapter loads from: the verified bytes, or a refusal, never the
+    file at the name by then; the private directory is gone afterwards."""
+    store = CheckpointStore(tmp_path / "ckpt")
+    _save(store, 2, 2.0)
+    found = store.latest()
+    with found.linked([NAME]) as private:
+        assert (private / NAME).read_bytes() == _shard(2.0)
+        assert os.stat(private).st_mode & 0o777 == 0o700
+    assert not private.exists()
+    swapped = tmp_path / "swapped"
+    swapped.write_bytes(_shard(3.0))
+    os.replace(swapped, found.path / NAME)
+    with pytest.raises(CheckpointError, match="changed after it was verified"):
+        with found.linked([NAME]) as private:
+            pytest.fail(f"handed over {private} for a file swapped after it was verified")

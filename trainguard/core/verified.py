@@ -16,7 +16,9 @@ directory included), and hands the loader that descriptor:
 
 A loader that takes a path gets ``/proc/self/fd/N`` (the same open file,
 not the name; :meth:`VerifiedFile.named` when it insists on the file's
-suffix); one that takes bytes, :meth:`VerifiedFile.read_bytes`.
+suffix); one that takes bytes, :meth:`VerifiedFile.read_bytes`; one that
+reads several files by a common prefix (TensorFlow's ``model.index`` and
+``model.data-*``), :meth:`Verified.linked`'s private directory.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import os
 import shutil
 import stat
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from . import integrity, manifest as manifests
 from .api import CheckpointError
@@ -169,3 +171,25 @@ class Verified:
             raw.close()
             if copy is not None:
                 os.close(copy)
+
+    @contextmanager
+    def linked(self, names: Iterable[str]) -> Iterator[Path]:
+        """A private directory (0700, this process's own, removed afterwards)
+        in which each of ``names`` is a link to its file opened by :meth:`open`:
+        for a loader that finds its files by name, the bytes verified whatever
+        is at the checkpoint's names by then.
+
+        Raises:
+            CheckpointError: as :meth:`open`, for any of ``names``.
+        """
+        directory = Path(tempfile.mkdtemp(prefix="trainguard-verified-"))
+        try:
+            with ExitStack() as files:
+                for name in names:
+                    opened = files.enter_context(self.open(name))
+                    link = directory / name
+                    link.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    os.symlink(os.fspath(opened), link)
+                yield directory
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
