@@ -20,6 +20,8 @@ import pytest
 from trainguard.core import CheckpointError
 from trainguard.core.snapshot import PeerServer, SnapshotDir, fetch, push
 from trainguard.core.snapshot import peer, peer_server
+from trainguard.core.snapshot.own import OwnRecords, install_own, read_own, read_own_file
+from trainguard.core.snapshot.own_peer import fetch_own, push_own
 from trainguard.core.snapshot.segment import Slot
 
 TOKEN = "secret"
@@ -325,6 +327,28 @@ def test_a_peer_that_cannot_prove_the_secret_gets_no_snapshot_and_gives_none(tmp
     finally:
         here.remove()
         forger.remove()
+
+
+def test_own_part_records_go_only_to_a_peer_that_proves_the_secret(nodes, tmp_path):
+    """A rank's own-part record file (its random streams and data position, which each node agent mirrors
+    to the next node) rides the same exchange: it comes back whole from a real peer, and a server at a
+    forged address gets none of it and gives none."""
+    server, here = nodes
+    OwnRecords(here.path, 3).write(7, b"streams and position " * 20)
+    raw = read_own_file(here.path / "own-r3")
+    push_own(server.address, raw, rank=3, token=TOKEN)
+    back = fetch_own(server.address, rank=3, token=TOKEN)
+    install_own(tmp_path, 3, back)
+    assert read_own(tmp_path, 3, 7) == b"streams and position " * 20
+    impostor = _ImpostorPeer()
+    with pytest.raises(CheckpointError, match="did not prove it knows the job secret"):
+        push_own(impostor.address, raw, rank=3, token=TOKEN)
+    impostor.close()
+    assert b"streams and position" not in bytes(impostor.received) and len(impostor.received) < 200
+    impostor = _ImpostorPeer(raw)
+    with pytest.raises(CheckpointError, match="did not prove it knows the job secret"):
+        fetch_own(impostor.address, rank=3, token=TOKEN)
+    impostor.close()
 
 
 def test_a_request_for_another_address_is_refused(nodes, warnings):
