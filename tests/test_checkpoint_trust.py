@@ -189,10 +189,13 @@ from trainguard.adapters.tensorflow.worker import WorkerInfo
 
 def checkpointer(directory, value):
     v = tf.Variable(tf.fill([64], value))
-    return v, Checkpointer(tf.train.Checkpoint(v=v), directory, worker=WorkerInfo(), strategy=tf.distribute.get_strategy())
+    return v, Checkpointer(tf.train.Checkpoint(v=v), directory, worker=WorkerInfo(),
+                           strategy=tf.distribute.get_strategy())
 
 v, ours = checkpointer(sys.argv[1], 2.0)
 ours.save(2)
+step = ours.root / "step_00000002"
+modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (step, step / "worker_0")}
 _, theirs = checkpointer(sys.argv[2], 3.0)
 theirs.save(2)
 v.assign(tf.fill([64], 0.0))
@@ -207,22 +210,25 @@ def verified_then_swapped():
 ours.store.latest = verified_then_swapped
 try:
     ours.restore()
-    print(json.dumps({"value": float(v[0])}))
+    print(json.dumps({"value": float(v[0]), "modes": modes}))
 except Exception as e:
-    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+    print(json.dumps({"error": f"{type(e).__name__}: {e}", "modes": modes}))
 """
 
 
 @pytest.mark.slow  # TensorFlow's start costs 10-50 s here; CI: the linked directory's test below
 def test_a_tensorflow_checkpoint_swapped_after_it_was_verified_is_not_loaded(tmp_path):
     """TensorFlow reads a checkpoint by its prefix (model.index, model.data-*): it is given links to the
-    files as verified, not the names. (Both files swapped: the index holds CRCs of the data.)"""
+    files as verified, not the names. (Both files swapped: the index holds CRCs of the data.) Its files lie in
+    directories of mode 0700."""
     pytest.importorskip("tensorflow")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     out = subprocess.run([sys.executable, "-c", TF_SWAP, str(tmp_path / "ours"), str(tmp_path / "theirs")],
                          env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    # what TensorFlow writes (0644 files) lies in directories no one else may enter
+    assert result["modes"] == {"step_00000002": "0o700", "worker_0": "0o700"}, result["modes"]
     if "error" in result:
         assert "ResumeError" in result["error"] and "changed after it was verified" in result["error"], result
     else:

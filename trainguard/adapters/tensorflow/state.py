@@ -104,7 +104,8 @@ class Checkpointer:
         w.send("save", step)
         tmp = self.store.tmp_path(step)
         mine = Path(tmp, f"worker_{w.index}")
-        mine.mkdir(parents=True, exist_ok=True)
+        for directory in (self.root, tmp, mine, self.root / ".trainguard"):  # 0700: TensorFlow's files are 0644
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         (mine / LISTING).unlink(missing_ok=True)  # a crashed attempt's, at the same step
         if w.chief:
             self.model_state.write(str(tmp / MODEL))
