@@ -87,6 +87,7 @@ def _status(argv: Sequence[str]) -> int:
 
 
 def _report(argv: Sequence[str]) -> int:
+    from trainguard.core import ConfigError
     from trainguard.report.timeline import RunDirError, load, summary
 
     p = argparse.ArgumentParser(prog="trainguard report",
@@ -113,9 +114,9 @@ def _report(argv: Sequence[str]) -> int:
             print("trainguard report: the picture needs matplotlib (pip install 'trainguard[report]')",
                   file=sys.stderr)
             return 2
-        except OSError as e:
+        except (OSError, ConfigError) as e:
             print(summary(timeline))
-            print(f"trainguard report: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+            print(f"trainguard report: cannot write {out}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
             return 1
     print(summary(timeline, picture))
     return 0
@@ -145,7 +146,7 @@ def _naming(directory: Path, layout: str):
 
 
 def _ckpt(argv: Sequence[str]) -> int:
-    from trainguard.core import TORCH, CheckpointError, CheckpointStore
+    from trainguard.core import TORCH, CheckpointError, CheckpointStore, ConfigError
 
     p = argparse.ArgumentParser(prog="trainguard ckpt")
     p.add_argument("action", choices=["list", "verify"])
@@ -155,7 +156,11 @@ def _ckpt(argv: Sequence[str]) -> int:
                         "are there)")
     args = p.parse_args(argv)
     naming = _naming(args.directory, args.layout)
-    store = CheckpointStore(args.directory, naming)
+    try:  # only read: a directory of another user may be inspected (its unkeyed checkpoints are refused)
+        store = CheckpointStore(args.directory, naming, writer=False)
+    except ConfigError as e:  # a key file that cannot be used
+        print(f"trainguard ckpt: {e}", file=sys.stderr)
+        return 2
     try:
         steps = store.steps()
     except OSError as e:

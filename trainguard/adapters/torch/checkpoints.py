@@ -341,17 +341,19 @@ class Checkpoints(JobHistory):
         if mine is None:
             raise CheckpointError(f"{found.path} holds no dense shard for rank {self.rank} "
                                   f"(saved with world size {found.manifest.get('layout', {}).get('world_size')})")
-        path = found.file(mine["files"][0])
-        state = read_stored_snapshot(path, self.device.torch_device) if path.suffix == ".safetensors" else \
-            read_shard(path)
+        with found.open(mine["files"][0]) as path:  # the bytes verified, whatever is at the name now
+            state = read_stored_snapshot(path, self.device.torch_device) if path.suffix == ".safetensors" else \
+                read_shard(path)
         files, own = found.manifest.get("files", {}), None
         if own_file(self.rank) in files:  # this rank's streams and data position (the shard holds its saver's)
-            own = unpack(found.file(own_file(self.rank)).read_bytes(), str(found.file(own_file(self.rank))))
+            with found.open(own_file(self.rank)) as path:
+                own = unpack(path.read_bytes(), str(path))
         elif str(self.rank) not in state.get("rng", {}) and rng_file(self.rank) in files:  # before own files
-            try:
-                state.setdefault("rng", {}).update(torch.load(found.file(rng_file(self.rank)), weights_only=True))
-            except Exception as e:  # noqa: BLE001 - torch.load raises many kinds; the file passed its checksum
-                raise CheckpointError(f"{found.file(rng_file(self.rank))} is not a readable RNG file: {e}") from None
+            with found.open(rng_file(self.rank)) as path:
+                try:
+                    state.setdefault("rng", {}).update(torch.load(path, weights_only=True))
+                except Exception as e:  # noqa: BLE001 - torch.load raises many kinds; the file passed its checksum
+                    raise CheckpointError(f"{path} is not a readable RNG file: {e}") from None
         self.state.load_state_dict(state)
         return self._resumed_from_storage(found, own)
 
@@ -382,7 +384,7 @@ def read_stored_snapshot(path, device: torch.device) -> dict:
     """The state in a persisted snapshot, read with the safetensors library."""
     from safetensors import safe_open
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:  # a verified file: its descriptor
             meta = json.loads(f.metadata()["trainguard"])
             tensors = [f.get_tensor(name).to(device) if on_device(name) else f.get_tensor(name)
                        for name in meta["names"]]

@@ -61,6 +61,22 @@ LOW: Severity
 HIGH: Severity
 CORRUPTED: Severity
 
+class Challenge(_message.Message):
+    __slots__ = ("nonce", "dialed")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    DIALED_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    dialed: str
+    def __init__(self, nonce: _Optional[bytes] = ..., dialed: _Optional[str] = ...) -> None: ...
+
+class ChallengeAnswer(_message.Message):
+    __slots__ = ("nonce", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
 class ReplicaGroup(_message.Message):
     __slots__ = ("rank_list", "replica_cnt", "replica_shift", "range_start", "range_step", "range_count")
     RANK_LIST_FIELD_NUMBER: _ClassVar[int]
