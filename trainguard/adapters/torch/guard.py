@@ -292,6 +292,14 @@ class Guard(Checkpoints, RankRuntime):
         self.comm.arm()
 
     def _start_update(self) -> None:
+        if not self._in_step:
+            raise ConfigError(
+                "guard.optimizer.step() was called outside a step: begin each step with guard.begin_step() and "
+                "end it with guard.end_step() (or wrap its body in `with guard.protect():`); for a framework's "
+                "trainer use its integration (trainguard.integrations.hf, .lightning, .accelerate)")
+        if self._updated:
+            raise ConfigError("guard.optimizer.step() was called twice in one step: one optimizer update per step "
+                              "(guard.end_step(), or the end of `with guard.protect():`, commits each)")
         self.settle_snapshot()  # a snapshot copy of the last step may still be reading parameters
         self.record_own_at_update()
         if self.ddp is not None and self.ddp.will_sync_module_buffers():
