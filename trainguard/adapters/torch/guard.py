@@ -229,7 +229,7 @@ class Guard(Checkpoints, RankRuntime):
         self.injector.on_stall = lambda: self.process_group.black_hole()  # the group in use then
         self._install_fault_hooks()
         self.processor = processor or self._connect(joining=join is not None)
-        self.processor.add_stop_listener(lambda: self.process_group.stop())
+        self.processor.add_stop_listener(self.comm.stop)
         self._thread = threading.get_ident()
         self.processor.watchdog.in_collective = self._blocked_on_comm
         self._exit_code: int | None = None
@@ -278,7 +278,7 @@ class Guard(Checkpoints, RankRuntime):
         and its innermost Python frame is in torch or in our group's wait
         (``backward`` waiting for DDP's buckets, ``Work.wait``), not in the
         training script."""
-        if not self.process_group.busy:
+        if not self.comm.busy:
             return False
         frame = sys._current_frames().get(self._thread)
         return frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS)

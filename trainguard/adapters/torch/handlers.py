@@ -86,7 +86,7 @@ class TorchHandlers(Handlers):
         elif tuple(sorted(ranks)) != g.process_group.members:
             g.comm.regroup(sorted(ranks), generation, cancelled)  # elastic: the job goes on with these ranks
         else:
-            g.process_group.rebuild(generation, cancelled=cancelled)
+            g.comm.rebuild(generation, cancelled)
         if g.ddp is not None:
             g.comm.attach_ddp()  # resets the reducer after the abandoned step
 
