@@ -151,6 +151,7 @@ def launch(argv: Sequence[str]) -> int:
 
 
 def _summarise(result, status: dict | None) -> int:
+    _say_unprotected(status)
     records = (status or {}).get("recoveries", [])
     for r in records:
         detect = "" if r["detect_s"] is None else f"detect {r['detect_s']} s, "  # known when the rank reported it
@@ -176,6 +177,19 @@ def _summarise(result, status: dict | None) -> int:
     for rank, failure in sorted(result.failures.items()):
         print(f"trainguard: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
     return 1
+
+
+def _say_unprotected(status: dict | None) -> None:
+    """Once, at the end: the ranks whose script never built a Guard (they
+    never reached the controller), which no fault would have been recovered in."""
+    if not status:
+        return  # not the controller's node: node 0 says it
+    never = sorted(set(range(status["world_size"])) - {int(r) for r in status.get("pids", {})})
+    if never:
+        which = "no rank" if len(never) == status["world_size"] else f"ranks {never[:16]}"
+        log.info("%s built a trainguard Guard, so the job ran unprotected: a fault would not have been recovered "
+                 "(build trainguard.torch.Guard, or use an integration: trainguard.integrations.hf, .lightning, "
+                 ".accelerate)", which)
 
 
 class _NoTorchFailureLine(logging.Filter):

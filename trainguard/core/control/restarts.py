@@ -65,7 +65,9 @@ class Restarts:
     def on_agent_lost(self, node: str) -> None:
         over = self.job.state in (ControllerState.EXITED, ControllerState.FINISHED)
         roster = self.roster
-        self.agents.lost(node, done=set(range(self.world_size)) if over else roster.finished | roster.exiting)
+        # A rank that never registered (its script built no Guard) is no rank trainguard could restart.
+        self.agents.lost(node, done=set(range(self.world_size)) if over else
+                         roster.finished | roster.exiting | roster.missing())
 
     def survey_links(self, why: str) -> None:
         """Ask the node agents to measure their links (the job slowed down as a whole)."""
