@@ -8,7 +8,8 @@ the prepared optimizer and scheduler); :func:`trainguard.integrations.accelerate
 builds the Guard from the prepared objects and ``ResumableShard`` keeps the
 prepared loader's position. Synthetic data, dropout on; settings as
 ``key=value``: steps, seed, checkpoint_dir, save_every, report (a JSON file
-rank 0 writes: steps, recoveries, the state's hash).
+rank 0 writes: steps, recoveries, the state's hash, every rank's random
+streams and data position as fingerprints).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 
 from trainguard.integrations.accelerate import ResumableShard, protect
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> None:
             raise SystemExit(f"unknown setting {key!r} (known: {', '.join(cfg)})")
         cfg[key] = value
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    torch.manual_seed(int(cfg["seed"]))
+    set_seed(int(cfg["seed"]))  # Python's, NumPy's and torch's streams
     model = Model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.05 * s))
@@ -81,6 +83,7 @@ def main(argv: list[str]) -> None:
             scheduler.step()
             optimizer.zero_grad()
     report = guard.report()
+    report["final_own"] = accelerator.gather_for_metrics([report["own_fingerprints"]], use_gather_object=True)
     guard.close()
     if cfg["report"] and accelerator.is_main_process:
         with open(cfg["report"], "w") as f:

@@ -366,7 +366,9 @@ class Guard(Checkpoints, RankRuntime):
         return state_sha256(self.state.model_and_optimizer())
 
     def _report_extras(self) -> dict:
-        return {"replicas": list(self.replicas)}
+        # this rank's random streams and data position at its last commit, as fingerprints
+        own = fingerprints(self.state.module, self.state.committed_own(), self.rank)
+        return {"replicas": list(self.replicas), "own_fingerprints": {k: v for k, v in own.items() if k != "model"}}
 
     def _final_extras(self) -> dict:
         return {"data_given": "data" in self.state.host,
