@@ -40,5 +40,5 @@ def same_end(job: Job, reference: Job) -> None:
     random streams and data position, no step lost."""
     assert job.report is not None, job
     for key in ("steps_completed", "final_state_sha256", "final_own"):
-        assert job.report[key] == reference.report[key], (key, job)
+        assert job.report[key] == reference.report[key], (key, job.report[key], reference.report[key], job)
     assert job.report["lost_steps"] == 0, job

@@ -46,7 +46,7 @@ from trainguard.core import ConfigError
 from trainguard.torch import Guard
 from trainguard.adapters.torch.data import _own_generator as own_generator  # the one ResumableLoader uses
 
-__all__ = ["ResumableShard", "protect"]
+__all__ = ["ResumableShard", "generator_states", "generators", "guard_prepared", "protect", "set_generator_states"]
 
 log = logging.getLogger("trainguard.integrations")
 
@@ -70,7 +70,7 @@ def protect(accelerator: Any, model: Any, optimizer: Any, *, scheduler: Any = No
         ConfigError: ``optimizer`` is not accelerate's prepared one, or
             ``data`` is a prepared loader given bare.
     """
-    from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
+    from accelerate.optimizer import AcceleratedOptimizer
 
     if not isinstance(optimizer, AcceleratedOptimizer):
         raise ConfigError("protect() takes the optimizer accelerator.prepare() returned")
@@ -85,7 +85,15 @@ def protect(accelerator: Any, model: Any, optimizer: Any, *, scheduler: Any = No
                     "not restored, so a resumed job reads other batches than a fault-free one unless its batches "
                     "are a function of the step (wrap the training loader in ResumableShard and pass it as "
                     "data=)", len(others))
-    guard = Guard(model, optimizer.optimizer, scheduler=scheduler, data=data, **options)
+    return guard_prepared(model, optimizer, scheduler=scheduler, data=data, **options)
+
+
+def guard_prepared(model: Any, optimizer: Any, **options: Any) -> Guard:
+    """The Guard over a prepared model and ``AcceleratedOptimizer``, whose
+    step then goes through the Guard's wrapper (also for HF Trainer)."""
+    from accelerate.optimizer import patch_optimizer_step
+
+    guard = Guard(model, optimizer.optimizer, **options)
     optimizer.optimizer = guard.optimizer  # the prepared optimizer's step() now reports its update
     if optimizer.scaler is not None:  # fp16: accelerate's patched step must call the wrapper's
         optimizer._optimizer_original_step_method = guard.optimizer.step
@@ -130,7 +138,6 @@ class ResumableShard:
                               f"Accelerator with rng_types=['generator'] (its default)")
         self.loader = loader
         own_generator(getattr(loader, "base_dataloader", loader))
-        self.generators = _generators(loader)
         self._live: _Epoch | None = None
         self._loaded = False
 
@@ -147,12 +154,11 @@ class ResumableShard:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def generator_states(self) -> list[torch.Tensor]:
-        return [g.get_state() for g in self.generators]
+    def generator_states(self) -> dict[str, torch.Tensor]:
+        return generator_states(self.loader)
 
-    def set_generator_states(self, states: list[torch.Tensor]) -> None:
-        for generator, state in zip(self.generators, states, strict=True):
-            generator.set_state(state)
+    def set_generator_states(self, states: dict[str, torch.Tensor]) -> None:
+        set_generator_states(self.loader, states)
 
     def state_dict(self) -> dict:
         live = self._live
@@ -176,24 +182,40 @@ class ResumableShard:
         self.loader.iteration = int(state["epoch"]) + (1 if state["finished"] else 0)
 
 
-def _generators(loader: Any) -> list[torch.Generator]:
-    """The generators a new iterator of ``loader`` draws from: the loader's
-    own (worker seeds), the one accelerate synchronises from rank 0, and
-    its samplers' (a ``RandomSampler`` draws each epoch's order from it)."""
-    found: dict[int, torch.Generator] = {}
+def generators(loader: Any) -> dict[str, torch.Generator]:
+    """The generators a new iterator of ``loader`` draws from, by where they
+    are: the loader's own (worker seeds), the one accelerate synchronises
+    from rank 0, and its samplers' (a ``RandomSampler`` draws each epoch's
+    order from it). A sampler that makes its generator at its first
+    iterator (seeded from its own seed) has none before."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
     base = getattr(loader, "base_dataloader", loader)
-    candidates = [base.generator, getattr(loader, "synchronized_generator", None)]
-    pending = [base.sampler, base.batch_sampler]
+    pending: list[tuple[str, Any]] = [("sampler", base.sampler), ("batch_sampler", base.batch_sampler)]
+    for name, g in [("loader", base.generator), ("synchronized", getattr(loader, "synchronized_generator", None))]:
+        if isinstance(g, torch.Generator) and id(g) not in seen:
+            found[name], _ = g, seen.add(id(g))
     while pending:
-        sampler = pending.pop()
+        path, sampler = pending.pop(0)
         if sampler is None:
             continue
-        candidates.append(getattr(sampler, "generator", None))
-        pending += [getattr(sampler, name, None) for name in ("sampler", "batch_sampler")]
-    for g in candidates:
-        if isinstance(g, torch.Generator):
-            found.setdefault(id(g), g)
-    return list(found.values())
+        g = getattr(sampler, "generator", None)
+        if isinstance(g, torch.Generator) and id(g) not in seen:
+            found[f"{path}.generator"], _ = g, seen.add(id(g))
+        pending += [(f"{path}.{name}", getattr(sampler, name, None)) for name in ("sampler", "batch_sampler")]
+    return found
+
+
+def generator_states(loader: Any) -> dict[str, torch.Tensor]:
+    return {name: g.get_state() for name, g in generators(loader).items()}
+
+
+def set_generator_states(loader: Any, states: dict[str, torch.Tensor]) -> None:
+    """Put back the generators ``states`` names (one made since is left as it is)."""
+    now = generators(loader)
+    for name, state in states.items():
+        if name in now:
+            now[name].set_state(state)
 
 
 class _Epoch:
@@ -201,14 +223,14 @@ class _Epoch:
     the first ``next`` (a collective of accelerate's: every rank makes it
     at the same step), counting the batches it yields."""
 
-    def __init__(self, owner: ResumableShard, epoch: int, taken: int, generator: list | None,
+    def __init__(self, owner: ResumableShard, epoch: int, taken: int, generator: dict | None,
                  finished: bool = False) -> None:
         self.owner = owner
         self._it: Iterator | None = None
         self._source: Any = None
         self.restart(epoch, taken, finished, generator)
 
-    def restart(self, epoch: int, taken: int, finished: bool, generator: list | None) -> None:
+    def restart(self, epoch: int, taken: int, finished: bool, generator: dict | None) -> None:
         self.close()
         self.epoch, self.taken, self.finished = epoch, taken, finished
         self.generator_at_start = generator  # None: the epoch's iterator is not made yet
