@@ -186,8 +186,10 @@ def generators(loader: Any) -> dict[str, torch.Generator]:
     """The generators a new iterator of ``loader`` draws from, by where they
     are: the loader's own (worker seeds), the one accelerate synchronises
     from rank 0, and its samplers' (a ``RandomSampler`` draws each epoch's
-    order from it). A sampler that makes its generator at its first
-    iterator (seeded from its own seed) has none before."""
+    order from it; accelerate's ``SeedableRandomSampler`` seeds its own
+    from its epoch at every iterator, so it is left out)."""
+    from accelerate.data_loader import SeedableRandomSampler
+
     found: dict[str, torch.Generator] = {}
     seen: set[int] = set()
     base = getattr(loader, "base_dataloader", loader)
@@ -199,7 +201,8 @@ def generators(loader: Any) -> dict[str, torch.Generator]:
         path, sampler = pending.pop(0)
         if sampler is None:
             continue
-        g = getattr(sampler, "generator", None)
+        # accelerate's seedable sampler seeds its generator from its epoch at every iterator: nothing to keep
+        g = None if isinstance(sampler, SeedableRandomSampler) else getattr(sampler, "generator", None)
         if isinstance(g, torch.Generator) and id(g) not in seen:
             found[f"{path}.generator"], _ = g, seen.add(id(g))
         pending += [(f"{path}.{name}", getattr(sampler, name, None)) for name in ("sampler", "batch_sampler")]

@@ -173,10 +173,13 @@ class GuardedTrainer(Trainer):
             except _Retry:
                 pass
             except Exception as error:
-                if not self._tg_in_step:
-                    raise  # outside a step (evaluation, a save of the Trainer's): not the Guard's
+                between = not self._tg_in_step  # the Trainer's logging, evaluation or save after a commit
                 self._tg_in_step = False
                 self.guard.fail_step(error)  # returns: run the step again; else it raised
+                if between:
+                    log.warning("rank %d: the Trainer's logging, evaluation or save after step %d was cut short "
+                                "by a fault (%s); training goes on at step %d", self.guard.rank, self.guard.step,
+                                type(error).__name__, self.guard.step)
             self._undo_logs()
             self._enter_at_guard_step(run, epoch, train_dataloader, per_epoch)
 
