@@ -202,6 +202,8 @@ class GuardedDDPStrategy(DDPStrategy):
             raise
 
     def _end_step(self) -> None:
+        if not self._in_step:
+            return  # a step a replica's state committed (_taken_over)
         self._in_step = False
         if not self.guard.end_step():
             raise RecoveryError("the commit of a Lightning step failed after its hooks ran; it cannot be run "
@@ -212,12 +214,26 @@ class GuardedDDPStrategy(DDPStrategy):
         self._begin()  # one process: no SIGTERM broadcast began it
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        step = self.guard.step
         while True:
             try:
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
             except Exception as error:
                 self._fail(error)
-                self._begin()  # the same batch again: the closure is bound to it
+            if self.guard.step > step:
+                # Struck inside its update after the others committed: it took the replica's state of the
+                # step this batch makes, which is done; only Lightning's scheduler step is still to come.
+                self._taken_over()
+                return None
+            self._begin()  # the same batch again: the closure is bound to it
+
+    def _taken_over(self) -> None:
+        for config in self.lightning_module.trainer.lr_scheduler_configs:
+            scheduler, step = config.scheduler, config.scheduler.step
+
+            def once(*args: Any, _scheduler=scheduler, _step=step, **kwargs: Any) -> None:
+                _scheduler.step = _step  # the replica's scheduler state counts this step already
+            scheduler.step = once
 
     # ------------------------------------------------------------ the end
     def on_exception(self, exception: BaseException) -> None:

@@ -1,0 +1,56 @@
+"""trainguard.integrations.lightning in real processes: a LightningModule
+fitted by ``L.Trainer`` with GuardedDDPStrategy (examples/lightning/train.py:
+dropout, AdamW with a per-step LambdaLR, a shuffled loader that Lightning
+gives a DistributedSampler and whose fetcher prefetches), on 2 gloo ranks
+under ``trainguard run``. The forward and backward pass run as a closure
+inside ``optimizer.step``: a fault there, or in the update, is retried with
+the same batch and ``trainer.fit()`` goes on; a lost rank is dumped and the
+relaunch resumes Lightning's counters and the loader at the Guard's step.
+Each ends where the fault-free run ends: model, optimizer, every rank's
+random streams and data position, Lightning's global step."""
+
+from __future__ import annotations
+
+import pytest
+
+from integration_jobs import run_example, same_end
+
+pytestmark = pytest.mark.timeout(900)
+
+STEPS = 14  # 6 batches per rank and epoch: two epoch boundaries crossed
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = run_example(tmp_path_factory.mktemp("lightning"), "lightning", "ref", steps=STEPS)
+    assert job.rc == 0, job
+    assert job.report["lightning_global_step"] == STEPS
+    return job
+
+
+@pytest.mark.parametrize("fault", [
+    "uce:rank=1,step=5,phase=backward",
+    pytest.param("uce:rank=1,step=5,phase=optimizer", marks=pytest.mark.slow),  # CI: the closure's
+    pytest.param("comm:rank=0,step=6,phase=backward", marks=pytest.mark.slow),  # the first batch of epoch 2
+])
+def test_a_fault_in_the_closure_or_the_update_is_retried_and_fit_goes_on(tmp_path, reference, fault):
+    job = run_example(tmp_path, "lightning", "fault", steps=STEPS, fault=fault)
+    assert job.rc == 0, job
+    same_end(job, reference)
+    assert job.report["lightning_global_step"] == STEPS
+    (record,) = job.report["recoveries"]
+    assert record["strategy"] == "retry", record
+    assert all(len(pids) == 1 for pids in job.report["pids"].values()), "a process was restarted"
+
+
+@pytest.mark.slow  # CI: the retry above; the dump's path is the torch Guard's (test_torch_recovery)
+@pytest.mark.parametrize("fault", ["crash:rank=1,step=4,phase=backward", "crash:rank=1,step=7,phase=optimizer"])
+def test_a_lost_rank_is_dumped_and_the_relaunch_ends_bit_identical(tmp_path, reference, fault):
+    first = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault=fault)
+    assert first.rc == 75, first
+    second = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault=fault, ckpt=first.ckpt)
+    assert second.rc == 0, second
+    same_end(second, reference)
+    assert second.report["lightning_global_step"] == STEPS
+    (record,) = second.report["recoveries"]
+    assert (record["fault"], record["strategy"]) == ("process_lost", "dump"), record
