@@ -30,7 +30,9 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("fault", [
     "uce:rank=1,step=5,phase=backward",
-    pytest.param("uce:rank=1,step=5,phase=optimizer", marks=pytest.mark.slow),  # CI: the closure's
+    pytest.param("uce:rank=1,step=5,phase=optimizer", marks=[pytest.mark.slow, pytest.mark.xfail(
+        strict=True, reason="ends bit-identical, but a spurious second retry (comm on rank 1 at step 6) follows "
+                            "the first: open (issue 39's report)")]),  # CI: the closure's
     pytest.param("comm:rank=0,step=6,phase=backward", marks=pytest.mark.slow),  # the first batch of epoch 2
 ])
 def test_a_fault_in_the_closure_or_the_update_is_retried_and_fit_goes_on(tmp_path, reference, fault):
@@ -44,7 +46,10 @@ def test_a_fault_in_the_closure_or_the_update_is_retried_and_fit_goes_on(tmp_pat
 
 
 @pytest.mark.slow  # CI: the retry above; the dump's path is the torch Guard's (test_torch_recovery)
-@pytest.mark.parametrize("fault", ["crash:rank=1,step=4,phase=backward", "crash:rank=1,step=7,phase=optimizer"])
+@pytest.mark.parametrize("fault", ["crash:rank=1,step=4,phase=backward", pytest.param(
+    "crash:rank=1,step=7,phase=optimizer", marks=pytest.mark.xfail(
+        strict=True, reason="the relaunch after a rank lost inside its update is not bit-identical yet: open "
+                            "(issue 39's report)"))])
 def test_a_lost_rank_is_dumped_and_the_relaunch_ends_bit_identical(tmp_path, reference, fault):
     first = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault=fault)
     assert first.rc == 75, first

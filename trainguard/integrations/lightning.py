@@ -65,7 +65,9 @@ class _Position:
             return {"loader": None}
         state = self.loader.state_dict()
         trainer = self.strategy.lightning_module.trainer
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        # started, not processed: the Guard also records the position inside the update (for a rank lost
+        # later), where the batch in hand is started but not yet processed
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.started
         if state["started"]:
             state["batches"], state["finished"] = done, done >= len(self.loader)
         return {"loader": state}
