@@ -13,8 +13,8 @@
 * ``trainguard report RUN_DIR [--out PNG]`` -- a picture of a job's timeline
   and a text summary, from the run directory ``trainguard run --run-dir``
   wrote (:mod:`trainguard.report`).
-* ``trainguard ckpt list|verify DIR`` -- the checkpoints in a directory and
-  whether each passes verification.
+* ``trainguard ckpt list|verify DIR [--layout auto|torch|megatron|mindspore]`` -- the checkpoints in a
+  directory (its layout found from its tracker file unless given) and whether each passes verification.
 * ``trainguard slow-nodes DIR [--job ID] [--json] [--plot PNG]`` -- the slow
   ranks of a job from its profiling records, with the evidence.
 """
@@ -121,15 +121,40 @@ def _report(argv: Sequence[str]) -> int:
     return 0
 
 
+#: ``trainguard ckpt --layout`` -> the name of the naming in trainguard.core.
+_LAYOUTS = {"torch": "TORCH", "megatron": "MEGATRON", "mindspore": "MINDSPORE"}
+
+
+def _naming(directory: Path, layout: str):
+    """The checkpoint naming of ``directory``: ``layout``'s, or with ``auto`` the first whose tracker file
+    (``latest_step.txt``, ``latest_checkpointed_iteration.txt``, ``latest_tft_step.txt``) or step
+    directories it holds (torch's when none)."""
+    import trainguard.core as core
+
+    namings = [getattr(core, _LAYOUTS[name]) for name in _LAYOUTS]
+    if layout != "auto":
+        return getattr(core, _LAYOUTS[layout])
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return core.TORCH
+    for naming in namings:
+        if naming.tracker in names or any(naming.step_of(n) is not None for n in names):
+            return naming
+    return core.TORCH
+
+
 def _ckpt(argv: Sequence[str]) -> int:
-    from trainguard.core import MEGATRON, TORCH, CheckpointError, CheckpointStore
+    from trainguard.core import CheckpointError, CheckpointStore
 
     p = argparse.ArgumentParser(prog="trainguard ckpt")
     p.add_argument("action", choices=["list", "verify"])
     p.add_argument("directory", type=Path)
-    p.add_argument("--layout", choices=["torch", "megatron"], default="torch")
+    p.add_argument("--layout", choices=["auto", *_LAYOUTS], default="auto",
+                   help="the directory's naming (default auto: the one whose tracker file or step directories "
+                        "are there)")
     args = p.parse_args(argv)
-    store = CheckpointStore(args.directory, TORCH if args.layout == "torch" else MEGATRON)
+    store = CheckpointStore(args.directory, _naming(args.directory, args.layout))
     try:
         steps = store.steps()
     except OSError as e:

@@ -11,9 +11,10 @@ rank write its report (REPORT.rank<r>); TINY_EVAL_HOLD=STEP,S runs an
 graph compile does: the heartbeat thread cannot run). TINY_HOLD_UPDATE=RANK,STEP
 holds that rank's update of that step until every other rank has committed
 the step (each writes a marker file beside REPORT), so a fault in that update
-finds the others one step ahead, however loaded the machine. TINY_DEFAULT_GROUP=1
-runs an all-reduce on the default process group at the start of every step
-(as HF Trainer's token count and Lightning's SIGTERM check do).
+finds the others one step ahead, however loaded the machine. TINY_BUG=RANK,STEP makes
+that rank raise ValueError inside that step on every launch (a bug in the script).
+TINY_DEFAULT_GROUP=1 runs an all-reduce on the default process group at the start
+of every step (as HF Trainer's token count and Lightning's SIGTERM check do).
 """
 
 import json
@@ -67,6 +68,7 @@ def main() -> None:
     on_default_group = os.environ.get("TINY_DEFAULT_GROUP") == "1"
     hold_step, hold_s = map(float, os.environ.get("TINY_EVAL_HOLD", "-1,0").split(","))
     held_rank, held_step = map(int, os.environ.get("TINY_HOLD_UPDATE", "-1,-1").split(","))
+    bug_rank, bug_step = map(int, os.environ.get("TINY_BUG", "-1,-1").split(","))
     marker = lambda r, s: f"{report}.committed-r{r}-{s}"  # noqa: E731
     if rank == held_rank:
         update = opt.step  # inside the Guard's update window: after its collectives (BatchNorm buffers)
@@ -87,6 +89,8 @@ def main() -> None:
                 dist.all_reduce(torch.ones(1, device=device))  # the framework's own collective, group=None
             x, y = batch(step, rank, device)
             loss = F.binary_cross_entropy_with_logits(model(x), y)
+            if rank == bug_rank and step == bug_step:
+                raise ValueError(f"a bug in the script at step {step}")
             guard.optimizer.zero_grad()
             loss.backward()
             guard.optimizer.step()

@@ -24,9 +24,9 @@ import sys
 import uuid
 from typing import Sequence
 
-from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, TrainguardError, logs
+from trainguard.core import EXIT_AFTER_DUMP, ConfigError, ControllerConfig, TrainguardError, logs
 from trainguard.core.annotations import resolve_strategies
-from trainguard.core.config_launch import LaunchConfig
+from trainguard.core.config_launch import LaunchConfig, unrunnable
 from trainguard.core.events import note
 from trainguard.core.faults import check_ranks
 from trainguard.core.secret import TLS, job_secret
@@ -119,8 +119,15 @@ def launch_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
         log.info("OMP_NUM_THREADS=1 for every worker (torchrun's default with several per node; set it to tune)")
         os.environ["OMP_NUM_THREADS"] = "1"
     config, cmd, cmd_args = config_from_args(args)
+    why = unrunnable(choice.strategies, max_restarts=config.max_restarts,
+                     spare_slots=launch.spare_slots if config.max_nodes > 1 else 0)
+    if why:  # before any worker starts: the strategy would only be passed over at the first fault
+        raise ConfigError(f"{choice.describe()}: {why}")
     if config.min_nodes != config.max_nodes:
-        raise TrainguardError("elastic node counts (--nnodes MIN:MAX) need elastic-training; give one number")
+        raise TrainguardError(
+            f"--nnodes {config.min_nodes}:{config.max_nodes}: trainguard run takes every torchrun flag but a node "
+            f"range; give a fixed count such as --nnodes {config.max_nodes} (a job that loses a node goes on under "
+            f"the recover, dump or elastic-training strategies instead of a new rendezvous of fewer nodes)")
     check_ranks(launch.faults, config.nproc_per_node * config.max_nodes)
     for name in ("token_file", "tls_cert", "tls_key", "tls_ca"):
         if getattr(args, name):
@@ -188,6 +195,8 @@ def _summarise(result, status: dict | None) -> int:
         return EXIT_AFTER_DUMP
     for rank, failure in sorted(result.failures.items()):
         print(f"trainguard: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+    if records and records[-1]["strategy"] == "exit":
+        print(f"trainguard: the job stopped ({records[-1]['reason']})", file=sys.stderr)
     return 1
 
 

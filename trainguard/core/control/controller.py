@@ -353,11 +353,14 @@ class ControllerCore:
             self.restarts.give_up(ep.starts)
             ep.started, ep.starts, self.job.grow = set(), None, None
         view, layout = self.roster.view(), self.roster.layout()
-        plan, reason = next_plan(ep, plan, view, layout, self.config, self._wall, self.agents.view, self.roster.missing)
+        plan, reason = next_plan(ep, plan, view, layout, self.config, self._wall, self.agents.view, self.roster.missing,
+                                 self.roster.resumed_after)
         ep.plan = plan
         ep.reason = f"{ep.reason}; then {reason}" if ep.reason else reason  # keep what failed before
         log.info("decision: %s", reason)
         self._note("decision", strategy=plan.strategy.value, step=plan.step, reason=reason)
+        if plan.final:  # a relaunch would fail alike: no node agent restarts the job (--max-restarts)
+            self.restarts.no_more_restarts()
         ep.phases = self.phases.plan(plan, layout)
         self.job.to(STATE_OF.get(plan.strategy, ControllerState.EXITED))
         self.phases.start()

@@ -69,6 +69,13 @@ class Restarts:
         self.agents.lost(node, done=set(range(self.world_size)) if over else
                          roster.finished | roster.exiting | roster.missing())
 
+    def no_more_restarts(self) -> None:
+        """Spend the job's restart budget: every node agent is told none is left, so neither a
+        process restart nor torch's restart of the whole group follows (a fault no relaunch helps)."""
+        self.agents.restarts_left = 0
+        for node in self.agents.nodes():
+            self._send_agent(node, self.agents.order(RestartsLeft(0)))
+
     def survey_links(self, why: str) -> None:
         """Ask the node agents to measure their links (the job slowed down as a whole)."""
         self.links.start(self.agents.sinks(), why)
