@@ -155,6 +155,8 @@ def render(results: Path = RESULTS) -> str:
         stem = name[: -len(".json")]
         body = _body(d)
         out += [f"## {stem}", "", f"[`results/{name}`](results/{name}): " + body[0]] + body[1:]
+        if (results / f"{stem}.png").exists():  # a benchmark's plot, written beside its JSON
+            out += ["", f"![{stem}](results/{stem}.png)"]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

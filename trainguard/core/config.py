@@ -20,11 +20,36 @@ from .config_env import ENV, Setting
 from .faults import FaultSpec, faults_from_env
 from .secret import TLS
 
-__all__ = ["ENV", "HEARTBEATS_PER_S", "ControllerConfig", "PersistConfig", "ProcessorConfig", "RankConfig", "Setting",
-           "WatchdogConfig", "check_env", "parse_strategies"]
+__all__ = ["DEFAULT_MAX_RESTARTS", "ENV", "HEARTBEATS_PER_S", "ControllerConfig", "PersistConfig", "ProcessorConfig",
+           "RankConfig", "Setting", "WatchdogConfig", "check_env", "launch_defaults", "parse_strategies"]
 
 #: Heartbeats a second one controller is sized for (see heartbeat_interval_for).
 HEARTBEATS_PER_S = 4096
+
+#: The restart budget of a ``trainguard run`` launch without ``--max-restarts``
+#: (see :func:`launch_defaults` and docs/recovery.md): enough for a long
+#: job's faults between relaunches (each process restarted alone, or the
+#: group after a dump, spends one), few enough that a fault that keeps coming
+#: back ends the launch within minutes.
+DEFAULT_MAX_RESTARTS = 10
+
+
+def launch_defaults(max_restarts: int | None) -> tuple[int, tuple[Strategy, ...]]:
+    """What ``trainguard run`` uses when the user named neither a restart
+    budget (``None``: :data:`DEFAULT_MAX_RESTARTS`) nor strategies: a lost
+    process is started again in place while the others keep running
+    (``recover-in-place``), and a dump is the way out only when that cannot
+    work; with no budget (``--max-restarts 0``) no process can be restarted,
+    so the list leaves ``recover-in-place`` out rather than plan on it.
+
+    Returns:
+        ``(max_restarts, strategies)``.
+    """
+    budget = DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts
+    if budget > 0:
+        return budget, (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.DUMP, Strategy.EXIT)
+    return budget, (Strategy.RETRY, Strategy.DUMP, Strategy.EXIT)
+
 
 def check_env(environ: Mapping[str, str] | None = None) -> None:
     """Refuse unknown ``TRAINGUARD_*`` variables.

@@ -54,7 +54,8 @@ ENV: Mapping[str, Setting] = {
         default="the rendezvous id (msrun: its port)", read_by="launcher, rank, profiling"),
     "TRAINGUARD_STRATEGIES": Setting(
         "ordered recover strategies, comma-separated; `--strategies` wins",
-        default="the pod's recover-strategy annotation, else retry,dump,exit", read_by="launcher (controller)"),
+        default="the pod's recover-strategy annotation, else (trainguard run) retry,recover-in-place,dump,exit with a "
+                "restart budget, retry,dump,exit with --max-restarts 0", read_by="launcher (controller)"),
     "TRAINGUARD_ANNOTATIONS": Setting(
         "the pod's annotations file (Kubernetes Downward API, metadata.annotations), whose recover-"
         "strategy is used when neither --strategies nor TRAINGUARD_STRATEGIES is given",

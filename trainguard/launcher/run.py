@@ -26,6 +26,7 @@ from typing import Sequence
 
 from trainguard.core import EXIT_AFTER_DUMP, ConfigError, ControllerConfig, TrainguardError, logs
 from trainguard.core.annotations import resolve_strategies
+from trainguard.core.config import launch_defaults
 from trainguard.core.config_launch import LaunchConfig, unrunnable
 from trainguard.core.events import note
 from trainguard.core.faults import check_ranks
@@ -42,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
+    # None: not given, so trainguard's default budget applies (see launch_defaults).
+    p.set_defaults(max_restarts=None)
     p.set_defaults(master_port=None)  # as torch 2.13 has it: a single-node job without one gets a free port
     # (_standalone_defaults); torch 2.11's 29500 made two such jobs on one host collide
     p.prog = "trainguard run"
@@ -49,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     tg = p.add_argument_group("trainguard")
     tg.add_argument("--strategies", default=None,
                     help="ordered recover strategies, comma-separated (default: TRAINGUARD_STRATEGIES, else the "
-                         "pod's recover-strategy annotation in TRAINGUARD_ANNOTATIONS, else retry,dump,exit)")
+                         "pod's recover-strategy annotation in TRAINGUARD_ANNOTATIONS, else "
+                         "retry,recover-in-place,dump,exit; retry,dump,exit with --max-restarts 0)")
     tg.add_argument("--controller-host", default=None,
                     help="address the controller binds to (default: TRAINGUARD_HOST or 127.0.0.1)")
     tg.add_argument("--controller-port", type=int, default=None,
@@ -110,9 +114,15 @@ def launch_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
     launch = LaunchConfig.from_env()
     if args.spare_slots is not None:  # the flag wins
         launch = dataclasses.replace(launch, spare_slots=args.spare_slots)
+    # The restart budget: --max-restarts, else trainguard's default (printed: it decides what a lost process
+    # costs); the default strategies follow from it.
+    given = args.max_restarts is not None
+    args.max_restarts, default_strategies = launch_defaults(args.max_restarts)
     # Flag, TRAINGUARD_STRATEGIES, the pod's recover-strategy annotation, default: the first log line says which.
-    choice = resolve_strategies(args.strategies)
+    choice = resolve_strategies(args.strategies, default=default_strategies)
     log.info("%s", choice.describe())
+    log.info("restart budget %d (%s)", args.max_restarts,
+             "--max-restarts" if given else "default; --max-restarts N to change")
     _standalone_defaults(args)
     if "OMP_NUM_THREADS" not in os.environ and determine_local_world_size(args.nproc_per_node) > 1:
         # torchrun's own choice, made without its boxed warning: a clean run prints none

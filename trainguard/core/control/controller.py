@@ -141,7 +141,7 @@ class ControllerCore:
         r.stopped = True
         phase = self.job.current_phase()
         if phase is not None and phase.name == "join" and r.rank in phase.waiting:
-            log.warning("rank %d rejoined (pid %d on %s)", r.rank, r.pid, r.host)
+            log.info("rank %d rejoined (pid %d on %s)", r.rank, r.pid, r.host)
             phase.waiting.discard(r.rank)
             if not phase.waiting:
                 self.phases.next()

@@ -112,7 +112,7 @@ class Restarts:
         starts.store = starts.store or event.join_store
         for other in self.agents.started(event.rank, node):
             self._send_agent(other, self.agents.order(RestartsLeft(self.agents.restarts_left)))
-        log.warning("rank %d restarted as pid %d by %s (%d process restarts left)", event.rank, event.pid, node,
+        log.info("rank %d restarted as pid %d by %s (%d process restarts left)", event.rank, event.pid, node,
                     self.agents.restarts_left)
         self.order_starts(starts)
         if not starts.done:
