@@ -14,9 +14,12 @@ from conftest import ROOT, Job, run_bounded
 
 
 def run_example(tmp: Path, example: str, name: str, *, steps: int, fault: str = "", ckpt: Path | None = None,
-                save_every: int = 0, env: dict | None = None, timeout: float = 240) -> Job:
+                save_every: int = 0, env: dict | None = None, timeout: float = 240,
+                max_restarts: int | None = None) -> Job:
     """``trainguard run --nproc-per-node 2 examples/<example>/train.py``; every
-    rank writes its final fingerprints (random streams, data position)."""
+    rank writes its final fingerprints (random streams, data position).
+    ``max_restarts=0``: a lost rank is dumped and the job exits 75 (the
+    defaults restart it in place)."""
     ckpt = ckpt or tmp / f"{name}-ckpt"
     report = tmp / f"{name}.json"
     report.unlink(missing_ok=True)
@@ -26,7 +29,7 @@ def run_example(tmp: Path, example: str, name: str, *, steps: int, fault: str = 
     if fault:
         full["TRAINGUARD_FAULT"] = fault
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--monitor-interval", "0.1",
-           str(ROOT / "examples" / example / "train.py"), f"steps={steps}", f"checkpoint_dir={ckpt}",
+           *(("--max-restarts", str(max_restarts)) if max_restarts is not None else ()), str(ROOT / "examples" / example / "train.py"), f"steps={steps}", f"checkpoint_dir={ckpt}",
            f"save_every={save_every}", f"report={report}"]
     proc = run_bounded(cmd, env=full, cwd=tmp, timeout=timeout)
     if proc.returncode:

@@ -52,11 +52,27 @@ def test_a_fault_in_the_closure_or_the_update_is_retried_and_fit_goes_on(tmp_pat
         strict=True, reason="the relaunch after a rank lost inside its update is not bit-identical yet: open "
                             "(issue 39's report)"))])
 def test_a_lost_rank_is_dumped_and_the_relaunch_ends_bit_identical(tmp_path, reference, fault):
-    first = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault=fault)
+    first = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault=fault, max_restarts=0)
     assert first.rc == 75, first
-    second = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault=fault, ckpt=first.ckpt)
+    second = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault=fault, ckpt=first.ckpt, max_restarts=0)
     assert second.rc == 0, second
     same_end(second, reference)
     assert second.report["lightning_global_step"] == STEPS
     (record,) = second.report["recoveries"]
     assert (record["fault"], record["strategy"]) == ("process_lost", "dump"), record
+
+
+@pytest.mark.slow  # CI: the retry above; the restart in place is the torch Guard's (test_defaults)
+@pytest.mark.xfail(run=False, reason="open (issue 39's report): the new process hangs in Lightning's fit setup "
+                   "(seen: rank 0 still waiting in the join of generation 1 after 240 s; the test's kill of the "
+                   "launcher leaves the workers, which run in sessions of their own); use --max-restarts 0")
+def test_a_lost_rank_under_the_defaults_is_restarted_in_place_bit_identical(tmp_path, reference):
+    """``trainguard run``'s defaults (recover-in-place, a restart budget):
+    the lost rank's new process joins the survivors, which keep theirs."""
+    job = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault="crash:rank=1,step=5,phase=backward")
+    assert job.rc == 0, job
+    same_end(job, reference)
+    assert job.report["lightning_global_step"] == STEPS
+    (record,) = job.report["recoveries"]
+    assert (record["fault"], record["rank"], record["strategy"]) == ("process_lost", 1, "recover-in-place"), record
+    assert len(job.report["pids"]["0"]) == 1 and len(job.report["pids"]["1"]) == 2, job.report["pids"]
