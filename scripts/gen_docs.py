@@ -188,12 +188,14 @@ def outputs() -> dict[Path, str]:
     readme = replace_block(readme, "support", support_grid(data), "README.md")
     out[README] = readme
     out[DOCS / "performance.md"] = bench.performance_page()
-    for page in sorted(DOCS.glob("*.md")):
+    for page in [*sorted(DOCS.glob("*.md")), *sorted(DOCS.glob("integrations/*.md"))]:
         if page in out:
             continue
         text = page.read_text()
         if speaks_of_uce(text):
-            out[page] = replace_block(text, "cuda-note", cuda_note(data, "support.md"), f"docs/{page.name}")
+            where = page.relative_to(DOCS)
+            link = "../support.md" if where.parent.name else "support.md"
+            out[page] = replace_block(text, "cuda-note", cuda_note(data, link), f"docs/{where}")
     return out
 
 

@@ -25,7 +25,8 @@ def others_launching_torchrun() -> list[str]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if int(pid) != os.getpid() and ("torch.distributed.run" in cmd or "/torchrun " in cmd):
+        if int(pid) != os.getpid() and ("torch.distributed.run" in cmd or "/torchrun " in cmd) \
+                and _same_install(pid, cmd):
             found.append(cmd)
     return found
 
@@ -40,3 +41,15 @@ def plain_torchrun(tmp: Path, name: str, env: dict, args: tuple = ()) -> tuple[s
            str(STEPS), str(report), str(ckpt)]
     out = subprocess.run(cmd, env=full, cwd=tmp, capture_output=True, text=True, timeout=60)
     return out, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def _same_install(pid: str, cmd: str) -> bool:
+    """Whether process ``pid`` runs this environment's Python (another
+    virtual environment's torchrun reads its own torch)."""
+    prefix = str(Path(sys.executable).parent.parent)
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        exe = ""
+    first = cmd.split(" ", 1)[0]
+    return first.startswith(prefix) or (not first.startswith("/") and exe.startswith(os.path.realpath(prefix)))

@@ -21,7 +21,7 @@ FENCE = re.compile(r"^(```|~~~)")
 
 
 def doc_files() -> list[Path]:
-    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+    return [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "integrations").glob("*.md"))]
 
 
 def _prose(text: str) -> str:

@@ -79,3 +79,21 @@ def test_a_clean_run_prints_no_warning_and_a_handled_fault_one_line(tmp_path, fa
         then = {"comm": " -> retry: training resumed at step 3", "crash": " -> recover-in-place: training resumed at "
                 "step 3"}[fault.split(":")[0]] if code == 0 else " -> dump: job exiting: "
         assert outcome in loud[0] and then in loud[0], loud[0]
+
+
+def test_a_run_without_a_guard_says_once_it_is_unprotected_and_warns_of_nothing(tmp_path):
+    """A script that never builds a Guard runs as under torchrun; the end of
+    the run says so once at INFO, and no WARNING (the node agent leaving
+    while no rank ever registered is no loss)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("import torch, torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "t = torch.ones(1)\n"
+                      "dist.all_reduce(t)\n"
+                      "assert t.item() == 2\n"
+                      "dist.destroy_process_group()\n")
+    out = trainguard("run", "--nproc-per-node", "2", str(script), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert _loud(out.stderr) == [], _loud(out.stderr)
+    said = [line for line in out.stderr.splitlines() if "ran unprotected" in line]
+    assert len(said) == 1 and " INFO " in said[0] and "no rank built a trainguard Guard" in said[0], said

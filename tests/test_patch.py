@@ -51,6 +51,15 @@ def copy(installed, tmp_path) -> Path:
     return dst
 
 
+def accelerate_launch(tmp: Path, env: dict) -> subprocess.CompletedProcess:
+    """``accelerate launch`` of the accelerate example on 2 CPU processes."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--monitor_interval", "0.1",
+           str(ROOT / "examples" / "accelerate" / "train.py"), "steps=6", f"checkpoint_dir={tmp / 'acc-ckpt'}"]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**full, **env}, cwd=tmp, timeout=200)
+
+
 def patch(capsys, path: Path, *flags: str, version: str = VERSION) -> tuple[int, str, str]:
     rc = cli.main(["torchrun", "--file", str(path), "--torch-version", version, *flags])
     out, err = capsys.readouterr()
@@ -68,7 +77,7 @@ def test_apply_is_idempotent_and_revert_restores_the_original_bytes(copy, capsys
     rc, out, _ = patch(capsys, copy)
     assert rc == 0 and "done: insert the trainguard block" in out
     once = copy.read_bytes()
-    assert once.count(START) == 1 and b"# <<< trainguard <<<" in once
+    assert once.count(START) == 2 and once.count(b"# <<< trainguard <<<") == 2  # in main() and in run()
     assert f"original sha256 {sha(original)}".encode() in once
     compile(once, str(copy), "exec")
     assert core.backup_path(copy).read_bytes() == original
@@ -92,6 +101,13 @@ def test_the_block_calls_trainguard_with_the_same_arguments(copy, capsys):
     assert "_tg_main(sys.argv[1:] if args is None else list(args))" in body
     assert 'os.environ.pop("TRAINGUARD_DISABLE"' in body
     assert "except ImportError" in body
+    # run(), which accelerate launch calls with the arguments it built, hands them over too
+    run = text[text.index("def run(args):"):text.index("def main(args=None):")]
+    assert run.count(START.decode()) == 1
+    assert run.index(START.decode()) < run.index('torch.multiprocessing._set_thread_name("pt_elastic")')
+    assert "from trainguard.launcher.run import main_namespace as _tg_run" in run
+    assert "sys.exit(_tg_run(args))" in run
+    assert text.count(f"original sha256 {sha(core.backup_path(copy).read_bytes())}") == 2
 
 
 def test_revert_of_an_unpatched_file_changes_nothing(copy, capsys):
@@ -193,6 +209,38 @@ def test_the_patched_main_routes_or_falls_through(copy, capsys, env, via_traingu
     assert "TRAINGUARD_DISABLE left: None" in out.stdout  # taken out, so workers never see it
 
 
+RUN_ACCELERATE = """
+import importlib.util, os, sys
+import trainguard.launcher.run as tg
+tg.main_namespace = lambda args: print("routed", args.nproc_per_node, args.training_script) or 7
+spec = importlib.util.spec_from_file_location("patched_run", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+if os.environ.get("VIA_MAIN"):  # plain torchrun (TRAINGUARD_DISABLE=1): its main() calls run(), which stays plain
+    try:
+        module.main(["--nproc-per-node", "1", "--monitor-interval", "0.1", "no_such_script.py"])
+    except BaseException as e:  # the plain launch of a missing script fails
+        print("plain", type(e).__name__)
+else:
+    module.run(module.parse_args(["--nproc-per-node", "2", "train.py"]))  # as accelerate launch calls it
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env, routed", [({}, True), ({"TRAINGUARD_DISABLE": "1"}, False)],
+                         ids=["enabled", "disabled"])
+def test_the_patched_run_routes_what_accelerate_launch_hands_it(copy, capsys, env, routed):
+    patch(capsys, copy)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    out = subprocess.run([sys.executable, "-c", RUN_ACCELERATE, str(copy)], capture_output=True, text=True,
+                         env={**full, **env, **({} if routed else {"VIA_MAIN": "1"})}, cwd=copy.parent,
+                         timeout=100)
+    if routed:
+        assert out.returncode == 7 and "routed 2 train.py" in out.stdout, out.stderr[-3000:]
+    else:
+        assert "routed" not in out.stdout and "plain" in out.stdout, (out.stdout, out.stderr[-3000:])
+
+
 # ------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("version", ["1.13.0", "2.3.1+cu121", "2.14.0", "2.14.0a0+git1234", "3.0"])
 def test_unsupported_versions_are_refused(copy, capsys, version):
@@ -273,7 +321,7 @@ def test_check_prints_the_plan_and_changes_nothing(copy, capsys):
     rc, out, _ = patch(capsys, copy, "--check")
     assert rc == 0
     for line in (f"file:    {copy}", f"torch:   {VERSION} ({SUPPORTED})", "state:   not patched",
-                 "action:  insert the trainguard block after `def main(args=None):`"):
+                 "action:  insert the trainguard block after `def main(args=None):` and `def run(args):`"):
         assert line in out, out
     assert copy.read_bytes() == original and not core.backup_path(copy).exists()
 
@@ -364,14 +412,20 @@ def test_plain_torchrun_on_the_patched_install_recovers_like_trainguard_run(inst
         assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 2
         assert report["final_state_sha256"] == reference.report["final_state_sha256"]
 
-        # A bug in the script at the same step on every launch: one dump, one restart, then it stops (exit 1)
-        # instead of spending --max-restarts on the same failure (no restart loops).
+        # accelerate launch calls torch's run(args): the patched install gives it a controller too
+        accelerate = accelerate_launch(tmp_path, {"TRAINGUARD_FAULT": "uce:rank=1,step=3,phase=backward"})
+        log = accelerate.stdout + accelerate.stderr
+        assert accelerate.returncode == 0, log[-6000:]
+        assert "all 2 ranks registered" in log and " -> retry: training resumed at step 3" in log, log[-6000:]
+
+        # A bug in the script: one dump, and no restart of the group (a restart would meet it again) though
+        # --max-restarts has some left: exit 75 (no restart loops).
         out, report = plain_torchrun(tmp_path, "loop", {"TINY_BUG": "1,4", "TRAINGUARD_STRATEGIES": "dump,exit"},
                                      ("--max-restarts", "3"))
         log = out.stdout + out.stderr
-        assert out.returncode == 1, log[-6000:]
-        assert log.count("rank 1 left step 4") == 2, log[-6000:]
-        assert "the same fault (unknown ValueError) failed the launch before at the same step" in log
+        assert out.returncode == 75, log[-6000:]
+        assert log.count("rank 1 left step 4") == 1, log[-6000:]
+        assert "not restarting the group: the dump followed an exception of the script itself" in log, log[-6000:]
 
         out, report = plain_torchrun(tmp_path, "disabled", {"TRAINGUARD_DISABLE": "1"})
         log = out.stdout + out.stderr

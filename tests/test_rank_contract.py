@@ -66,9 +66,10 @@ class RankContract:
         assert loop["pids"] == {"0": [loop["pid"]]}, loop
 
     def test_a_body_outside_protect_is_refused_with_the_fix(self, outcome):
-        assert outcome["unprotected"] == {
-            "type": "ConfigError",
-            "message": "wrap the body of `for step in guard.steps(...)` in `with guard.protect():`"}
+        # steps() says it after the body; the torch Guard's optimizer already at its update (outside a step)
+        unprotected = outcome["unprotected"]
+        assert unprotected["type"] == "ConfigError", unprotected
+        assert "`with guard.protect():`" in unprotected["message"], unprotected
 
     def test_without_a_controller_a_fault_is_raised_not_swallowed(self, outcome):
         fault = outcome["fault"]

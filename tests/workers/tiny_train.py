@@ -13,6 +13,8 @@ holds that rank's update of that step until every other rank has committed
 the step (each writes a marker file beside REPORT), so a fault in that update
 finds the others one step ahead, however loaded the machine. TINY_BUG=RANK,STEP makes
 that rank raise ValueError inside that step on every launch (a bug in the script).
+TINY_DEFAULT_GROUP=1 runs an all-reduce on the default process group at the start
+of every step (as HF Trainer's token count and Lightning's SIGTERM check do).
 """
 
 import json
@@ -63,6 +65,7 @@ def main() -> None:
                   elastic_lr=os.environ.get("TINY_ELASTIC_LR", "keep"))
     rank = dist.get_rank()
     step_sleep = float(os.environ.get("TINY_STEP_SLEEP", "0"))
+    on_default_group = os.environ.get("TINY_DEFAULT_GROUP") == "1"
     hold_step, hold_s = map(float, os.environ.get("TINY_EVAL_HOLD", "-1,0").split(","))
     held_rank, held_step = map(int, os.environ.get("TINY_HOLD_UPDATE", "-1,-1").split(","))
     bug_rank, bug_step = map(int, os.environ.get("TINY_BUG", "-1,-1").split(","))
@@ -82,6 +85,8 @@ def main() -> None:
     for step in guard.steps(steps):
         with guard.protect():
             time.sleep(step_sleep)
+            if on_default_group:
+                dist.all_reduce(torch.ones(1, device=device))  # the framework's own collective, group=None
             x, y = batch(step, rank, device)
             loss = F.binary_cross_entropy_with_logits(model(x), y)
             if rank == bug_rank and step == bug_step:

@@ -34,7 +34,7 @@ from trainguard.core import integrity
 from trainguard.core.private import make_directory
 from trainguard.core.secret import TLS, job_secret
 
-__all__ = ["main", "parser"]
+__all__ = ["main", "main_namespace", "parser"]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -91,6 +91,19 @@ def _standalone_defaults(args: argparse.Namespace) -> None:
 
 
 def launch(argv: Sequence[str]) -> int:
+    return launch_args(parser().parse_args(argv), argv)  # first: --help works whatever the environment holds
+
+
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` as torch's parser made them (``accelerate launch`` builds
+    them and calls torch's ``run``), with trainguard's flags at their defaults."""
+    for action in parser()._actions:
+        if action.dest != "help" and not hasattr(args, action.dest):
+            setattr(args, action.dest, action.default)
+    return args
+
+
+def launch_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -99,7 +112,6 @@ def launch(argv: Sequence[str]) -> int:
 
     from .agent import TrainguardAgent
 
-    args = parser().parse_args(argv)  # first: --help works whatever the environment holds
     # Read and checked before anything starts (the faults' ranks below, once the job's size is known).
     launch = LaunchConfig.from_env()
     if args.spare_slots is not None:  # the flag wins
@@ -160,7 +172,7 @@ def launch(argv: Sequence[str]) -> int:
         rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
         local_addr=config.local_addr)
-    note("launch", argv=list(argv), nproc_per_node=config.nproc_per_node, nnodes=config.max_nodes)
+    note("launch", argv=list(sys.argv[1:] if argv is None else argv), nproc_per_node=config.nproc_per_node, nnodes=config.max_nodes)
     agent = TrainguardAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                             log_line_prefix_template=config.log_line_prefix_template,
                             controller_config=controller_config, launch=launch, secret=secret, tls=tls)
@@ -175,6 +187,7 @@ def launch(argv: Sequence[str]) -> int:
 
 
 def _summarise(result, status: dict | None) -> int:
+    _say_unprotected(status)
     records = (status or {}).get("recoveries", [])
     for r in records:
         detect = "" if r["detect_s"] is None else f"detect {r['detect_s']} s, "  # known when the rank reported it
@@ -204,6 +217,19 @@ def _summarise(result, status: dict | None) -> int:
     return 1
 
 
+def _say_unprotected(status: dict | None) -> None:
+    """Once, at the end: the ranks whose script never built a Guard (they
+    never reached the controller), which no fault would have been recovered in."""
+    if not status:
+        return  # not the controller's node: node 0 says it
+    never = sorted(set(range(status["world_size"])) - {int(r) for r in status.get("pids", {})})
+    if never:
+        which = "no rank" if len(never) == status["world_size"] else f"ranks {never[:16]}"
+        log.info("%s built a trainguard Guard, so the job ran unprotected: a fault would not have been recovered "
+                 "(build trainguard.torch.Guard, or use an integration: trainguard.integrations.hf, .lightning, "
+                 ".accelerate)", which)
+
+
 class _NoTorchFailureLine(logging.Filter):
     """torchrun's "failed (exitcode: N) local_rank: ..." line, which trainguard
     says better (a dump's 75 is no failure; see _summarise)."""
@@ -213,10 +239,20 @@ class _NoTorchFailureLine(logging.Filter):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return _main(lambda: launch(sys.argv[1:] if argv is None else argv))
+
+
+def main_namespace(args: argparse.Namespace) -> int:
+    """:func:`main` for arguments torch's parser already made: what a patched
+    ``torch.distributed.run.run`` hands over (``accelerate launch``)."""
+    return _main(lambda: launch_args(with_defaults(args)))
+
+
+def _main(run) -> int:
     logs.setup("launcher")
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoTorchFailureLine())
     try:
-        return launch(sys.argv[1:] if argv is None else argv)
+        return run()
     except TrainguardError as e:
         print(f"trainguard run: {e}", file=sys.stderr)
         return 2

@@ -65,6 +65,8 @@ class Target:
             must occur exactly once.
         body: the block's code, unindented, lines joined by ``"\\n"``; it is
             indented like the line after the anchor.
+        more: further ``(anchor, body)`` blocks in the same file (each
+            anchor exactly once), applied and reverted with the first.
     """
 
     name: str
@@ -76,6 +78,12 @@ class Target:
     max_version: tuple[int, ...]
     anchor: str
     body: str
+    more: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def blocks(self) -> tuple[tuple[str, str], ...]:
+        """Every ``(anchor, body)`` the target inserts."""
+        return ((self.anchor, self.body), *self.more)
 
     @property
     def supported(self) -> str:
@@ -83,15 +91,17 @@ class Target:
         return f"{low} <= {self.package} < {high}"
 
 
-def handing_over(name: str, imports: str, call: str) -> str:
+def handing_over(name: str, imports: str, call: str, unless: str = "") -> str:
     """A :attr:`Target.body` for launcher ``name``: unless ``TRAINGUARD_DISABLE``
-    is set (it is taken out of the environment, so the workers never see it),
-    import ``imports`` (``"module import function as _tg_alias"``) and run
-    ``call``; where trainguard cannot be imported, say so and how to undo the
-    patch, and let the launcher run on as it would without it."""
+    is set (it is taken out of the environment, so the workers never see it)
+    or the expression ``unless`` is true, import ``imports`` (``"module
+    import function as _tg_alias"``) and run ``call``; where trainguard
+    cannot be imported, say so and how to undo the patch, and let the
+    launcher run on as it would without it."""
+    guard = f"not {unless} and " if unless else ""
     return f"""\
 import os, sys
-if os.environ.pop("TRAINGUARD_DISABLE", "") in ("", "0"):
+if {guard}os.environ.pop("TRAINGUARD_DISABLE", "") in ("", "0"):
     try:
         from {imports}
     except ImportError as _tg_error:
@@ -185,44 +195,63 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _block(target: Target, indent: bytes, newline: bytes, original_sha: str) -> bytes:
+def _block(target: Target, body: str, indent: bytes, newline: bytes, original_sha: str) -> bytes:
     undo = f"`adapters-patch {target.name} --revert`"
     start = (f"# >>> trainguard: added by `adapters-patch {target.name}`; undo with {undo}; "
              f"original sha256 {original_sha} >>>")
-    lines = [start, *target.body.split("\n"), "# <<< trainguard <<<"]
+    lines = [start, *body.split("\n"), "# <<< trainguard <<<"]
     return b"".join(indent + line.encode() + newline if line else newline for line in lines)
 
 
 def _insert(target: Target, original: bytes) -> bytes:
-    anchor = re.compile(rb"^" + re.escape(target.anchor.encode()) + rb"[ \t]*(\r?\n)", re.M)
-    found = list(anchor.finditer(original))
-    if len(found) != 1:
-        how = "not found" if not found else f"found {len(found)} times"
-        raise PatchError(f"the line `{target.anchor}` was {how}: this file was changed by someone else, "
-                         f"so it is left alone")
-    at, newline = found[0].end(), found[0].group(1)
-    body = re.compile(rb"([ \t]+)\S").match(original, at)
-    if body is None:
-        raise PatchError(f"the line after `{target.anchor}` is not an indented body: this file was changed "
-                         f"by someone else, so it is left alone")
-    return original[:at] + _block(target, body.group(1), newline, sha256(original)) + original[at:]
+    found: list[tuple[int, bytes]] = []
+    for anchor_text, body_text in target.blocks:
+        anchor = re.compile(rb"^" + re.escape(anchor_text.encode()) + rb"[ \t]*(\r?\n)", re.M)
+        hits = list(anchor.finditer(original))
+        if len(hits) != 1:
+            how = "not found" if not hits else f"found {len(hits)} times"
+            raise PatchError(f"the line `{anchor_text}` was {how}: this file was changed by someone else, "
+                             f"so it is left alone")
+        at, newline = hits[0].end(), hits[0].group(1)
+        body = re.compile(rb"([ \t]+)\S").match(original, at)
+        if body is None:
+            raise PatchError(f"the line after `{anchor_text}` is not an indented body: this file was changed "
+                             f"by someone else, so it is left alone")
+        found.append((at, _block(target, body_text, body.group(1), newline, sha256(original))))
+    out, last = [], 0
+    for at, block in sorted(found):
+        out += [original[last:at], block]
+        last = at
+    return b"".join(out) + original[last:]
 
 
-def _find_block(data: bytes) -> tuple[int, int, str]:
-    """Where the one trainguard block in ``data`` starts and ends, and the
-    original's sha256 its first line records.
+def _find_blocks(data: bytes) -> tuple[list[tuple[int, int]], str]:
+    """Where each trainguard block in ``data`` starts and ends, and the
+    original's sha256 their first lines record (the same in each).
 
     Raises:
-        PatchError: the markers are missing, repeated or out of order, or
-            the hash is not there.
+        PatchError: the markers are missing, unpaired or out of order, or
+            a hash is not there or differs between blocks.
     """
     starts, ends = list(_START.finditer(data)), list(_END.finditer(data))
-    if len(starts) != 1 or len(ends) != 1 or ends[0].start() < starts[0].end():
+    spans = [(s.start(), e.end()) for s, e in zip(starts, ends)]
+    paired = len(starts) == len(ends) and all(
+        e.start() >= s.end() and (i + 1 == len(starts) or starts[i + 1].start() >= e.end())
+        for i, (s, e) in enumerate(zip(starts, ends)))
+    if not starts or not paired:
         raise PatchError(f"its trainguard block is damaged ({len(starts)} start and {len(ends)} end markers)")
-    recorded = _HASH.search(starts[0].group(0))
-    if recorded is None:
+    recorded = {m.group(1).decode() if m else None for m in (_HASH.search(s.group(0)) for s in starts)}
+    if None in recorded or len(recorded) != 1:
         raise PatchError("the first line of its trainguard block does not record the original's sha256")
-    return starts[0].start(), ends[0].end(), recorded.group(1).decode()
+    return spans, recorded.pop()
+
+
+def _cut(data: bytes, spans: list[tuple[int, int]]) -> bytes:
+    out, last = [], 0
+    for start, end in spans:
+        out.append(data[last:start])
+        last = end
+    return b"".join(out) + data[last:]
 
 
 def state(data: bytes) -> str:
@@ -241,14 +270,15 @@ def plan_apply(target: Target, path: Path, data: bytes, backup: bytes | None) ->
             changed after patching other than inside the block.
     """
     if state(data) == "not patched":
-        return Plan(path, "not patched", f"insert the trainguard block after `{target.anchor}` and save the "
+        after = " and ".join(f"`{anchor}`" for anchor, _ in target.blocks)
+        return Plan(path, "not patched", f"insert the trainguard block after {after} and save the "
                     f"original as {backup_path(path)}", _insert(target, data), original=data)
     refuse = f"reinstall {target.package} to get a clean file"
     try:
-        start, end, want = _find_block(data)
+        spans, want = _find_blocks(data)
     except PatchError as e:
         raise PatchError(f"{path} is patched but {e}; {refuse}") from None
-    original = data[:start] + data[end:]
+    original = _cut(data, spans)
     if sha256(original) != want:
         raise PatchError(f"{path} was edited after it was patched (without its trainguard block it is not the "
                          f"original); `adapters-patch {target.name} --revert` restores the original from the "
@@ -270,10 +300,10 @@ def plan_revert(target: Target, path: Path, data: bytes, backup: bytes | None) -
         return Plan(path, "not patched", "nothing to do: not patched")
     refuse = f"reinstall {target.package} to get a clean file"
     try:
-        start, end, want = _find_block(data)
+        spans, want = _find_blocks(data)
     except PatchError as e:
         raise PatchError(f"cannot restore the original {path}: {e}; {refuse}") from None
-    cut = data[:start] + data[end:]
+    cut = _cut(data, spans)
     done = f"and delete {backup_path(path)}"
     if backup is not None and sha256(backup) == want:
         note = "" if cut == backup else " (the file had other edits besides the block; they are discarded)"

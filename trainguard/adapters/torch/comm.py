@@ -6,7 +6,9 @@ A recovery rebuilds it in place, replaces it by one over other ranks
 (elastic training, :meth:`TorchComm.regroup`) or, after survivors met a new
 process (:func:`.join.meet`), rebuilds it on the join's store; DDP's comm
 hook follows the group in use through a :class:`GroupRef`, and tells the
-Guard when a step's first gradient bucket leaves.
+Guard when a step's first gradient bucket leaves. The default group is made
+abortable too (:mod:`.default_group`): a STOP releases the collectives a
+framework runs there, and a recovery rebuilds it beside trainguard's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from trainguard.core import ConfigError, RankConfig
 
+from .default_group import route
 from .device import Device
 from .process_group import AbortableProcessGroup
 
@@ -40,19 +43,31 @@ class TorchComm:
             recovery's that started it).
         first_bucket: called once per :meth:`arm`, before DDP sends that
             step's first gradient bucket.
+        route_default: put an abortable group in the default group's place
+            (:mod:`.default_group`). ``False`` for a sharded model: its
+            device mesh may be built on the default group itself (a 1-D
+            mesh over the world), and DTensor looks that group up by
+            object, so it stays; the mesh's groups are made abortable by
+            :class:`~.fsdp.MeshGroups` instead.
 
     Raises:
         ConfigError: ``ddp`` has a comm hook of its own already.
     """
 
     def __init__(self, rank: int, world_size: int, device: Device, ddp: Any, *, timeout: timedelta, namespace: str,
-                 generation: int = 0, first_bucket: Callable[[], None] | None = None) -> None:
+                 generation: int = 0, first_bucket: Callable[[], None] | None = None,
+                 route_default: bool = True) -> None:
         self.rank, self.world_size, self.device, self.ddp = rank, world_size, device, ddp
         self.namespace = namespace
         self.joined_default_group: Any = None  # kept alive after survivors met a new process
         self.process_group = AbortableProcessGroup(
             dist.distributed_c10d._get_default_store(), rank, world_size, backend_factory=device.backend,
             timeout=timeout, namespace=namespace, abort=device.abort, generation=generation)
+        # Built second on every rank, a joining process included (the survivors rebuild in this order).
+        self.default_group, self._started_on = route(lambda store: AbortableProcessGroup(
+            store, rank, world_size, backend_factory=device.backend, timeout=timeout,
+            namespace=f"{namespace}/default", abort=device.abort, generation=generation)) if route_default \
+            else (None, None)
         if ddp is not None:
             try:
                 self._hook_group = GroupRef(self.process_group, first_bucket)
@@ -60,6 +75,30 @@ class TorchComm:
             except RuntimeError as e:
                 raise ConfigError(f"trainguard installs its own DDP comm hook and found one already: {e}") from None
             self.attach_ddp()
+
+    def stop(self, reason: str = "stopped by the controller") -> None:
+        """Release every collective waiting on a peer, in trainguard's group
+        and in the default group (safe from any thread)."""
+        self.process_group.stop(reason)
+        if self.default_group is not None:
+            self.default_group.stop(reason)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a collective is in flight on either group."""
+        return self.process_group.busy or (self.default_group is not None and self.default_group.busy)
+
+    def rebuild(self, generation: int, cancelled: Callable[[], bool], store: Any = None) -> None:
+        """Fresh backends for ``generation`` under both groups (every rank calls
+        this with the same number), on ``store`` when given (a join's)."""
+        self.process_group.rebuild(generation, cancelled=cancelled, store=store)
+        self._rebuild_default(generation, cancelled, store)
+
+    def _rebuild_default(self, generation: int, cancelled: Callable[[], bool], store: Any = None) -> None:
+        group = self.default_group
+        if group is None or len(self.process_group.members) != self.world_size:
+            return  # while elastic training left ranks out it stays stopped (it spans them)
+        group.rebuild(generation, cancelled, store, quiet=True)
 
     def arm(self) -> None:
         """A step begins: call ``first_bucket`` before its first gradient bucket leaves."""
@@ -103,6 +142,11 @@ class TorchComm:
         old.stop("replaced by a group of other ranks")
         old.replace_backend(None)
         self.process_group = new
+        if self.default_group is not None:
+            if len(ranks) == self.world_size:  # the job is whole again
+                self._rebuild_default(generation, cancelled, store)
+            else:  # it spans the lost ranks: a collective there would wait for them, so it refuses
+                self.default_group.stop("the job goes on without some ranks (elastic training)")
         if self.ddp is not None:
             self._hook_group.group = new
             self.attach_ddp()

@@ -223,7 +223,7 @@ class Guard(Checkpoints, RankRuntime):
         self.comm = TorchComm(self.rank, self.world_size, self.device, self.ddp, timeout=comm_timeout,
                               namespace=job_namespace(self.settings),
                               generation=join["generation"] if join else 0,
-                              first_bucket=self.record_own_before_sending)
+                              first_bucket=self.record_own_before_sending, route_default=self.sharding is None)
         self.mesh_groups = MeshGroups(self.sharding, self.rank, self.world_size, self.device, timeout=comm_timeout,
                                       namespace=job_namespace(self.settings), generation=join["generation"] if join
                                       else 0, first_reduce=self.record_own_before_sending) if self.sharding else None
@@ -252,7 +252,7 @@ class Guard(Checkpoints, RankRuntime):
         self.injector.on_stall = self._black_hole
         self._install_fault_hooks()
         self.processor = processor or self._connect(joining=join is not None)
-        self.processor.add_stop_listener(lambda: self.process_group.stop())
+        self.processor.add_stop_listener(self.comm.stop)
         if self.mesh_groups is not None:
             self.processor.add_stop_listener(self.mesh_groups.stop)
         self._thread = threading.get_ident()
@@ -311,7 +311,7 @@ class Guard(Checkpoints, RankRuntime):
         and its innermost Python frame is in torch or in our group's wait
         (``backward`` waiting for DDP's buckets, ``Work.wait``), not in the
         training script."""
-        if not (self.process_group.busy or (self.mesh_groups is not None and self.mesh_groups.busy)):
+        if not (self.comm.busy or (self.mesh_groups is not None and self.mesh_groups.busy)):
             return False
         frame = sys._current_frames().get(self._thread)
         return frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
@@ -327,6 +327,14 @@ class Guard(Checkpoints, RankRuntime):
             self.mesh_groups.arm()
 
     def _start_update(self) -> None:
+        if not self._in_step:
+            raise ConfigError(
+                "guard.optimizer.step() was called outside a step: begin each step with guard.begin_step() and "
+                "end it with guard.end_step() (or wrap its body in `with guard.protect():`); for a framework's "
+                "trainer use its integration (trainguard.integrations.hf, .lightning, .accelerate)")
+        if self._updated:
+            raise ConfigError("guard.optimizer.step() was called twice in one step: one optimizer update per step "
+                              "(guard.end_step(), or the end of `with guard.protect():`, commits each)")
         self.settle_snapshot()  # a snapshot copy of the last step may still be reading parameters
         self.record_own_at_update()
         if self.ddp is not None and self.ddp.will_sync_module_buffers():
@@ -393,7 +401,9 @@ class Guard(Checkpoints, RankRuntime):
         return state_sha256(self.state.model_and_optimizer())
 
     def _report_extras(self) -> dict:
-        return {"replicas": list(self.replicas)}
+        # this rank's random streams and data position at its last commit, as fingerprints
+        own = fingerprints(self.state.module, self.state.committed_own(), self.rank)
+        return {"replicas": list(self.replicas), "own_fingerprints": {k: v for k, v in own.items() if k != "model"}}
 
     def _final_extras(self) -> dict:
         return {"data_given": "data" in self.state.host,

@@ -91,7 +91,7 @@ class TorchHandlers(Handlers):
         elif tuple(sorted(ranks)) != g.process_group.members:
             g.comm.regroup(sorted(ranks), generation, cancelled)  # elastic: the job goes on with these ranks
         else:
-            g.process_group.rebuild(generation, cancelled=cancelled)
+            g.comm.rebuild(generation, cancelled)
         if g.mesh_groups is not None:
             g.mesh_groups.rebuild(generation, cancelled, store=g.process_group._store if join_store else None)
         if g.ddp is not None:

@@ -120,4 +120,4 @@ def meet(comm: "TorchComm", generation: int, address: str, cancelled: Callable[[
     if tuple(ranks) != comm.process_group.members:
         comm.regroup(ranks, generation, cancelled, store=store)
     else:
-        comm.process_group.rebuild(generation, cancelled=cancelled, store=store)
+        comm.rebuild(generation, cancelled, store=store)

@@ -3,7 +3,8 @@
 It behaves as the optimizer it wraps (``param_groups``, ``state``,
 ``state_dict``, ``zero_grad``...), so LR schedulers, ``GradScaler`` and
 gradient clipping work unchanged; only ``step`` is bracketed by two calls
-that cost a field write each.
+that cost a field write each. A closure given to ``step`` (Lightning,
+LBFGS) runs its forward and backward pass before the bracket opens.
 
 ``lr_factor`` scales every group's learning rate for the update only (the
 value the user and the LR scheduler see is left alone): elastic training
@@ -33,6 +34,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.lr_factor = 1.0
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The update, bracketed by ``on_start``/``on_end``. A ``closure``
+        (Lightning's automatic optimization, LBFGS) computes the forward and
+        backward pass: its first call runs before the update is reported
+        started, so a fault in it leaves the state consistent; later calls
+        (LBFGS re-evaluates) are part of the update."""
+        if closure is not None:
+            with torch.enable_grad():
+                first = closure()
+            closure = _Replay(first, closure)
         self._on_start()
         if self.lr_factor == 1.0:
             loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
@@ -74,3 +84,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"GuardedOptimizer({self.optimizer!r})"
+
+
+class _Replay:
+    """A closure whose first call returns the result computed before the
+    update began; later calls evaluate again."""
+
+    def __init__(self, first: Any, closure: Callable[[], Any]) -> None:
+        self._first, self._closure, self._fresh = first, closure, True
+
+    def __call__(self) -> Any:
+        if self._fresh:
+            self._fresh = False
+            return self._first
+        return self._closure()

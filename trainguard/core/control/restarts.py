@@ -65,7 +65,9 @@ class Restarts:
     def on_agent_lost(self, node: str) -> None:
         over = self.job.state in (ControllerState.EXITED, ControllerState.FINISHED)
         roster = self.roster
-        self.agents.lost(node, done=set(range(self.world_size)) if over else roster.finished | roster.exiting)
+        # A rank that never registered (its script built no Guard) is no rank trainguard could restart.
+        self.agents.lost(node, done=set(range(self.world_size)) if over else
+                         roster.finished | roster.exiting | roster.missing())
 
     def no_more_restarts(self) -> None:
         """Spend the job's restart budget: every node agent is told none is left, so neither a

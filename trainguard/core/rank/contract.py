@@ -70,13 +70,15 @@ __all__ = ["Guard", "StepBody"]
 
 
 class StepBody(Protocol):
-    """What ``with guard.protect():`` calls (:class:`~.history.Protected`)."""
+    """The step API: what ``with guard.protect():`` calls
+    (:class:`~.history.Protected`), and what a loop trainguard does not own
+    calls itself (see :class:`Guard`)."""
 
-    def _begin(self) -> None: ...
+    def begin_step(self) -> int: ...
 
-    def _commit(self) -> None: ...
+    def end_step(self) -> bool: ...
 
-    def _handle(self, error: BaseException) -> None: ...
+    def fail_step(self, error: BaseException) -> None: ...
 
 
 @runtime_checkable
@@ -87,6 +89,18 @@ class Guard(Protocol):
             with guard.protect():
                 ...                      # one step: forward, backward, update
         guard.close()
+
+    A loop trainguard does not drive (a framework's trainer) makes the same
+    calls itself, which is all ``steps`` and ``protect`` do::
+
+        while guard.step < total:
+            guard.begin_step()           # carries out a stop asked for at the boundary
+            try:
+                ...                      # one step: batch, forward, backward, update
+            except Exception as e:
+                guard.fail_step(e)       # returns: run guard.step again; else raises
+                continue
+            guard.end_step()             # False: the commit failed and was recovered
     """
 
     rank: int
@@ -101,6 +115,15 @@ class Guard(Protocol):
 
     def protect(self) -> AbstractContextManager:
         """Around one step's body: a fault in it is recovered, not raised."""
+
+    def begin_step(self) -> int:
+        """Begin a step (a pending stop is carried out first); the step to run."""
+
+    def end_step(self) -> bool:
+        """Commit the step; ``False``: the commit failed, was recovered, run the step again."""
+
+    def fail_step(self, error: BaseException) -> None:
+        """Recover the step ``error`` left: returns to run :attr:`step` again, or raises."""
 
     def section(self, name: str) -> AbstractContextManager:
         """A stretch the hang checks do not count (evaluation, a save)."""

@@ -67,25 +67,22 @@ class JobHistory:
 
 
 class Protected:
-    """``with guard.protect():`` -- begins the step; on a clean exit commits
-    it (a failing commit is handled like a failing step); an ``Exception``
-    from the body is handled (recovered) and swallowed."""
+    """``with guard.protect():`` -- :meth:`begin_step` on entry; on a clean
+    exit :meth:`end_step`; an ``Exception`` from the body goes to
+    :meth:`fail_step`, which recovers it (it is swallowed) or raises."""
 
     def __init__(self, guard: "StepBody") -> None:
         self.guard = guard
 
     def __enter__(self) -> "Protected":
-        self.guard._begin()
+        self.guard.begin_step()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is None:
-            try:
-                self.guard._commit()
-            except Exception as e:  # a skipped update, a collective of the commit, a periodic save
-                self.guard._handle(e)
+            self.guard.end_step()
             return False
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
             return False
-        self.guard._handle(exc)
+        self.guard.fail_step(exc)
         return True

@@ -49,6 +49,8 @@ class RankRuntime(JobHistory, abc.ABC):
     #: How to launch the job so that it reaches a controller, for the
     #: warning given without one.
     launch_hint = "launch with `trainguard run`"
+    #: Whether a step has begun and not yet ended or failed (:meth:`begin_step`).
+    _in_step = False
 
     # ------------------------------------------------------ what a framework supplies
     @abc.abstractmethod
@@ -209,11 +211,67 @@ class RankRuntime(JobHistory, abc.ABC):
         """Completed steps."""
         return self._step
 
+    # The step API: a loop trainguard does not own (a framework's trainer,
+    # an integration) calls these three; steps() and protect() are made of them.
+    def begin_step(self) -> int:
+        """Begin a step and return the completed steps (the step to run).
+
+        A stop the controller asked for at a step boundary is carried out
+        first (a recovery, after which training may go on at an earlier
+        step: run the step this returns).
+
+        Raises:
+            SystemExit: the controller ended the job (a dying gasp was saved).
+        """
+        while self._at_boundary():
+            pass
+        self._begin()
+        self._in_step = True
+        return self._step
+
+    def end_step(self) -> bool:
+        """The step's body ended cleanly: commit it (count it, save or
+        snapshot on the boundaries). Returns ``True`` when it was committed,
+        ``False`` when the commit failed and the failure was recovered: run
+        the step again (:attr:`step` completed steps, state rolled back)."""
+        try:
+            self._commit()
+        except Exception as e:  # a skipped update, a collective of the commit, a periodic save
+            self.fail_step(e)
+            return False
+        self._in_step = False
+        return True
+
+    def fail_step(self, error: BaseException) -> None:
+        """Hand the Guard the error that left the step: it reports it and
+        carries out the controller's recovery. Returns when training goes
+        on (retry): the state is rolled back to :attr:`step` completed
+        steps; run that step again.
+
+        Raises:
+            error: it is no fault (``KeyboardInterrupt``, ``SystemExit``, a
+                usage error), or no controller recovers it (launched
+                without ``trainguard run``).
+            SystemExit: the controller ended the job (a dying gasp was
+                saved: relaunch to resume; or the job cannot go on).
+        """
+        self._in_step = False
+        if not isinstance(error, Exception) or isinstance(error, ConfigError):
+            raise error
+        self._handle(error)
+
+    def _at_boundary(self) -> bool:
+        """Carry out a stop pending at a step boundary; whether there was one."""
+        if not (self.stops_at_step_boundary and self.processor.stop_event.is_set()):
+            return False
+        self._in_step = False
+        self._handle(ForceStop("stopped at a step boundary"))
+        return True
+
     def steps(self, total: int) -> Iterator[int]:
         """Yield the number of completed steps until ``total`` are done."""
         while self._step < total:
-            if self.stops_at_step_boundary and self.processor.stop_event.is_set():
-                self._handle(ForceStop("stopped at a step boundary"))
+            if self._at_boundary():
                 continue
             self._entered = False
             if self._markers is not None:
@@ -224,7 +282,8 @@ class RankRuntime(JobHistory, abc.ABC):
 
     def protect(self) -> Protected:
         """Context manager around one step's body: a fault in it is
-        recovered, not raised (see the adapter's module docstring)."""
+        recovered, not raised (see the adapter's module docstring);
+        :meth:`begin_step`, then :meth:`end_step` or :meth:`fail_step`."""
         return Protected(self)
 
     def loader(self, iterable: Iterable) -> Iterator:

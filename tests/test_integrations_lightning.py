@@ -1,0 +1,78 @@
+"""trainguard.integrations.lightning in real processes: a LightningModule
+fitted by ``L.Trainer`` with GuardedDDPStrategy (examples/lightning/train.py:
+dropout, AdamW with a per-step LambdaLR, a shuffled loader that Lightning
+gives a DistributedSampler and whose fetcher prefetches), on 2 gloo ranks
+under ``trainguard run``. The forward and backward pass run as a closure
+inside ``optimizer.step``: a fault there, or in the update, is retried with
+the same batch and ``trainer.fit()`` goes on; a lost rank is dumped and the
+relaunch resumes Lightning's counters and the loader at the Guard's step.
+Each ends where the fault-free run ends: model, optimizer, every rank's
+random streams and data position, Lightning's global step."""
+
+from __future__ import annotations
+
+import pytest
+
+from integration_jobs import run_example, same_end
+
+pytestmark = pytest.mark.timeout(900)
+
+STEPS = 14  # 6 batches per rank and epoch: two epoch boundaries crossed
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = run_example(tmp_path_factory.mktemp("lightning"), "lightning", "ref", steps=STEPS)
+    assert job.rc == 0, job
+    assert job.report["lightning_global_step"] == STEPS
+    return job
+
+
+# CI's budget: the accelerate integration's retry stands for the three (tests/test_integrations_accelerate.py).
+@pytest.mark.parametrize("fault", [
+    pytest.param("uce:rank=1,step=5,phase=backward", marks=pytest.mark.slow),
+    pytest.param("uce:rank=1,step=5,phase=optimizer", marks=[pytest.mark.slow, pytest.mark.xfail(
+        strict=True, reason="ends bit-identical, but a spurious second retry (comm on rank 1 at step 6) follows "
+                            "the first: open (issue 39's report)")]),
+    pytest.param("comm:rank=0,step=6,phase=backward", marks=pytest.mark.slow),  # the first batch of epoch 2
+])
+def test_a_fault_in_the_closure_or_the_update_is_retried_and_fit_goes_on(tmp_path, reference, fault):
+    job = run_example(tmp_path, "lightning", "fault", steps=STEPS, fault=fault)
+    assert job.rc == 0, job
+    same_end(job, reference)
+    assert job.report["lightning_global_step"] == STEPS
+    (record,) = job.report["recoveries"]
+    assert record["strategy"] == "retry", record
+    assert all(len(pids) == 1 for pids in job.report["pids"].values()), "a process was restarted"
+
+
+@pytest.mark.slow  # CI: the retry above; the dump's path is the torch Guard's (test_torch_recovery)
+@pytest.mark.parametrize("fault", ["crash:rank=1,step=4,phase=backward", pytest.param(
+    "crash:rank=1,step=7,phase=optimizer", marks=pytest.mark.xfail(
+        strict=True, reason="the relaunch after a rank lost inside its update is not bit-identical yet: open "
+                            "(issue 39's report)"))])
+def test_a_lost_rank_is_dumped_and_the_relaunch_ends_bit_identical(tmp_path, reference, fault):
+    first = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault=fault, max_restarts=0)
+    assert first.rc == 75, first
+    second = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault=fault, ckpt=first.ckpt, max_restarts=0)
+    assert second.rc == 0, second
+    same_end(second, reference)
+    assert second.report["lightning_global_step"] == STEPS
+    (record,) = second.report["recoveries"]
+    assert (record["fault"], record["strategy"]) == ("process_lost", "dump"), record
+
+
+@pytest.mark.slow  # CI: the retry above; the restart in place is the torch Guard's (test_defaults)
+@pytest.mark.xfail(run=False, reason="open (issue 39's report): the new process hangs in Lightning's fit setup "
+                   "(seen: rank 0 still waiting in the join of generation 1 after 240 s; the test's kill of the "
+                   "launcher leaves the workers, which run in sessions of their own); use --max-restarts 0")
+def test_a_lost_rank_under_the_defaults_is_restarted_in_place_bit_identical(tmp_path, reference):
+    """``trainguard run``'s defaults (recover-in-place, a restart budget):
+    the lost rank's new process joins the survivors, which keep theirs."""
+    job = run_example(tmp_path, "lightning", "crash", steps=STEPS, fault="crash:rank=1,step=5,phase=backward")
+    assert job.rc == 0, job
+    same_end(job, reference)
+    assert job.report["lightning_global_step"] == STEPS
+    (record,) = job.report["recoveries"]
+    assert (record["fault"], record["rank"], record["strategy"]) == ("process_lost", 1, "recover-in-place"), record
+    assert len(job.report["pids"]["0"]) == 1 and len(job.report["pids"]["1"]) == 2, job.report["pids"]

@@ -1,0 +1,249 @@
+"""trainguard for Lightning: a DDP strategy that owns the Guard.
+
+::
+
+    from trainguard.integrations.lightning import GuardedDDPStrategy
+
+    trainer = L.Trainer(strategy=GuardedDDPStrategy(guard_options={"save_every": 100}), max_steps=...)
+    trainer.fit(model, train_dataloaders=loader)
+
+:class:`GuardedDDPStrategy` is Lightning's ``DDPStrategy`` that builds the
+torch :class:`~trainguard.torch.Guard` once the model is wrapped and the
+optimizer made, and runs each training batch as a Guard step: it begins at
+the top of the batch (before Lightning's per-batch SIGTERM ``broadcast``,
+a collective on the default group) and is committed at
+``on_train_batch_end``. ``optimizer_step`` hands the optimizer the
+closure (forward and backward), which the Guard's wrapper runs before the
+update is reported started; a fault in the closure or in the update is
+retried right there with the same batch -- ``trainer.fit()`` goes on. A
+dying gasp's relaunch sets Lightning's progress (epoch, batch, global step)
+to the Guard's step, and the training loader -- wrapped in
+:class:`~trainguard.torch.ResumableLoader` -- starts at the batch after it
+(Lightning's fetcher prefetches a batch, so the position kept is the
+batches Lightning has trained on, not fetched).
+
+One optimizer, automatic optimization, ``accumulate_grad_batches=1``
+(one batch is one step); other setups are refused before step 0. Tied to
+Lightning 2.6's loop internals (the training epoch loop's
+``_broadcast_sigterm_tensor`` and progress counters); the ``[lightning]``
+extra pins the tested range.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.data import DataLoader
+
+from trainguard.core import ConfigError, RecoveryError
+from trainguard.torch import Guard, ResumableLoader
+
+__all__ = ["GuardedDDPStrategy"]
+
+log = logging.getLogger("trainguard.integrations")
+
+
+class _Position:
+    """The data position the Guard keeps: the training loader's, with the
+    batches Lightning trained on in the epoch (the fetcher is one ahead).
+    Loaded at the start (a resume), it waits for the loader; loaded during
+    training (a retry, which reuses the batch in hand) it changes nothing."""
+
+    def __init__(self, strategy: "GuardedDDPStrategy") -> None:
+        self.strategy = strategy
+        self.loader: ResumableLoader | None = None
+        self.pending: dict | None = None
+        self.training = False
+
+    def state_dict(self) -> dict:
+        if self.loader is None:
+            return {"loader": None}
+        state = self.loader.state_dict()
+        trainer = self.strategy.lightning_module.trainer
+        # started, not processed: the Guard also records the position inside the update (for a rank lost
+        # later), where the batch in hand is started but not yet processed
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.started
+        if state["started"]:
+            state["batches"], state["finished"] = done, done >= len(self.loader)
+        return {"loader": state}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.training or state.get("loader") is None:
+            return
+        self.pending = state["loader"]
+        if self.loader is not None:
+            self.loader.load_state_dict(self.pending)
+
+
+class _Commit(Callback):
+    def __init__(self, strategy: "GuardedDDPStrategy") -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.strategy._end_step()
+
+
+class GuardedDDPStrategy(DDPStrategy):
+    """Lightning's DDP strategy, protected by trainguard.
+
+    Args:
+        guard_options: keyword arguments of :class:`trainguard.torch.Guard`
+            (``checkpoint_dir``, default ``<default_root_dir>/trainguard``;
+            ``save_every``, ...).
+        kwargs: ``DDPStrategy``'s.
+
+    Attributes:
+        guard: the Guard, from the start of ``fit``.
+        guard_report: ``guard.report()`` when ``fit`` ended.
+    """
+
+    strategy_name = "ddp_trainguard"
+
+    def __init__(self, guard_options: dict | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.guard_options = dict(guard_options or {})
+        for taken in ("data", "scheduler", "extra"):
+            if taken in self.guard_options:
+                raise ConfigError(f"guard_options: {taken} is the strategy's (the fit loop's own)")
+        self.guard: Guard | None = None
+        self.guard_report: dict | None = None
+        self._position = _Position(self)
+        self._in_step = False
+        self._left = False
+
+    # ------------------------------------------------------------ setup
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self.guard is not None:
+            raise ConfigError("a GuardedDDPStrategy fits once (its Guard belongs to one run of the loop)")
+        module = self.lightning_module
+        if not module.automatic_optimization or len(self.optimizers) != 1:
+            raise ConfigError("GuardedDDPStrategy protects automatic optimization with one optimizer")
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError("GuardedDDPStrategy: put gradient accumulation inside training_step "
+                              "(accumulate_grad_batches=1: one batch is one step)")
+        configs = trainer.lr_scheduler_configs
+        scheduler = configs[0].scheduler if configs else None
+        options = {"checkpoint_dir": f"{trainer.default_root_dir}/trainguard", **self.guard_options}
+        self.guard = Guard(self.model, self.optimizers[0], scheduler=scheduler, data=self._position, **options)
+        self.optimizers = [self.guard.optimizer]  # Lightning's optimizer_step now goes through the wrapper
+        trainer.callbacks.append(_Commit(self))
+        loop = trainer.fit_loop.epoch_loop
+        loop._broadcast_sigterm_tensor = self._begin_around(loop._broadcast_sigterm_tensor)
+        if self.guard.step:
+            self._resume_progress(trainer, self.guard.step)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer
+        if not (trainer.training and isinstance(dataloader, DataLoader) and self._position.loader is None):
+            return dataloader
+        if dataloader.generator is None:  # seeded without a draw: a resumed run makes it after its streams are back
+            dataloader.generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
+        self._position.loader = ResumableLoader(dataloader)
+        if self._position.pending is not None:
+            self._position.loader.load_state_dict(self._position.pending)
+        return self._position.loader
+
+    def _resume_progress(self, trainer, step: int) -> None:
+        """Lightning's counters at the Guard's ``step``: epoch, batch in it, global step."""
+        per_epoch = trainer.num_training_batches
+        if per_epoch in (None, float("inf")) or not per_epoch:
+            per_epoch = len(self._position_loader_hint(trainer))
+        epoch, done = divmod(step, int(per_epoch))
+        fit = trainer.fit_loop
+        fit.epoch_progress.increment_by(epoch)
+        loop = fit.epoch_loop
+        loop.batch_progress.increment_by(done)
+        loop.batch_progress.total.ready = loop.batch_progress.total.started = step
+        loop.batch_progress.total.processed = loop.batch_progress.total.completed = step
+        loop.automatic_optimization.optim_progress.optimizer.step.increment_by(step)
+        loop.automatic_optimization.optim_progress.optimizer.zero_grad.increment_by(step)
+        loop._batches_that_stepped = step
+        if done:
+            loop.restarting = True  # keep the batch counter of the epoch at its start
+        log.info("rank %d: Lightning goes on at epoch %d, batch %d (step %d)", self.global_rank, epoch, done, step)
+
+    @staticmethod
+    def _position_loader_hint(trainer) -> Any:
+        loader = trainer.fit_loop._data_source.dataloader()
+        if loader is None or not hasattr(loader, "__len__"):
+            raise ConfigError("GuardedDDPStrategy needs a training loader with a length to resume mid-run")
+        return loader
+
+    # ------------------------------------------------------------ the step
+    def _begin_around(self, broadcast: Callable[[], None]) -> Callable[[], None]:
+        def begin_then_broadcast() -> None:
+            while True:
+                self._begin()
+                try:
+                    return broadcast()
+                except Exception as error:  # a STOP released it: nothing of the step was taken yet
+                    self._fail(error)
+        return begin_then_broadcast
+
+    def _begin(self) -> None:
+        if not self._in_step:
+            self._position.training = True
+            self.guard.begin_step()
+            self._in_step = True
+
+    def _fail(self, error: BaseException) -> None:
+        self._in_step = False
+        try:
+            self.guard.fail_step(error)  # returns: run again; else it raised
+        except BaseException:
+            self._left = True  # the Guard said goodbye itself (an exit command) or the error goes on
+            raise
+
+    def _end_step(self) -> None:
+        if not self._in_step:
+            return  # a step a replica's state committed (_taken_over)
+        self._in_step = False
+        if not self.guard.end_step():
+            raise RecoveryError("the commit of a Lightning step failed after its hooks ran; it cannot be run "
+                                "again in place (the job's log says why)")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._begin()  # one process: no SIGTERM broadcast began it
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        step = self.guard.step
+        while True:
+            try:
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+            except Exception as error:
+                self._fail(error)
+            if self.guard.step > step:
+                # Struck inside its update after the others committed: it took the replica's state of the
+                # step this batch makes, which is done; only Lightning's scheduler step is still to come.
+                self._taken_over()
+                return None
+            self._begin()  # the same batch again: the closure is bound to it
+
+    def _taken_over(self) -> None:
+        for config in self.lightning_module.trainer.lr_scheduler_configs:
+            scheduler, step = config.scheduler, config.scheduler.step
+
+            def once(*args: Any, _scheduler=scheduler, _step=step, **kwargs: Any) -> None:
+                _scheduler.step = _step  # the replica's scheduler state counts this step already
+            scheduler.step = once
+
+    # ------------------------------------------------------------ the end
+    def on_exception(self, exception: BaseException) -> None:
+        self._left = True
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self.guard is not None and self.guard_report is None and not self._left:
+            self.guard_report = self.guard.report()
+            self.guard.close()
+        super().teardown()
