@@ -36,6 +36,30 @@ _IN_GRAPH = "in graph"
 STOP_WAIT_S = 30.0
 
 
+def close_autograd() -> bool:
+    """Close the gradient recording a PyNative step left open; True when
+    one was open.
+
+    An exception out of a forward pass under ``value_and_grad`` (or
+    ``TrainOneStepCell``'s ``grad``) skips MindSpore's ``end_graph``: the
+    executor's grad flag stays on, and every later operation of the process
+    is recorded for a backward pass that never comes. The jit-compiled
+    ``DistributedGradReducer`` is then built for a backward pass too
+    (``grad_jit``): in the ResNet-50 example that held the GIL (and with it
+    the heartbeats) for tens of seconds after a retry, while the peer's
+    gradient all-reduce timed out. ``clear_res`` is how MindSpore itself
+    recovers from an exception in a jit compile (``mindspore/graph/api.py``);
+    it waits for the queued kernels first, which hold no collective a peer
+    is not also running.
+    """
+    from mindspore.common.api import _pynative_executor
+
+    if not _pynative_executor.grad_flag():
+        return False
+    _pynative_executor.clear_res()
+    return True
+
+
 class CommunicationBroken(RuntimeError):
     """A collective failed or timed out: MindSpore's communicator may hold
     half a collective, so this process must not run another one."""
@@ -123,6 +147,8 @@ class Collectives:
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left, release the peers, then carry out
         the controller's recovery."""
+        if not self._graph and close_autograd():
+            log.debug("rank %d: closed the gradient recording its step left open", self.rank)
         if not self.comm_broken and context.FAILED_COLLECTIVE.search(str(error)):
             self.comm_broken = f"a collective failed ({str(error).splitlines()[0][:200]})"
         if (self.processor.data is DataStatus.UPDATING and self.comm_broken and not self._graph
