@@ -112,7 +112,9 @@ def test_the_example_trains_every_step_under_trainguard_with_one_process_a_rank(
 # forward: the fault leaves MindSpore's gradient recording open (an exception out of the forward pass
 # skips its end_graph); left so, rank 1's jit-compiled DistributedGradReducer was next built for a
 # backward pass, held the GIL for tens of seconds, and rank 0's gradient all-reduce timed out (exit 75).
-@pytest.mark.parametrize("phase", ["forward", pytest.param("backward", marks=pytest.mark.slow)])
+# reduce: rank 1 fails after the vote, and joins the gradient all-reduce with a health flag of 0.
+@pytest.mark.parametrize("phase", ["forward", pytest.param("backward", marks=pytest.mark.slow),
+                                   pytest.param("reduce", marks=pytest.mark.slow)])
 def test_a_retried_uce_ends_in_the_fault_free_state_with_the_same_processes(tmp_path, fault_free, phase):
     ref = fault_free.report
     run = example(tmp_path, "uce", fault=f"uce:rank=1,step=2,phase={phase}")

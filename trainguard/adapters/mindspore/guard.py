@@ -18,10 +18,11 @@ fails in its forward or backward pass releases its peers with a vote of 0
 alone ("drain"), and every replica leaves the step with its state at the
 last completed step; the controller then repairs the failed rank from a
 replica (``retry``) or has a healthy replica save it (``dump``). Once the
-vote passed, nothing can release the peers from the gradient all-reduce
-without giving them a wrong update: a rank lost there leaves them to
-MindSpore's collective timeout, after which their update never ran
-(checked, see :meth:`Guard._handle`) and they can save the step.
+vote passed, the gradient all-reduce carries every replica's health flag
+again, and the host reads it before it queues the update: a rank that fails
+after the vote joins the all-reduce with a flag of 0, and again no replica
+updates. A rank lost there leaves its peers to MindSpore's collective
+timeout; their update was never queued, so they can save the step.
 Launched with ``msrun`` after ``adapters-patch msrun`` or with ``trainguard
 run --framework mindspore`` the guard reaches the job's controller;
 otherwise it still checkpoints and resumes.
@@ -47,8 +48,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import mindspore as ms
-import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import nn, ops
 
 from trainguard.core import (
     MINDSPORE,
@@ -70,7 +70,8 @@ from trainguard.core.profiling import recorder_from_env
 
 from . import context
 from .checkpoints import Checkpoints
-from .collectives import _COMPUTE, _IN_GRAPH, _REDUCING, _SETTLED, _UPDATING, STOP_WAIT_S, Collectives
+from .collectives import (_COMPUTE, _IN_GRAPH, _REDUCING, _SETTLED, _UPDATING, STOP_WAIT_S, Collectives,
+                          HealthCheckedReducer)
 from .compile_cache import MindSporeCompileCache, key_parts
 from .handlers import MindSporeHandlers
 from .markers import MindSporeMarkers
@@ -196,11 +197,11 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         self.save_every, self.steps_per_epoch = save_every, steps_per_epoch
         self.classifier = classifier or context.classifier()
         self._allreduce = ops.AllReduce() if self.world_size > 1 else None
-        self._update_mark = Parameter(Tensor(np.zeros(1, np.int32)), name="trainguard_update_mark",
-                                      requires_grad=False)
-        if reducer is None and reduce_gradients and self.world_size > 1:
-            reducer = nn.DistributedGradReducer(self.optimizer.parameters, mean=True, degree=self.world_size)
-        self.reducer, self._reduce = reducer, reduce_gradients and reducer is not None
+        self.reducer = reducer
+        self._reduce = reduce_gradients and (reducer is not None or self.world_size > 1)
+        #: The gradient all-reduce, carrying each replica's health flag (see :meth:`reduce`).
+        self._checked = HealthCheckedReducer(self.optimizer.parameters, reducer, self.world_size) \
+            if self._reduce else None
         self.records: list[dict] = []
         self.history: dict = {"records": [], "pids": {}}
         self._handlers = MindSporeHandlers(self)
@@ -281,10 +282,15 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         ``Model.train``'s ``TrainOneStepCell`` in PyNative mode (the callback
         puts it in the cell's ``grad_reducer`` slot).
 
-        The vote's host wait is for this rank's own backward pass; the
-        gradient all-reduce and the update are then queued without another
-        wait. (Voting after the all-reduce, as MindSpore's compiled wrapper
-        does, made a PyNative step 14-60% slower on 2 CPU cores.)"""
+        The vote's host wait is for this rank's own backward pass. (Voting
+        in a collective of its own after the all-reduce, as MindSpore's
+        compiled wrapper does, made a PyNative step 14-60% slower on 2 CPU
+        cores.) The gradient all-reduce carries each replica's health flag
+        once more, one float in the same compiled all-reduce: a replica that
+        fails between the vote and its all-reduce joins it with zeros and a
+        flag of 0 (see :meth:`_drain`), and every replica skips the update.
+        The host waits for the all-reduce before it queues the update, as
+        queuing the update waited for it before."""
         self.injector.strike("backward", self._step)
         # The step drew its random numbers. Kept now: reading them waits for
         # the queued kernels, which must not include the gradient all-reduce
@@ -297,8 +303,11 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             return gradients
         self._phase = _REDUCING
         self.injector.strike("reduce", self._step)
-        if self._reduce:
-            gradients = self._collective(lambda: self.reducer(gradients), "gradient allreduce")
+        if self._checked is not None:
+            gradients, every = self._collective(lambda: self._checked(gradients, True), "gradient allreduce")
+            if not every:  # a replica failed after the vote: no replica updates
+                self._phase = _SETTLED
+                self._skipped = True
         return gradients
 
     def update(self, gradients):
@@ -310,18 +319,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             return False
         self.processor.start_update()
         self._phase = _UPDATING
-        self._in_collective = True  # queuing the update waits for the gradient all-reduce, so for the peers
-        try:
-            result = self.optimizer.opt(gradients)
-        finally:
-            self._in_collective = False
-        # The update's last kernel. Kernels queued behind a failed collective
-        # never run, so after a failed all-reduce an unchanged mark means the
-        # update did not run at all (see _handle). Not its first kernel: an
-        # Assign queued right behind the all-reduce waits for it in a busy
-        # loop that took the CPU from the all-reduce (a step 30-60% slower on
-        # 2 cores; the optimizer's own kernels wait without that cost).
-        ops.assign(self._update_mark, Tensor(np.array([self._step + 1], np.int32)))
+        result = self.optimizer.opt(gradients)
         self.injector.strike("optimizer", self._step)
         self._updated = True
         return result
