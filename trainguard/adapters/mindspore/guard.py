@@ -77,6 +77,7 @@ from .handlers import MindSporeHandlers
 from .markers import MindSporeMarkers
 from .optimizer import OptTFTWrapper
 from .state import ModelState, kernel_random_ops
+from .user_saves import StreamFiles
 
 __all__ = ["Guard"]
 
@@ -116,7 +117,12 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             (``TrainFaultTolerance``'s ``ckpt_save_fn``): called with the
             step on the rank that saves, with the state at that step; its
             files are the user's to verify and resume from (nothing is
-            renamed, as in MindSpore).
+            renamed, as in MindSpore). Every rank's random streams go
+            beside them into ``checkpoint_dir`` (:mod:`.user_saves`); without
+            one the Guard warns that they cannot.
+        save_fn_offset: steps trained before this Guard's step 0
+            (``TrainFaultTolerance``'s starting position): the streams
+            beside a ``save_fn``'s files are filed under this plus the step.
         compile_cache, compile_cache_key: where compiled graphs are kept
             for restarts (``MS_COMPILER_CACHE_PATH`` is set per rank; see
             the torch Guard and :mod:`.compile_cache`).
@@ -147,6 +153,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         classifier: Classifier | None = None,
         compiled_step: Callable[[tuple], object] | None = None,
         save_fn: Callable[[int], None] | None = None,
+        save_fn_offset: int = 0,
         profiling_dir: str | os.PathLike | None = None,
         compile_cache: str | os.PathLike | bool | None = None,
         compile_cache_key: dict | None = None,
@@ -206,7 +213,14 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         self.history: dict = {"records": [], "pids": {}}
         self._handlers = MindSporeHandlers(self)
         self._run_compiled = compiled_step
-        self.save_fn = save_fn
+        self.save_fn, self.save_fn_offset = save_fn, save_fn_offset
+        self.stream_files = StreamFiles(checkpoint_dir) if save_fn is not None and checkpoint_dir is not None \
+            else None
+        if save_fn is not None and checkpoint_dir is None and self.rank == 0:
+            log.warning("ckpt_save_fn without ckpt_save_path: your function saves the parameters, but trainguard "
+                        "has nowhere to write each rank's random streams, so a relaunch from your files goes on "
+                        "from each process's seed, not bit-identical to a run without the fault (pass "
+                        "ckpt_save_path too: the streams go to <ckpt_save_path>/.trainguard/streams/)")
         self._inputs: tuple = ()  # graph mode: the running step's batch, replayed by the drain
         self._step = 0
         self._phase = _COMPUTE
