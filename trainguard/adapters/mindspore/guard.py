@@ -76,7 +76,8 @@ from .compile_cache import MindSporeCompileCache, key_parts
 from .handlers import MindSporeHandlers
 from .markers import MindSporeMarkers
 from .optimizer import OptTFTWrapper
-from .state import ModelState, kernel_random_ops
+from .random_ops import kernel_random_ops
+from .state import ModelState
 from .user_saves import StreamFiles
 
 __all__ = ["Guard"]
@@ -176,7 +177,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             raise ConfigError("this optimizer wrapper already belongs to another Guard")
         self.network = network
         self.state = ModelState(network, self.optimizer.opt)
-        self.kernel_random_ops = kernel_random_ops(network)
+        self.kernel_random_ops = kernel_random_ops(network, graph=self._graph)
         if self.kernel_random_ops and self.rank == 0:
             log.warning("%s keep their random state inside MindSpore's kernels, which trainguard cannot save or set: "
                         "steps redone or resumed after a fault draw other numbers there than a run without the fault "
