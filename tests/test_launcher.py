@@ -60,6 +60,8 @@ def _loud(stderr: str) -> list[str]:
     ("", 0, None),
     ("comm:rank=1,step=3", 0, "fault: rank 1: comm: RuntimeError: SUSPECT REMOTE ERROR"),
     ("crash:rank=1,step=3", 75, "fault: rank 1: process lost"),
+    # the hung rank's watchdog and its forced exit were 2 ERROR lines besides
+    ("hang:rank=1,step=3", 75, "fault: rank 1: hang: training loop hung"),
 ])
 def test_a_clean_run_prints_no_warning_and_a_handled_fault_one_line(tmp_path, fault, code, outcome):
     """No warning at all in a clean run (none for the agent leaving, for

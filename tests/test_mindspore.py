@@ -76,6 +76,9 @@ def test_retry_after_a_device_memory_error_is_bit_identical_and_keeps_every_pid(
     assert [rec["strategy"] for rec in r["recoveries"]] == ["retry"], job
     assert r["recoveries"][0]["fault"] == "uce" and r["recoveries"][0]["rank"] == rank, job
     assert all(len(pids) == 1 for pids in r["pids"].values()), job  # no process was restarted
+    # One WARNING line, the controller's, with no MindSpore call-stack banner in it (as for torch).
+    (loud,) = job.loud()
+    assert " WARNING " in loud and "-> retry: training resumed at step" in loud and "----" not in loud, job.loud()
     # The update after the fault is the one every replica skipped: step 3 (forward, backward, reduce) or 4.
     assert r["recoveries"][0]["step"] == (4 if phase == "optimizer" else 3), job
     assert not list(Path("/dev/shm").glob(f"**/trainguard-*-{r['pids'][str(1 - rank)][0]}-step*.state")), \
@@ -93,6 +96,9 @@ def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identic
     first = run_ms(tmp_path, "crash", fault=fault, ckpt=ckpt)
     assert first.rc == 75, first
     assert "dying-gasp checkpoint at step 3" in first.log, first
+    # One WARNING line; rank 0's failed all-reduce in it without MindSpore's call-stack banner.
+    (loud,) = first.loud()
+    assert "rank 0: comm: " in loud and "-> dump: job exiting" in loud and "----" not in loud, first.loud()
     entries = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("."))
     assert entries == ["latest_tft_step.txt", DUMP_3], entries  # one, finalised
     shard = ckpt / DUMP_3 / "rank_0" / "ttp_rank_0-1_3.ckpt"  # epoch 1, its step 3
@@ -280,6 +286,8 @@ def test_plain_msrun_after_the_patch_retries_with_ms_enable_tft(tmp_path, baseli
     plain = run_ms(tmp_path, "plain", strategies=None, launcher="msrun")  # no MS_ENABLE_TFT: msrun as before
     assert plain.rc == 0 and plain.report is not None, plain
     assert "trainguard controls msrun" not in plain.log and "no trainguard controller" in plain.log, plain
+    (hint,) = [line for line in plain.loud() if "no trainguard controller" in line]
+    assert "MS_ENABLE_TFT" in hint, hint  # what the patched msrun was missing
     assert plain.report["final_state_sha256"] == baseline.report["final_state_sha256"], plain
 
 

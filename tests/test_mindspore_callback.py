@@ -242,6 +242,8 @@ def test_device_error_is_retried_inside_model_train(tmp_path, baseline):
     assert r["steps_completed"] == 2 * EPOCHS and r["lost_steps"] == 0, job
     assert [(x["fault"], x["rank"], x["step"], x["strategy"]) for x in r["recoveries"]] == [("uce", 1, 3, "retry")]
     assert all(len(pids) == 1 for pids in r["pids"].values()), r["pids"]  # the same processes throughout
+    (loud,) = job.loud()  # the controller's one line (Model.train's restart and the drain are INFO)
+    assert " WARNING " in loud and "-> retry: training resumed at step 3" in loud, job.loud()
     assert r["final_state_sha256"] == baseline.report["final_state_sha256"], job
     assert "Model.train starts at epoch 1, batch 1 (step 3)" in job.log
     _assert_no_stray_processes(tmp_path)

@@ -358,8 +358,8 @@ def _train_protected(original, model: Model, callback: TrainFaultTolerance, call
                 dataset.set_init_step(position)
                 callback._resume_at = position
                 if guard.rank == 0:
-                    log.warning("Model.train starts at epoch %d, batch %d (step %d)", call["initial_epoch"],
-                                position % per_epoch, position)
+                    log.info("Model.train starts at epoch %d, batch %d (step %d)", call["initial_epoch"],
+                             position % per_epoch, position)
             try:
                 original(model, **call)
                 break

@@ -131,8 +131,8 @@ class Collectives:
                     return fn()
             return fn()
         except RuntimeError as e:
-            self.comm_broken = f"a collective failed ({str(e).splitlines()[0]})"
-            raise CommunicationBroken(f"rank {self.rank}: {self.comm_broken}: {e}") from e
+            self.comm_broken = f"a collective failed ({context.brief(e)})"
+            raise CommunicationBroken(f"rank {self.rank}: {self.comm_broken}") from e
         finally:
             self._in_collective = False
 
@@ -163,7 +163,7 @@ class Collectives:
                 self.optimizer.set_health(False)
                 self._collective(lambda: self._run_compiled(self._inputs))
                 self._phase = _SETTLED
-                log.warning("rank %d released its peers from step %d", self.rank, self._step + 1)
+                log.info("rank %d released its peers from step %d", self.rank, self._step + 1)
             return
         if phase == _REDUCING:
             # The peers agreed to update and wait in the gradient all-reduce:
@@ -174,7 +174,7 @@ class Collectives:
                 zeros = tuple(ops.zeros_like(p) for p in self.optimizer.parameters)
                 self._collective(lambda: self._checked(zeros, False), "gradient allreduce")
             self._phase = _SETTLED
-            log.warning("rank %d released its peers from step %d", self.rank, self._step + 1)
+            log.info("rank %d released its peers from step %d", self.rank, self._step + 1)
             return
         if phase == _COMPUTE and not self._reduce and self.reducer is not None:
             # The loop reduces before the vote: the peers wait in that all-reduce first.
@@ -182,7 +182,7 @@ class Collectives:
             self._collective(lambda: self.reducer(zeros))
         self._vote(False)
         self._phase = _SETTLED
-        log.warning("rank %d released its peers from step %d", self.rank, self._step + 1)
+        log.info("rank %d released its peers from step %d", self.rank, self._step + 1)
 
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left, release the peers, then carry out
@@ -190,13 +190,13 @@ class Collectives:
         if not self._graph and close_autograd():
             log.debug("rank %d: closed the gradient recording its step left open", self.rank)
         if not self.comm_broken and context.FAILED_COLLECTIVE.search(str(error)):
-            self.comm_broken = f"a collective failed ({str(error).splitlines()[0][:200]})"
+            self.comm_broken = f"a collective failed ({context.brief(error)[:300]})"
         phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
         if self._phase == _IN_GRAPH and not self.comm_broken:
             # Which of the graph's collectives ran is unknown: run none again (the controller dumps).
-            first = next((line for line in str(error).splitlines() if line.strip() and not line.startswith("-")), "")
-            self.comm_broken = f"the compiled step failed ({first or type(error).__name__})"
-        own = report_left_step(self.processor, error, self.classifier, phase=phase)  # logs it too
+            self.comm_broken = f"the compiled step failed ({context.brief(error)[:300]})"
+        own = report_left_step(self.processor, error, self.classifier, phase=phase,
+                               cause=context.brief(error))  # logs it too
         if own:
             try:
                 self._drain()

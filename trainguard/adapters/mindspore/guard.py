@@ -254,7 +254,9 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         self.optimizer.guard = self
 
     stops_at_step_boundary = False  # a stop is voted on inside the next update: every replica leaves one step
-    launch_hint = "launch with msrun after `adapters-patch msrun`, or `trainguard run --framework mindspore`"
+    launch_hint = ("launch with `trainguard run --framework mindspore`, or with msrun after `adapters-patch msrun` "
+                   "and MS_ENABLE_TFT turning on TTP, UCE or ARF (e.g. MS_ENABLE_TFT='{TTP:1,UCE:1}'; without it a "
+                   "patched msrun runs as before)")
 
     def _connect_details(self) -> dict:
         return {"device": ms.get_context("device_target").lower(), "device_repairable": True}
