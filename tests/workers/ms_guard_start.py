@@ -2,10 +2,10 @@
 whether its start-up checks let it: ``TRAINGUARD_FAULT`` comes from the
 environment.
 
-    ms_guard_start.py CHECKPOINT_DIR [dropout | random]
+    ms_guard_start.py CHECKPOINT_DIR [random]
 
-``dropout`` puts an ``nn.Dropout`` after the layer; ``random`` every kind
-of dropout, held by a cell or called in ``construct``. Prints ``ConfigError:
+``random`` puts every kind of dropout after the layer, held by a cell or
+called in ``construct``. Prints ``ConfigError:
 ...`` and exits 3 when refused, else ``started`` and the report's
 ``kernel_random_ops``.
 """
@@ -27,9 +27,7 @@ class Functional(nn.Cell):
         return ops.dropout(ops.dropout2d(x, 0.2), p=0.2)  # draws from the op seeds (kept), and from a kernel
 
 
-if sys.argv[2:] == ["dropout"]:
-    net = nn.SequentialCell([nn.Dense(4, 2), nn.Dropout(p=0.2)])
-elif sys.argv[2:] == ["random"]:  # every kind of dropout, held and functional
+if sys.argv[2:] == ["random"]:  # every kind of dropout, held and functional
     net = nn.SequentialCell([nn.Dense(4, 2), nn.Dropout(p=0.2), nn.Dropout1d(0.2), nn.Dropout2d(0.2), nn.Dropout3d(0.2),
                              Functional()])
 else:
