@@ -52,7 +52,7 @@ def close_autograd() -> bool:
     it waits for the queued kernels first, which hold no collective a peer
     is not also running.
     """
-    from mindspore.common.api import _pynative_executor
+    from mindspore.graph.api import _pynative_executor
 
     if not _pynative_executor.grad_flag():
         return False
