@@ -104,8 +104,12 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             only a header naming it (memory and copying per machine).
         steps_per_epoch: for ``epoch_num`` inside checkpoints (0: one epoch).
         reduce_gradients: all-reduce (mean) the gradients across the replicas
-            in the wrapper; ``False`` when something else does (``Model``'s
-            ``TrainOneStepCell``): pass its ``grad_reducer`` as ``reducer``.
+            in the wrapper, each replica's health flag with them; ``False``
+            when something else does (the loop, before the wrapper): pass
+            its reducer as ``reducer``, which a drain replays.
+        reducer: the ``DistributedGradReducer`` whose mean and degree the
+            Guard's own all-reduce follows (``Model``'s ``TrainOneStepCell``'s
+            ``grad_reducer``); with ``reduce_gradients=False``, the loop's.
         replicas: this rank's replica groups (default: pure data parallel).
         processor, injector, classifier: collaborators, from the environment
             when omitted.
@@ -131,7 +135,9 @@ class Guard(Collectives, Checkpoints, RankRuntime):
     Raises:
         ConfigError: graph mode without ``compiled_step`` (a hand-written
             loop), a ``backward`` fault to inject in graph mode (any rank's),
-            a ``stall`` fault, or a ``checkpoint_dir`` that cannot be written.
+            a ``stall`` fault, a ``checkpoint_dir`` that cannot be written,
+            or a ``reducer`` that is not a ``DistributedGradReducer`` for the
+            Guard to reduce like.
     """
 
     def __init__(
@@ -206,7 +212,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         self.classifier = classifier or context.classifier()
         self._allreduce = ops.AllReduce() if self.world_size > 1 else None
         self.reducer = reducer
-        self._reduce = reduce_gradients and (reducer is not None or self.world_size > 1)
+        self._reduce = reduce_gradients and self.world_size > 1  # one process: its mean is its own
         #: The gradient all-reduce, carrying each replica's health flag (see :meth:`reduce`).
         self._checked = HealthCheckedReducer(self.optimizer.parameters, reducer, self.world_size) \
             if self._reduce else None
