@@ -104,9 +104,11 @@ class Processor:
 
     # ---------------------------------------------------------- connection
     def connect(self, *, step: int = 0, replicas: Sequence[ReplicaGroup] = (), device: str = "cpu",
-                device_repairable: bool = True, restart_count: int = 0, joining: bool = False) -> None:
+                device_repairable: bool = True, restart_count: int = 0, joining: bool = False,
+                resumed_after_dump: str = "") -> None:
         """Register with the controller and start the background thread
-        (``joining``: this process replaces a lost one in a recovery).
+        (``joining``: this process replaces a lost one in a recovery;
+        ``resumed_after_dump``: the cause of the dying gasp it resumed from, or "").
 
         A session the controller's server cancels or cannot accept yet
         (thousands of ranks registering at once) is retried with jitter until
@@ -121,7 +123,7 @@ class Processor:
         self.step = step
         hello = messages.hello(self.rank, self.config.world_size, self._status(), replicas,
                                device=device, device_repairable=device_repairable, restart_count=restart_count,
-                               joining=joining)
+                               joining=joining, resumed_after_dump=resumed_after_dump)
         self._channel = client_channel(self.config.controller, self.config.max_message_bytes, self.config.tls)
         session = self._channel.stream_stream(
             f"/{SERVICE}/Session",
