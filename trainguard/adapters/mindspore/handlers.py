@@ -135,6 +135,10 @@ class MindSporeHandlers(Handlers):
                 got = broadcast_state(g, g.state, src)  # every rank takes part in the broadcast
             if receivers.get(g.rank) == src:
                 g.state.load_arrays(got, source=f"rank {src}'s state")
+                if g.state.buffers and not g.state.restore_own_buffers(step):
+                    log.warning("rank %d holds no buffers of its own at step %d (it committed step %s): it goes on "
+                                "with rank %d's (BatchNorm statistics), so the job is no longer bit-identical to a "
+                                "fault-free run", g.rank, step, g.state.snapshot_step, src)
                 g.processor.end_copy(step)
                 self._repaired = True
                 log.info("rank %d took its state at step %d from rank %d", g.rank, step, src)

@@ -54,6 +54,7 @@ class ModelState:
         self._buffer_snapshot: list[np.ndarray] = []
         self._streams: dict[str, Any] | None = None
         self._update_streams: tuple[int, dict[str, Any]] | None = None  # (step, streams) when its update began
+        self._update_buffers: tuple[int, list[np.ndarray]] | None = None  # (step, buffers) when its update began
         self.snapshot_step: int | None = None
 
     def commit(self, step: int) -> None:
@@ -68,8 +69,26 @@ class ModelState:
             ops.assign(p, Tensor(value))  # Tensor copies; assign: in place, kernels keep using the same storage
 
     def updating(self, step: int) -> None:
-        """The update to ``step`` begins: the step drew its random numbers."""
+        """The update to ``step`` begins: the step drew its random numbers
+        and its forward pass moved the buffers."""
         self._update_streams = (step, streams())
+        self._update_buffers = (step, [p.asnumpy().copy() for p in self.buffers])
+
+    def restore_own_buffers(self, step: int) -> bool:
+        """Set the buffers back to this rank's own of ``step`` (its commit
+        of ``step``, or when its update to ``step`` began), after a repair
+        from a replica: BatchNorm's moving statistics are each rank's own
+        (a data-parallel all-reduce moves gradients only), so a replica's
+        are not this rank's. False when it knows neither."""
+        if self.snapshot_step == step:
+            own = self._buffer_snapshot
+        elif self._update_buffers is not None and self._update_buffers[0] == step:
+            own = self._update_buffers[1]
+        else:
+            return False
+        for p, value in zip(self.buffers, own):
+            ops.assign(p, Tensor(value))
+        return True
 
     def streams_at(self, step: int) -> dict[str, Any] | None:
         """This rank's random streams at ``step``: at its commit of
