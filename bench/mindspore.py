@@ -56,7 +56,11 @@ whole-launch wall clocks alone.
    finalised), and the whole command. MindSpore's survivor is inside a
    collective with the lost rank and leaves it only at
    ``MS_CPU_COMM_OP_TIMEOUT`` (trainguard's msrun sets 15 s); the run is
-   repeated with 5 s to show that the timeout, not the save, is the time.
+   repeated with 5 s to show that the timeout, not the save, is the time,
+   and once more with the rank lost in the gradient all-reduce
+   (``phase=reduce``): that all-reduce is a compiled graph
+   (``DistributedGradReducer``), and MindSpore raises a failed graph only
+   after a fixed 3 s wait (``GraphScheduler::Run``'s ``kTimeToWait``).
    Then ``tests/workers/ms_collective_probe.py`` tries, once each, every way
    out of such a wait MindSpore 2.10 offers on CPU (finalize, release,
    destroy the group, an async all-reduce, reading the parameters) and

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -52,6 +53,17 @@ class MsJob:
 
     def __str__(self) -> str:
         return f"rc={self.rc}\n{self.log[-6000:]}"
+
+    def loud(self) -> list[str]:
+        """trainguard's WARNING and ERROR lines, each once (msrun prints a
+        worker's lines as it tails its log, which the job's log holds too)."""
+        seen, out = set(), []
+        for line in self.log.splitlines():
+            match = re.search(r"(\[trainguard [^\]]*? (WARNING|ERROR|CRITICAL) [^\]]*\]) (.*)", line)
+            if match and match.group(1) not in seen:  # its source, level and time: the same line twice
+                seen.add(match.group(1))
+                out.append(match.group(0))
+        return out
 
 
 def run_ms(tmp: Path, name: str, *, fault: str | None = None, strategies: str | None = "retry,dump,exit",

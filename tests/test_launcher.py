@@ -61,6 +61,8 @@ def _loud(stderr: str) -> list[str]:
     ("comm:rank=1,step=3", 0, "fault: rank 1: comm: RuntimeError: SUSPECT REMOTE ERROR", None),
     ("crash:rank=1,step=3", 0, "fault: rank 1: process lost", None),  # the default: restarted in place
     ("crash:rank=1,step=3", 75, "fault: rank 1: process lost", "0"),
+    # the hung rank's watchdog and its forced exit were 2 ERROR lines besides
+    ("hang:rank=1,step=3", 75, "fault: rank 1: hang: training loop hung", "0"),
 ])
 def test_a_clean_run_prints_no_warning_and_a_handled_fault_one_line(tmp_path, fault, code, outcome, budget):
     """No warning at all in a clean run (none for the agent leaving, for

@@ -230,6 +230,8 @@ print("ok")
 """)
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
     assert "Model.train starts at epoch 2, batch 0 (step 4)" in done.stdout + done.stderr
+    # No ckpt_save_path: nowhere to keep the random streams beside the user's files, said before step 0.
+    assert "ckpt_save_fn without ckpt_save_path" in done.stdout + done.stderr
 
 
 @pytest.mark.timeout(240)
@@ -240,6 +242,8 @@ def test_device_error_is_retried_inside_model_train(tmp_path, baseline):
     assert r["steps_completed"] == 2 * EPOCHS and r["lost_steps"] == 0, job
     assert [(x["fault"], x["rank"], x["step"], x["strategy"]) for x in r["recoveries"]] == [("uce", 1, 3, "retry")]
     assert all(len(pids) == 1 for pids in r["pids"].values()), r["pids"]  # the same processes throughout
+    (loud,) = job.loud()  # the controller's one line (Model.train's restart and the drain are INFO)
+    assert " WARNING " in loud and "-> retry: training resumed at step 3" in loud, job.loud()
     assert r["final_state_sha256"] == baseline.report["final_state_sha256"], job
     assert "Model.train starts at epoch 1, batch 1 (step 3)" in job.log
     _assert_no_stray_processes(tmp_path)
@@ -266,25 +270,36 @@ def test_killed_worker_is_dumped_and_the_relaunch_resumes_mid_epoch(tmp_path, ba
 
 
 @pytest.mark.timeout(300)
-def test_ckpt_save_fn_writes_the_dying_gasp_and_the_user_resumes_from_it(tmp_path, baseline):
+@pytest.mark.parametrize("resume", ["ckpt_load_fn", pytest.param("initial_step", marks=pytest.mark.slow)])
+def test_ckpt_save_fn_writes_the_dying_gasp_and_the_user_resumes_from_it(tmp_path, baseline, resume):
     """MindSpore's ``ckpt_save_fn``: the saving replica calls it at the
-    consistent step instead of writing trainguard's files; the user's own
-    resume from that file (``initial_step``) ends bit-identical."""
+    consistent step instead of writing trainguard's files; every rank's
+    random streams go beside them (``ckpt_save_path``), and the user's own
+    resume from that file (``ckpt_load_fn``, or loaded by the script with
+    ``initial_step``) ends bit-identical -- the network's ``ops.dropout``
+    drawing as in the fault-free run. Before, trainguard wrote no streams
+    when a save function was given, and the relaunch trained on other
+    dropout masks, without a warning."""
     ckpt = tmp_path / "ckpt"
-    job = run_model_train(tmp_path, "userfn", fault="crash:rank=1,step=3,phase=backward", ckpt=ckpt,
-                          env={"TEST_SAVE_FN": "1"})
+    env = {"TEST_SAVE_FN": "1", "TEST_SAVE_PATH": "1", **({"TEST_LOAD_FN": "1"} if resume == "ckpt_load_fn" else {})}
+    job = run_model_train(tmp_path, "userfn", fault="crash:rank=1,step=3,phase=backward", ckpt=ckpt, env=env)
     assert job.rc == 75, job
     (written,) = sorted((ckpt / "user").glob("*.json"))  # one replica saves: rank 0, the survivor
     assert written.name == "rank_0-step_3.json", job
     assert json.loads(written.read_text()) == {"cur_step_num": 3, "cur_epoch_num": 2,
                                                 "append_dict": {"__exception_save__": True}}
     assert not any(p.name.startswith(DUMP_PREFIX) for p in ckpt.iterdir())  # nothing of trainguard's
+    # rank 0's own streams, and rank 1's carried over from its record on this node
+    assert sorted(p.name for p in (ckpt / ".trainguard" / "streams" / "step_3").iterdir()) == \
+        ["own_r0.json", "own_r1.json"], job
 
-    again = run_model_train(tmp_path, "user-resume", ckpt=ckpt, env={
-        "TEST_SAVE_FN": "1", "TEST_RESUME": str(written.with_suffix(".ckpt")), "TEST_INITIAL_STEP": "3"})
+    if resume == "initial_step":
+        env.update(TEST_RESUME=str(written.with_suffix(".ckpt")), TEST_INITIAL_STEP="3")
+    again = run_model_train(tmp_path, "user-resume", ckpt=ckpt, env=env)
     assert again.rc == 0 and again.report is not None, again
     assert again.report["steps_completed"] == 2 * EPOCHS - 3, again
     assert "Model.train starts at epoch 1, batch 1 (step 3)" in again.log
+    assert "took its random streams of step 3" in again.log and "no random streams" not in again.log, again
     assert again.report["final_state_sha256"] == baseline.report["final_state_sha256"], again
     _assert_no_stray_processes(tmp_path)
 

@@ -6,7 +6,11 @@ trainguard's ``TrainFaultTolerance`` callback, for the fault tests.
 Each rank's data is its own (seeded by rank), shuffled with a fixed seed,
 two batches an epoch, so a resumed run must skip to the right epoch, the
 right batch and that epoch's shuffle order. Rank 0 writes the Guard's report.
-``TEST_MS_MODE=graph`` in the environment trains in graph mode (default PyNative).
+``TEST_MS_MODE=graph`` in the environment trains in graph mode (default
+PyNative, with an ``ops.dropout`` drawing from the op seeds). ``TEST_SAVE_FN``
+saves the dying gasp with a ``ckpt_save_fn`` (``TEST_SAVE_PATH``: with
+``ckpt_save_path`` too), and a relaunch resumes from it with ``ckpt_load_fn``
+(``TEST_LOAD_FN``) or ``TEST_RESUME`` and ``TEST_INITIAL_STEP``.
 CHECK (``sink``, ``unwrapped``, ``graph-backward``: a backward fault to inject
 in graph mode) runs one refused configuration in a single process and prints
 the error.
@@ -15,11 +19,12 @@ the error.
 import json
 import os
 import sys
+from pathlib import Path
 
 import mindspore as ms
 import mindspore.dataset as ds
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import Tensor, nn, ops
 from mindspore.train import Model
 
 from trainguard.core import ConfigError
@@ -54,7 +59,10 @@ class Net(nn.Cell):
                             bias_init="zeros")
 
     def construct(self, x):
-        return self.fc2(nn.ReLU()(self.bn(self.fc1(x))))
+        hidden = nn.ReLU()(self.bn(self.fc1(x)))
+        if not graph:  # draws from MindSpore's op seeds, which a retry and a dump carry (graph mode fixes them)
+            hidden = ops.dropout(hidden, p=0.2, training=self.training)
+        return self.fc2(hidden)
 
 
 data = np.random.default_rng(100 + rank)
@@ -68,14 +76,20 @@ model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean
               optimizer=momentum if check == "unwrapped" else OptTFTWrapper(momentum))
 initial_step = 0
 if os.environ.get("TEST_SAVE_FN"):
-    # MindSpore's custom dying-gasp writer, and a user's own resume from its file.
+    # MindSpore's custom dying-gasp writer (its step_num appended, as MindSpore's own dying gasp does), and a
+    # user's own resume from its file: by ckpt_load_fn (TEST_LOAD_FN), or loaded here with initial_step.
     def save(cb_params, append_dict):
         name = f"{ckpt}/user/rank_{rank}-step_{cb_params.cur_step_num}"
         os.makedirs(os.path.dirname(name), exist_ok=True)
-        ms.save_checkpoint(cb_params.train_network, name + ".ckpt")
+        ms.save_checkpoint(cb_params.train_network, name + ".ckpt",
+                           append_dict={**append_dict, "step_num": cb_params.cur_step_num})
         with open(name + ".json", "w") as f:
             json.dump({"cur_step_num": cb_params.cur_step_num, "cur_epoch_num": cb_params.cur_epoch_num,
                        "append_dict": append_dict}, f)
+
+    def load():
+        saved = sorted(Path(ckpt, "user").glob("rank_*.ckpt"))
+        return (ms.load_checkpoint(str(saved[-1])) if saved else {}), False
 
     resume = os.environ.get("TEST_RESUME")
     if resume:
@@ -83,7 +97,9 @@ if os.environ.get("TEST_SAVE_FN"):
         ms.load_param_into_net(net, saved)
         ms.load_param_into_net(momentum, saved)
         initial_step = int(os.environ["TEST_INITIAL_STEP"])
-    callback = TrainFaultTolerance(ckpt_save_fn=save, initial_step=initial_step)
+    callback = TrainFaultTolerance(ckpt if os.environ.get("TEST_SAVE_PATH") else None, ckpt_save_fn=save,
+                                   **({"ckpt_load_fn": load} if os.environ.get("TEST_LOAD_FN") else
+                                      {"initial_step": initial_step}))
 else:
     callback = TrainFaultTolerance(ckpt)
 try:

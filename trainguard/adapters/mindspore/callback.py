@@ -232,12 +232,13 @@ class TrainFaultTolerance(Callback):
             # The cell reduces and votes in one compiled graph; the drain replays it.
             self.guard = Guard(model._network, optimizer, checkpoint_dir=self.ckpt_save_path,
                                steps_per_epoch=steps_per_epoch, reduce_gradients=False, reducer=reducer,
-                               compiled_step=lambda inputs: train_network(*inputs), save_fn=save_fn)
+                               compiled_step=lambda inputs: train_network(*inputs), save_fn=save_fn,
+                               save_fn_offset=self._base)
             return self.guard
         # PyNative: the Guard votes before the cell's gradient all-reduce, from its grad_reducer slot.
         self.guard = Guard(model._network, optimizer, checkpoint_dir=self.ckpt_save_path,
                            steps_per_epoch=steps_per_epoch, reduce_gradients=reducer is not None, reducer=reducer,
-                           save_fn=save_fn)
+                           save_fn=save_fn, save_fn_offset=self._base)
         if hasattr(train_network, "grad_reducer"):
             train_network.grad_reducer = _VoteThenReduce(self.guard)
         return self.guard
@@ -340,8 +341,10 @@ def _train_protected(original, model: Model, callback: TrainFaultTolerance, call
     if callback.ckpt_load_fn is not None:
         callback._load_with_user_fn(model)  # before the Guard: its step numbers count on from the loaded step
     base = callback.initial_step or start
-    guard = callback._attach(model, per_epoch)
     callback._base = base
+    guard = callback._attach(model, per_epoch)
+    if callback.ckpt_save_fn is not None and base and guard.step == 0:
+        guard.resume_user_streams(base)  # the user's files hold the parameters; trainguard kept the streams
     user_init_step = dataset.get_init_step()
     try:
         while True:
@@ -355,8 +358,8 @@ def _train_protected(original, model: Model, callback: TrainFaultTolerance, call
                 dataset.set_init_step(position)
                 callback._resume_at = position
                 if guard.rank == 0:
-                    log.warning("Model.train starts at epoch %d, batch %d (step %d)", call["initial_epoch"],
-                                position % per_epoch, position)
+                    log.info("Model.train starts at epoch %d, batch %d (step %d)", call["initial_epoch"],
+                             position % per_epoch, position)
             try:
                 original(model, **call)
                 break

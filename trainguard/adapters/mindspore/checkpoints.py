@@ -167,6 +167,23 @@ class Checkpoints(JobHistory):
                     "go on as this process seeded them, so a script that draws from them is no longer "
                     "bit-identical to a fault-free run", self.rank, step)
 
+    def resume_user_streams(self, position: int) -> None:
+        """Set this rank's random streams from those written beside a user
+        save function's files of data position ``position`` (see
+        :mod:`.user_saves`); say so when there are none."""
+        data = self.stream_files.read(position, self.rank) if self.stream_files is not None else None
+        if data is None:
+            where = self.stream_files.path(position, self.rank) if self.stream_files is not None else \
+                "nowhere (no ckpt_save_path)"
+            log.warning("rank %d: no random streams of step %d beside your save function's files (%s): they go "
+                        "on as this process seeded them, so a script that draws from them is no longer "
+                        "bit-identical to a fault-free run", self.rank, position, where)
+            return
+        set_streams(unpack(data, str(self.stream_files.path(position, self.rank))))
+        self.state.commit(self._step)  # a retry of the first step sets these back
+        log.info("rank %d took its random streams of step %d from %s", self.rank, position,
+                 self.stream_files.path(position, self.rank))
+
     def take_snapshot(self, step: int, *, wait_s: float = 0.0, whole: bool = False) -> int | None:
         """Copy the parameters at ``step`` into memory (only a header naming
         the replica whose snapshot holds them, when shared, unless

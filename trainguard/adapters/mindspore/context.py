@@ -43,6 +43,21 @@ def data_parallel_group(world_size: int) -> ReplicaGroup:
 FAILED_COLLECTIVE = re.compile(r"Launch kernel failed(, name)?:.*(AllReduce|AllGather|Broadcast)")
 
 
+def brief(error: BaseException) -> str:
+    """``Type: message`` of ``error`` on one line, without the sections
+    MindSpore appends to its errors' text for its developers (the C++ call
+    stack, the traced graph code) and their dashed banners."""
+    lines: list[str] = []
+    for line in str(error).splitlines():
+        text = line.strip()
+        header = text.startswith("- ") and text.endswith(":")
+        if "(For framework developers)" in text or (header and lines):
+            break
+        if text and set(text) != {"-"} and not header:
+            lines.append(text)
+    return f"{type(error).__name__}: {' '.join(lines)}" if lines else type(error).__name__
+
+
 def classifier() -> Classifier:
     """The core's rules plus MindSpore's own error texts."""
     c = Classifier()

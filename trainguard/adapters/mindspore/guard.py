@@ -18,10 +18,11 @@ fails in its forward or backward pass releases its peers with a vote of 0
 alone ("drain"), and every replica leaves the step with its state at the
 last completed step; the controller then repairs the failed rank from a
 replica (``retry``) or has a healthy replica save it (``dump``). Once the
-vote passed, nothing can release the peers from the gradient all-reduce
-without giving them a wrong update: a rank lost there leaves them to
-MindSpore's collective timeout, after which their update never ran
-(checked, see :meth:`Guard._handle`) and they can save the step.
+vote passed, the gradient all-reduce carries every replica's health flag
+again, and the host reads it before it queues the update: a rank that fails
+after the vote joins the all-reduce with a flag of 0, and again no replica
+updates. A rank lost there leaves its peers to MindSpore's collective
+timeout; their update was never queued, so they can save the step.
 Launched with ``msrun`` after ``adapters-patch msrun`` or with ``trainguard
 run --framework mindspore`` the guard reaches the job's controller;
 otherwise it still checkpoints and resumes.
@@ -47,8 +48,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import mindspore as ms
-import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import nn, ops
 
 from trainguard.core import (
     MINDSPORE,
@@ -70,12 +70,15 @@ from trainguard.core.profiling import recorder_from_env
 
 from . import context
 from .checkpoints import Checkpoints
-from .collectives import _COMPUTE, _IN_GRAPH, _REDUCING, _SETTLED, _UPDATING, STOP_WAIT_S, Collectives
+from .collectives import (_COMPUTE, _IN_GRAPH, _REDUCING, _SETTLED, _UPDATING, STOP_WAIT_S, Collectives,
+                          HealthCheckedReducer)
 from .compile_cache import MindSporeCompileCache, key_parts
 from .handlers import MindSporeHandlers
 from .markers import MindSporeMarkers
 from .optimizer import OptTFTWrapper
-from .state import ModelState, kernel_random_ops
+from .random_ops import kernel_random_ops
+from .state import ModelState
+from .user_saves import StreamFiles
 
 __all__ = ["Guard"]
 
@@ -101,8 +104,12 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             only a header naming it (memory and copying per machine).
         steps_per_epoch: for ``epoch_num`` inside checkpoints (0: one epoch).
         reduce_gradients: all-reduce (mean) the gradients across the replicas
-            in the wrapper; ``False`` when something else does (``Model``'s
-            ``TrainOneStepCell``): pass its ``grad_reducer`` as ``reducer``.
+            in the wrapper, each replica's health flag with them; ``False``
+            when something else does (the loop, before the wrapper): pass
+            its reducer as ``reducer``, which a drain replays.
+        reducer: the ``DistributedGradReducer`` whose mean and degree the
+            Guard's own all-reduce follows (``Model``'s ``TrainOneStepCell``'s
+            ``grad_reducer``); with ``reduce_gradients=False``, the loop's.
         replicas: this rank's replica groups (default: pure data parallel).
         processor, injector, classifier: collaborators, from the environment
             when omitted.
@@ -115,7 +122,12 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             (``TrainFaultTolerance``'s ``ckpt_save_fn``): called with the
             step on the rank that saves, with the state at that step; its
             files are the user's to verify and resume from (nothing is
-            renamed, as in MindSpore).
+            renamed, as in MindSpore). Every rank's random streams go
+            beside them into ``checkpoint_dir`` (:mod:`.user_saves`); without
+            one the Guard warns that they cannot.
+        save_fn_offset: steps trained before this Guard's step 0
+            (``TrainFaultTolerance``'s starting position): the streams
+            beside a ``save_fn``'s files are filed under this plus the step.
         compile_cache, compile_cache_key: where compiled graphs are kept
             for restarts (``MS_COMPILER_CACHE_PATH`` is set per rank; see
             the torch Guard and :mod:`.compile_cache`).
@@ -123,7 +135,9 @@ class Guard(Collectives, Checkpoints, RankRuntime):
     Raises:
         ConfigError: graph mode without ``compiled_step`` (a hand-written
             loop), a ``backward`` fault to inject in graph mode (any rank's),
-            a ``stall`` fault, or a ``checkpoint_dir`` that cannot be written.
+            a ``stall`` fault, a ``checkpoint_dir`` that cannot be written,
+            or a ``reducer`` that is not a ``DistributedGradReducer`` for the
+            Guard to reduce like.
     """
 
     def __init__(
@@ -146,6 +160,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         classifier: Classifier | None = None,
         compiled_step: Callable[[tuple], object] | None = None,
         save_fn: Callable[[int], None] | None = None,
+        save_fn_offset: int = 0,
         profiling_dir: str | os.PathLike | None = None,
         compile_cache: str | os.PathLike | bool | None = None,
         compile_cache_key: dict | None = None,
@@ -168,7 +183,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             raise ConfigError("this optimizer wrapper already belongs to another Guard")
         self.network = network
         self.state = ModelState(network, self.optimizer.opt)
-        self.kernel_random_ops = kernel_random_ops(network)
+        self.kernel_random_ops = kernel_random_ops(network, graph=self._graph)
         if self.kernel_random_ops and self.rank == 0:
             log.warning("%s keep their random state inside MindSpore's kernels, which trainguard cannot save or set: "
                         "steps redone or resumed after a fault draw other numbers there than a run without the fault "
@@ -196,16 +211,23 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         self.save_every, self.steps_per_epoch = save_every, steps_per_epoch
         self.classifier = classifier or context.classifier()
         self._allreduce = ops.AllReduce() if self.world_size > 1 else None
-        self._update_mark = Parameter(Tensor(np.zeros(1, np.int32)), name="trainguard_update_mark",
-                                      requires_grad=False)
-        if reducer is None and reduce_gradients and self.world_size > 1:
-            reducer = nn.DistributedGradReducer(self.optimizer.parameters, mean=True, degree=self.world_size)
-        self.reducer, self._reduce = reducer, reduce_gradients and reducer is not None
+        self.reducer = reducer
+        self._reduce = reduce_gradients and self.world_size > 1  # one process: its mean is its own
+        #: The gradient all-reduce, carrying each replica's health flag (see :meth:`reduce`).
+        self._checked = HealthCheckedReducer(self.optimizer.parameters, reducer, self.world_size) \
+            if self._reduce else None
         self.records: list[dict] = []
         self.history: dict = {"records": [], "pids": {}}
         self._handlers = MindSporeHandlers(self)
         self._run_compiled = compiled_step
-        self.save_fn = save_fn
+        self.save_fn, self.save_fn_offset = save_fn, save_fn_offset
+        self.stream_files = StreamFiles(checkpoint_dir) if save_fn is not None and checkpoint_dir is not None \
+            else None
+        if save_fn is not None and checkpoint_dir is None and self.rank == 0:
+            log.warning("ckpt_save_fn without ckpt_save_path: your function saves the parameters, but trainguard "
+                        "has nowhere to write each rank's random streams, so a relaunch from your files goes on "
+                        "from each process's seed, not bit-identical to a run without the fault (pass "
+                        "ckpt_save_path too: the streams go to <ckpt_save_path>/.trainguard/streams/)")
         self._inputs: tuple = ()  # graph mode: the running step's batch, replayed by the drain
         self._step = 0
         self._phase = _COMPUTE
@@ -238,7 +260,9 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         self.optimizer.guard = self
 
     stops_at_step_boundary = False  # a stop is voted on inside the next update: every replica leaves one step
-    launch_hint = "launch with msrun after `adapters-patch msrun`, or `trainguard run --framework mindspore`"
+    launch_hint = ("launch with `trainguard run --framework mindspore`, or with msrun after `adapters-patch msrun` "
+                   "and MS_ENABLE_TFT turning on TTP, UCE or ARF (e.g. MS_ENABLE_TFT='{TTP:1,UCE:1}'; without it a "
+                   "patched msrun runs as before)")
 
     def _connect_details(self) -> dict:
         return {"device": ms.get_context("device_target").lower(), "device_repairable": True}
@@ -281,10 +305,15 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         ``Model.train``'s ``TrainOneStepCell`` in PyNative mode (the callback
         puts it in the cell's ``grad_reducer`` slot).
 
-        The vote's host wait is for this rank's own backward pass; the
-        gradient all-reduce and the update are then queued without another
-        wait. (Voting after the all-reduce, as MindSpore's compiled wrapper
-        does, made a PyNative step 14-60% slower on 2 CPU cores.)"""
+        The vote's host wait is for this rank's own backward pass. (Voting
+        in a collective of its own after the all-reduce, as MindSpore's
+        compiled wrapper does, made a PyNative step 14-60% slower on 2 CPU
+        cores.) The gradient all-reduce carries each replica's health flag
+        once more, one float in the same compiled all-reduce: a replica that
+        fails between the vote and its all-reduce joins it with zeros and a
+        flag of 0 (see :meth:`_drain`), and every replica skips the update.
+        The host waits for the all-reduce before it queues the update, as
+        queuing the update waited for it before."""
         self.injector.strike("backward", self._step)
         # The step drew its random numbers. Kept now: reading them waits for
         # the queued kernels, which must not include the gradient all-reduce
@@ -297,8 +326,11 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             return gradients
         self._phase = _REDUCING
         self.injector.strike("reduce", self._step)
-        if self._reduce:
-            gradients = self._collective(lambda: self.reducer(gradients), "gradient allreduce")
+        if self._checked is not None:
+            gradients, every = self._collective(lambda: self._checked(gradients, True), "gradient allreduce")
+            if not every:  # a replica failed after the vote: no replica updates
+                self._phase = _SETTLED
+                self._skipped = True
         return gradients
 
     def update(self, gradients):
@@ -310,18 +342,7 @@ class Guard(Collectives, Checkpoints, RankRuntime):
             return False
         self.processor.start_update()
         self._phase = _UPDATING
-        self._in_collective = True  # queuing the update waits for the gradient all-reduce, so for the peers
-        try:
-            result = self.optimizer.opt(gradients)
-        finally:
-            self._in_collective = False
-        # The update's last kernel. Kernels queued behind a failed collective
-        # never run, so after a failed all-reduce an unchanged mark means the
-        # update did not run at all (see _handle). Not its first kernel: an
-        # Assign queued right behind the all-reduce waits for it in a busy
-        # loop that took the CPU from the all-reduce (a step 30-60% slower on
-        # 2 cores; the optimizer's own kernels wait without that cost).
-        ops.assign(self._update_mark, Tensor(np.array([self._step + 1], np.int32)))
+        result = self.optimizer.opt(gradients)
         self.injector.strike("optimizer", self._step)
         self._updated = True
         return result

@@ -69,6 +69,8 @@ class MindSporeRank(Protocol):
     store: Any  # a CheckpointStore, or None
     snapshots: Any  # its ParamSnapshots, or None
     save_fn: Callable[[int], None] | None
+    save_fn_offset: int  # the data position of step 0, for the streams beside save_fn's files
+    stream_files: Any  # StreamFiles beside save_fn's files, or None
     steps_per_epoch: int
     pids: dict[int, int]
     hosts: dict[int, int]  # rank -> its machine
@@ -133,6 +135,10 @@ class MindSporeHandlers(Handlers):
                 got = broadcast_state(g, g.state, src)  # every rank takes part in the broadcast
             if receivers.get(g.rank) == src:
                 g.state.load_arrays(got, source=f"rank {src}'s state")
+                if g.state.buffers and not g.state.restore_own_buffers(step):
+                    log.warning("rank %d holds no buffers of its own at step %d (it committed step %s): it goes on "
+                                "with rank %d's (BatchNorm statistics), so the job is no longer bit-identical to a "
+                                "fault-free run", g.rank, step, g.state.snapshot_step, src)
                 g.processor.end_copy(step)
                 self._repaired = True
                 log.info("rank %d took its state at step %d from rank %d", g.rank, step, src)
@@ -182,20 +188,27 @@ class MindSporeHandlers(Handlers):
 
     def save_own(self, step: int, carry: Sequence[int]) -> Sequence[FileInfo]:
         """Write this rank's random streams at ``step`` and those of the lost
-        ranks in ``carry`` (their records on this node)."""
+        ranks in ``carry`` (their records on this node): into the
+        checkpoint, or beside a user save function's files (nothing of
+        theirs is finalised, so no files are returned)."""
         g = self.guard
-        if g.save_fn is not None:
-            return []  # the user's save function saves what it saves; nothing is renamed after it
-        if g.store is None:
+        if g.save_fn is not None and g.stream_files is None:
+            return []  # nowhere to write them: the Guard said so before step 0
+        if g.save_fn is None and g.store is None:
             raise CheckpointError("no checkpoint_dir was given to the Guard, so there is nowhere to save")
         mine = g.state.streams_at(step)
         data = pack(mine) if mine is not None else g.recorded_own(g.rank, step)
         if data is None:
             raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}, and its "
                                   f"node holds no record of step {step}")
+        check = lambda rank, record, what: unpack(record, what)  # noqa: E731
+        if g.save_fn is not None:
+            beside = lambda s, rank, record: g.stream_files.write(g.save_fn_offset + s, rank, record)  # noqa: E731
+            beside(step, g.rank, data)
+            carry_records(carry, step, by=g.rank, recorded=g.recorded_own, check=check, write=beside)
+            return []
         return [g.write_own(step, g.rank, data),
-                *carry_records(carry, step, by=g.rank, recorded=g.recorded_own,
-                               check=lambda rank, record, what: unpack(record, what), write=g.write_own)]
+                *carry_records(carry, step, by=g.rank, recorded=g.recorded_own, check=check, write=g.write_own)]
 
     def finalize(self, step: int, shards: Sequence[SavedShard], history: dict,
                  own: Sequence[FileInfo] = ()) -> None:

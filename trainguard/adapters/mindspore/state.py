@@ -5,7 +5,8 @@ global one, MindSpore's default generator and the op seeds its functional
 random operators draw from: ``ops.dropout``, ``ops.randn``...), so a retried
 step draws what the abandoned one drew. Operators built once with their
 seeds (``nn.Dropout``'s ``ops.Dropout``) keep their state inside the kernel,
-which MindSpore cannot save or set (:func:`kernel_random_ops` finds them).
+which MindSpore cannot save or set (:func:`.random_ops.kernel_random_ops`
+finds them).
 
 MindSpore keeps everything in named ``Parameter`` objects: trainable weights,
 buffers such as BatchNorm's moving statistics (``requires_grad=False``), and
@@ -26,16 +27,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-__all__ = ["ModelState", "kernel_random_ops", "set_streams", "streams", "streams_sha256"]
+__all__ = ["ModelState", "set_streams", "streams", "streams_sha256"]
 
 #: MindSpore's op seeds: the functional random operators derive each call's
 #: seeds from this table, (kernel name, op seed) -> the next seed, and
 #: advance it (``mindspore/common/seed.py``).
 _OP_SEEDS: dict = importlib.import_module("mindspore.common.seed")._KERNEL_SEED
-
-#: Attributes of a primitive that was given seeds when it was built: one
-#: that keeps its random state inside its kernel.
-_KERNEL_SEED_ATTRS = ("Seed0", "seed0", "seed2")
 
 
 class ModelState:
@@ -57,6 +54,7 @@ class ModelState:
         self._buffer_snapshot: list[np.ndarray] = []
         self._streams: dict[str, Any] | None = None
         self._update_streams: tuple[int, dict[str, Any]] | None = None  # (step, streams) when its update began
+        self._update_buffers: tuple[int, list[np.ndarray]] | None = None  # (step, buffers) when its update began
         self.snapshot_step: int | None = None
 
     def commit(self, step: int) -> None:
@@ -71,8 +69,26 @@ class ModelState:
             ops.assign(p, Tensor(value))  # Tensor copies; assign: in place, kernels keep using the same storage
 
     def updating(self, step: int) -> None:
-        """The update to ``step`` begins: the step drew its random numbers."""
+        """The update to ``step`` begins: the step drew its random numbers
+        and its forward pass moved the buffers."""
         self._update_streams = (step, streams())
+        self._update_buffers = (step, [p.asnumpy().copy() for p in self.buffers])
+
+    def restore_own_buffers(self, step: int) -> bool:
+        """Set the buffers back to this rank's own of ``step`` (its commit
+        of ``step``, or when its update to ``step`` began), after a repair
+        from a replica: BatchNorm's moving statistics are each rank's own
+        (a data-parallel all-reduce moves gradients only), so a replica's
+        are not this rank's. False when it knows neither."""
+        if self.snapshot_step == step:
+            own = self._buffer_snapshot
+        elif self._update_buffers is not None and self._update_buffers[0] == step:
+            own = self._update_buffers[1]
+        else:
+            return False
+        for p, value in zip(self.buffers, own):
+            ops.assign(p, Tensor(value))
+        return True
 
     def streams_at(self, step: int) -> dict[str, Any] | None:
         """This rank's random streams at ``step``: at its commit of
@@ -117,18 +133,6 @@ class ModelState:
             h.update(f"{name}:{a.dtype}:{a.shape};".encode())
             h.update(a.tobytes())
         return h.hexdigest()
-
-
-def kernel_random_ops(network: nn.Cell) -> list[str]:
-    """The random operators in ``network`` that keep their state inside
-    their kernel (``nn.Dropout``'s ``ops.Dropout``, a cell's own
-    ``ops.StandardNormal``...), by the cell attribute holding each."""
-    found = []
-    for name, cell in network.cells_and_names():
-        for attr, value in vars(cell).get("_primitives", {}).items():
-            if value is not None and any(a in value.attrs for a in _KERNEL_SEED_ATTRS):
-                found.append(f"{name}.{attr}" if name else attr)
-    return found
 
 
 def streams() -> dict[str, Any]:

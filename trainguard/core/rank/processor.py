@@ -180,8 +180,8 @@ class Processor:
                 msg = self._outbox.get(timeout=wait)
             except queue.Empty:
                 alarm = self.watchdog.check() if self.watchdog.config.enabled else None
-                if alarm is not None:
-                    log.error("rank %d: %s", self.rank, alarm.describe())
+                if alarm is not None:  # the controller's one WARNING line says it, with what came of it
+                    log.info("rank %d: %s", self.rank, alarm.describe())
                     msg = messages.hang_report(alarm, self._clock(), self._status())
                 elif time.monotonic() - sent >= self._heartbeat_s:
                     msg = pb.RankMessage(heartbeat=self._status())
@@ -239,8 +239,9 @@ class Processor:
         grace_s = self.config.exit_grace_s if grace_s is None else grace_s
 
         def force() -> None:
-            log.error("rank %d did not exit within %g s of the exit command; forcing exit %d",
-                      self.rank, grace_s, code)
+            # A hung loop is expected not to leave by itself (its fault is the controller's WARNING line).
+            log.log(logging.INFO if code == EXIT_HUNG else logging.ERROR,
+                    "rank %d did not exit within %g s of the exit command; forcing exit %d", self.rank, grace_s, code)
             self._force_exit(code)
 
         self._exit_timer = threading.Timer(grace_s, force)

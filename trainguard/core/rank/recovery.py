@@ -93,8 +93,10 @@ class Outcome:
 
 
 def report_left_step(processor: Processor, error: BaseException, classifier: Classifier,
-                     *, phase: str = "", occurred_at: float | None = None) -> bool:
-    """Tell the controller why this rank left its step.
+                     *, phase: str = "", occurred_at: float | None = None, cause: str | None = None) -> bool:
+    """Tell the controller why this rank left its step (``cause``: how to
+    say it, when the error's own text is longer than the message, as a
+    framework's call-stack banner; default ``Type: text``).
 
     Returns:
         True when ``error`` is the rank's own fault (it was reported), False
@@ -109,7 +111,7 @@ def report_left_step(processor: Processor, error: BaseException, classifier: Cla
         kind, severity = FaultKind.COMM, Severity.HIGH
     else:
         kind, severity = verdict.kind, verdict.severity
-    cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    cause = cause or (f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
     processor.report_fault(kind, severity, cause, phase=phase, occurred_at=occurred_at)
     # A fault trainguard repairs is the controller's one line; the traceback of
     # anything else (a bug in the script, say) is for the user to read.
