@@ -119,6 +119,10 @@ def test_a_killed_worker_is_dumped_in_tft_layout_and_the_relaunch_is_bit_identic
     assert r["steps_completed"] == STEPS and r["lost_steps"] == 0, again
     assert [(x["fault"], x["strategy"], x["step"]) for x in r["recoveries"]] == [("process_lost", "dump", 3)], again
     assert all(len(pids) == 2 for pids in r["pids"].values()), again  # two launches
+    # The dump holds rank 0's parameters: rank 1 goes on with rank 0's BatchNorm statistics, and says so
+    # (rank 0's state, the one the report hashes, is the fault-free run's).
+    assert "rank 1 resumed with rank 0's BatchNorm statistics (bn.moving_mean" in again.log, again
+    assert "rank 0 resumed with" not in again.log, again
 
 
 @needs_mindspore

@@ -314,6 +314,8 @@ class Checkpoints(JobHistory):
         self.resumed_from = {"step": step, "source": source, **({"state_of": holder.path.name} if holder else {})}
         log.info("rank %d resumed from %s at step %d (%s%s)", self.rank, source, step, slot.path,
                  f" and {holder.path.name}" if holder else "")
+        if holder is not None:
+            self._warn_of_others_statistics(f"{holder.path.name}'s")
 
     def _load_arrays(self, arrays: dict[str, np.ndarray], source: str) -> None:
         try:
@@ -331,9 +333,22 @@ class Checkpoints(JobHistory):
         else:
             self.history = load_checkpoint(found, self.rank, self.state)
         self._load_own(found, found.step)
+        if mine is not None and mine.get("saved_by", self.rank) != self.rank:
+            self._warn_of_others_statistics(f"rank {mine['saved_by']}'s")
         self.resumed_from = {"step": found.step, "source": "storage"}
         log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
         return found.step
+
+    def _warn_of_others_statistics(self, whose: str) -> None:
+        """A checkpoint holds one replica's parameters; BatchNorm's moving
+        statistics are each rank's own (moved by its own batches, never
+        all-reduced), so a rank that loads another's goes on with other
+        statistics than it had (not yet carried in its own part)."""
+        moving = [p.name for p in self.state.buffers if "moving_" in p.name]
+        if moving:
+            log.warning("rank %d resumed with %s BatchNorm statistics (%s, ...): each rank moves its own, and a "
+                        "checkpoint holds one replica's, so this job is no longer bit-identical to a run without "
+                        "the restart (docs/mindspore.md)", self.rank, whose, moving[0])
 
 
 def _snapshot_name(guard, step: int) -> str:
