@@ -70,6 +70,7 @@ from .own import fingerprints
 from .process_group import AbortableProcessGroup
 from .state import state_sha256
 from .trainstate import TrainState
+from .undeclared import Undeclared
 
 __all__ = ["Guard"]
 
@@ -172,6 +173,10 @@ class Guard(Checkpoints, RankRuntime):
         self.state = TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, data=data, extra=extra,
                                 rank=self.rank)
         self.optimizer = GuardedOptimizer(optimizer, self._start_update, self._end_update)
+        optimizers = {"optimizer": optimizer, "guarded": self.optimizer}  # what a scaler may step, by name
+        if self.state.scaler is not None:
+            self.state.scaler.optimizers.update(optimizers)
+        self.undeclared = Undeclared(scaler, self.state.host.get("data"), optimizers, warn=self.rank == 0)
         self.groups = tuple(replicas) if replicas else (ReplicaGroup.full(range(self.world_size)),)
         self.rehearsal = Rehearsal.from_env(self.rank)
         if self.rehearsal is not None and checkpoint_dir is not None:
@@ -292,6 +297,7 @@ class Guard(Checkpoints, RankRuntime):
         self.comm.arm()
 
     def _start_update(self) -> None:
+        self.undeclared.update_starts(sys._getframe(1))  # a GradScaler not given to the Guard steps?
         self.settle_snapshot()  # a snapshot copy of the last step may still be reading parameters
         self.record_own_at_update()
         if self.ddp is not None and self.ddp.will_sync_module_buffers():
@@ -321,7 +327,19 @@ class Guard(Checkpoints, RankRuntime):
         self.take_snapshot(self._step, background=True)  # settled at the next update
 
     def _fingerprints(self) -> dict:
-        return fingerprints(self.state.module, self.state.committed_own(), self.rank)
+        return fingerprints(self.state.module, self.state.committed_own(), self.rank, self._pieces())
+
+    def _pieces(self) -> dict:
+        """What a rehearsal compares besides the model and the own part:
+        the optimizer, the learning rates, the scheduler, the scaler (one
+        found stepping but not given too) and each extra, as committed."""
+        pieces = self.state.pieces()
+        if self.undeclared.scaler is not None and "scaler" not in pieces:
+            pieces["scaler"] = self.undeclared.scaler.state_dict()
+        return pieces
+
+    def _loop_ran(self, frame) -> None:
+        self.undeclared.loop_ran(frame)
 
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left and carry out the recovery."""
@@ -361,8 +379,9 @@ class Guard(Checkpoints, RankRuntime):
         return {"replicas": list(self.replicas)}
 
     def _final_extras(self) -> dict:
-        return {"data_given": "data" in self.state.host,
-                **fingerprints(self.state.module, self.state.own_part(), self.rank)}
+        return {"data_given": "data" in self.state.host, "given": sorted(self.state.host),
+                "undeclared": dict(self.undeclared.found),
+                **fingerprints(self.state.module, self.state.own_part(), self.rank, self._pieces())}
 
     def _close_snapshots(self, finished: bool) -> None:
         super()._close_snapshots(finished)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Iterable, Iterator
@@ -103,6 +104,10 @@ class RankRuntime(JobHistory, abc.ABC):
     def _fingerprints(self) -> dict:
         """What a rehearsal compares after each step (default: the state's hash)."""
         return {"model": self._state_sha256()}
+
+    def _loop_ran(self, frame) -> None:
+        """The first step of this process ended; ``frame`` is the training
+        loop's (an adapter may look at what it iterates)."""
 
     def _final_extras(self) -> dict:
         """What a rehearsal's final record adds to the report."""
@@ -201,6 +206,7 @@ class RankRuntime(JobHistory, abc.ABC):
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the number of completed steps until ``total`` are done."""
+        first = True
         while self._step < total:
             if self.stops_at_step_boundary and self.processor.stop_event.is_set():
                 self._handle(ForceStop("stopped at a step boundary"))
@@ -211,6 +217,9 @@ class RankRuntime(JobHistory, abc.ABC):
             yield self._step
             if not self._entered:
                 raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
+            if first:
+                first = False
+                self._loop_ran(sys._getframe(1))  # the frame of the loop that drives this generator
 
     def protect(self) -> Protected:
         """Context manager around one step's body: a fault in it is
