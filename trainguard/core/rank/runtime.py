@@ -32,6 +32,7 @@ from .processor import Processor
 from ..snapshot.shared import with_holders
 from .recovery import Outcome, recover
 from .history import JobHistory, Protected
+from .reached import note, notes, redone
 from .resume import resume
 
 __all__ = ["RankRuntime"]
@@ -164,13 +165,19 @@ class RankRuntime(JobHistory, abc.ABC):
             found[0] = self.store.latest(exclude=dropped) if self.store is not None else None
             return found[0]
         try:
-            return resume(memory, newest, gather=self._gather_steps, outcomes=self._gather_outcomes, rank=self.rank,
+            step = resume(memory, newest, gather=self._gather_steps, outcomes=self._gather_outcomes, rank=self.rank,
                           load_memory=lambda step, slot, source: self._load_memory(
                               step, slot, source, found[0], holders.get(step)),
                           load_stored=self._load_stored, before=lambda step: self.injector.strike("resume", step))
         finally:  # a read closes its slots; these were not all read
             for slot in holders.values():
                 slot.close()
+        if self.rehearsal is not None:
+            self.rehearsal.started(step)
+        record = redone(self.store.root, step, say=self.rank == 0) if self.store is not None else None
+        if record is not None:  # the last launch got further and left no checkpoint of it
+            self.records.append(record)
+        return step
 
     # ------------------------------------------------------------- the controller
     def _connect(self, *, joining: bool = False) -> Processor:
@@ -271,6 +278,8 @@ class RankRuntime(JobHistory, abc.ABC):
     def _leave(self, outcome: Outcome) -> None:
         """The controller said exit: say so, close, and leave with its code."""
         log.info("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
+        if self.store is not None and notes(self.rank, self.world_size):
+            note(self.store.root, self.rank, self._step, outcome.reason)  # a relaunch from older state counts it
         self.close(finished=False)
         self._exit(outcome.exit_code)
 
