@@ -60,11 +60,67 @@ def test_diverged_random_streams_are_named_before_the_model():
            1: {1: {"model": "a", "rng": "s1", "data": "d1"}, 2: {"model": "b", "rng": "s2", "data": "d2"}}}
     case = copy.deepcopy(ref)
     case[1][2].update(model="x", rng="other")
-    reason = diagnose(ref, case, [0, 1], data_given=True)
+    reason = diagnose(ref, case, [0, 1], {"data_given": True})
     assert reason.startswith("random streams not restored: rank 1's torch's random streams differed from step 2")
     case = copy.deepcopy(ref)
     case[0][2].update(model="x")
-    assert "non-deterministic" in diagnose(ref, case, [0], data_given=True)
+    assert "non-deterministic" in diagnose(ref, case, [0], {"data_given": True})
+
+
+TRACE = {0: {1: {"model": "a", "optimizer": "o1", "lr": "l1", "scheduler": "s1", "scaler": "g1", "extra:ema": "e1",
+                 "rng": "r1", "data": "d1"},
+             2: {"model": "b", "optimizer": "o2", "lr": "l2", "scheduler": "s2", "scaler": "g2", "extra:ema": "e2",
+                 "rng": "r2", "data": "d2"}}}
+GIVEN = {"data_given": True, "given": ["data", "ema", "scaler", "scheduler"], "undeclared": {}}
+
+
+@pytest.mark.parametrize("parts,given,expect", [
+    # the piece named is the cause, not the model and optimizer it moved
+    (("scaler", "model", "optimizer"), GIVEN, "GradScaler's state (scale, growth tracker, per-optimizer stage) "
+                                              "parted first at step 2 on rank 0: a piece the Guard restores"),
+    (("scaler", "model"), {**GIVEN, "given": ["data"], "undeclared": {"scaler": "a GradScaler steps it"}},
+     "a GradScaler steps it -- pass Guard(..., scaler=scaler)"),
+    (("scheduler", "lr", "optimizer"), GIVEN, "LR scheduler's state parted first"),
+    (("lr", "optimizer"), {**GIVEN, "given": ["data"]}, "pass your scheduler as Guard(..., scheduler=sched)"),
+    (("extra:ema", "model"), GIVEN, "extra 'ema' parted first"),
+    (("model", "optimizer"), {**GIVEN, "given": ["data"], "data_given": True,
+                              "undeclared": {"data": "the loop iterates a DataLoader (`batches`)"}},
+     "data position is not restored: the optimizer parted at step 2 on rank 0 with the same random streams, so "
+     "that step read another batch (the loop iterates a DataLoader (`batches`))"),
+    (("model", "optimizer"), GIVEN, "given: data, ema, scaler, scheduler): a non-deterministic kernel, or state "
+                                    "of your own the Guard is not given (pass it as extra="),
+])
+def test_the_first_piece_that_parted_is_named_with_its_likely_cause(parts, given, expect):
+    case = copy.deepcopy(TRACE)
+    case[0][2].update({p: "other" for p in parts})
+    assert expect in diagnose(TRACE, case, [0], given)
+
+
+def test_a_rng_that_parted_beside_a_loader_not_given_names_the_loader():
+    case = copy.deepcopy(TRACE)
+    case[0][2].update(rng="other", model="x")
+    reason = diagnose(TRACE, case, [0], {**GIVEN, "undeclared": {"data": "the loop iterates `batches`"}})
+    assert reason.startswith("random streams not restored") and "likely cause: the loop iterates `batches`" in reason
+
+
+FINAL = {0: {"steps_completed": 8, "final_state_sha256": "f", "rng": "r", "data": "d", "recoveries": []}}
+
+
+@pytest.mark.parametrize("exits,launches,recoveries,planned,expect", [
+    ([75, 0], {0: [{"start": 0, "last": 5}, {"start": 5, "last": 8}]}, [], (75,), ""),
+    # the tester's uce in the optimizer: every rank exited (1), no dying gasp, the relaunch re-trained from step 4
+    ([1, 0], {0: [{"start": 0, "last": 6}, {"start": 4, "last": 8}]}, [], (75,),
+     "launch 1 exited 1 instead of stopping after a dying gasp (75): rank 1 left step 6: unscale_(); launch 2 "
+     "resumed from step 4, but the one before it had reached step 6: 2 steps trained again"),
+    ([75, 0], {0: [{"start": 0, "last": 6}, {"start": 4, "last": 8}]}, [], (75,), "2 steps trained again"),
+    ([75, 1, 0], {0: [{"start": 0, "last": 5}, {"start": 5, "last": 8}]}, [], (75, 1), ""),  # a failed resume
+    ([0], {0: [{"start": 0, "last": 8}]}, [{"strategy": "retry", "lost_steps": 1}], (75,), "1 step lost"),
+])
+def test_a_case_passes_only_when_every_launch_ended_as_planned(exits, launches, recoveries, planned, expect):
+    final = {0: {**FINAL[0], "recoveries": recoveries}}
+    verdict = judge(FINAL, final, {0: {}}, {0: {}}, exits, launches=launches, planned_exits=planned,
+                    errors=["rank 1 left step 6: unscale_()"] + [""] * 3)
+    assert verdict.identical == (not expect) and expect in verdict.reason, verdict
 
 
 def test_streams_a_script_does_not_seed_are_left_out_of_the_comparison():
@@ -80,6 +136,7 @@ def test_cases_fit_the_job_and_say_when_one_does_not_apply():
     cases = plan_cases(2, 16, saved=[4, 8, 12, 16], quick=True)
     kinds = [c.kind for c in cases]
     assert kinds == ["uce", "comm", "crash", "hang", "stop", "kill", "resume", "save", "recovery"]
+    assert cases[0].fault == "uce:rank=1,step=5,phase=optimizer", "--quick strikes inside the update too"
     assert next(c for c in cases if c.kind == "save").fault == "crash:rank=1,step=4,phase=save"
     assert len(plan_cases(2, 16, saved=[], quick=False)) > len(cases)
     assert next(c for c in plan_cases(2, 16, saved=[], quick=True) if c.kind == "save").skip

@@ -30,10 +30,10 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from trainguard.core.rehearsal import read_final, read_trace
+from trainguard.core.rehearsal import read_final, read_launches, read_trace
 
 from .cases import Case, plan_cases
-from .runs import launcher, run, saved_steps, strikes, trained_seconds
+from .runs import first_error, launcher, run, saved_steps, strikes, trained_seconds
 from .verdict import judge
 
 __all__ = ["main"]
@@ -119,7 +119,9 @@ def _one(case: Case, root: Path, command: list[str], strategies: str | None, wit
             within_s=within, seed=seed)
     final = read_final(r.directory)
     row["exits"] = [launch.rc for launch in r.launches]
-    verdict = judge(reference, final, {k: read_trace(r.directory, k) for k in reference}, ref_traces, row["exits"])
+    verdict = judge(reference, final, {k: read_trace(r.directory, k) for k in reference}, ref_traces, row["exits"],
+                    launches={k: read_launches(r.directory, k) for k in reference},
+                    planned_exits=case.planned_exits, errors=[first_error(launch.log) for launch in r.launches])
     row.update(identical=verdict.identical, reason=verdict.reason, dir=str(r.directory))
     records = final[0].get("recoveries", []) if final else []
     if records:
@@ -131,7 +133,7 @@ def _one(case: Case, root: Path, command: list[str], strategies: str | None, wit
         if t0 is not None and records[0].get("detected_at"):
             row["detect_s"] = round(records[0]["detected_at"] - t0, 3)
     elif final:
-        row["strategy"] = "none needed" if not strikes(r.directory) else "?"
+        row["strategy"] = "none needed" if not strikes(r.directory) else "none recorded"
     if case.outside is not None and r.launches and r.launches[0].signalled is None:
         row.update(identical=False, reason="the signal was never sent (the run ended first)")
     return row

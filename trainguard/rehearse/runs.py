@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from typing import Sequence
 
 from trainguard.core.rehearsal import ENV, read_trace
 
-__all__ = ["Launch", "Run", "run"]
+__all__ = ["Launch", "Run", "first_error", "run"]
 
 #: Launches of one run: the first and the relaunches a user would make
 #: after a dying gasp (exit 75) or a stop.
@@ -143,6 +144,24 @@ def launcher(argv: Sequence[str], framework: str) -> list[str]:
     """The ``trainguard run`` command for the user's launcher arguments."""
     return [sys.executable, "-m", "trainguard.cli", "run", *(["--framework", framework] if framework != "torch"
                                                             else []), *argv]
+
+
+def first_error(log: Path, width: int = 240) -> str:
+    """The first thing a launch's log says went wrong, in one line: a rank
+    that left its step on an error the guard did not recover, else the
+    first ERROR, else the decision the controller took ("" when none)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    error = re.compile(r"^\[trainguard [^\]]* ERROR \d{4}-")  # the log level, not "UCE ERROR" in a message
+    for pick in (lambda ln: error.match(ln) and " left step " in ln, lambda ln: error.match(ln),
+                 lambda ln: "] decision: " in ln):
+        line = next((ln for ln in lines if pick(ln)), None)
+        if line is not None:
+            text = line.split("] ", 1)[-1].strip()
+            return text if len(text) <= width else text[:width - 3] + "..."
+    return ""
 
 
 def strikes(directory: Path) -> list[dict]:
