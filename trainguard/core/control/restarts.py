@@ -65,7 +65,8 @@ class Restarts:
     def on_agent_lost(self, node: str) -> None:
         over = self.job.state in (ControllerState.EXITED, ControllerState.FINISHED)
         roster = self.roster
-        self.agents.lost(node, done=set(range(self.world_size)) if over else roster.finished | roster.exiting)
+        self.agents.lost(node, done=set(range(self.world_size)) if over else roster.finished | roster.exiting,
+                         starting=self.job.state is ControllerState.INIT)
 
     def survey_links(self, why: str) -> None:
         """Ask the node agents to measure their links (the job slowed down as a whole)."""
