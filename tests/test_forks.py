@@ -2,23 +2,28 @@
 Linux's default start method) beside trainguard's threads (issue 37;
 :mod:`trainguard.core.forks`): it collects none of the parent's garbage,
 holds no end of the persist worker's request pipe, and gRPC prints nothing
-at the fork. Before: ``Guard.close()`` waited a minute for the persist
+at the fork, and it keeps no connection to the rank's relay open past the
+rank. Before: ``Guard.close()`` waited a minute for the persist
 worker when loader workers were alive, every fork printed "Other threads
 are currently calling into gRPC, skipping fork() handlers", and a forked
 worker could destroy the parent's unreachable process group (it hung in
-``pthread_cond_destroy``) or gRPC objects (an abort)."""
+``pthread_cond_destroy``) or gRPC objects (an abort), and a rank killed
+with its loader workers alive stayed connected to its relay until they
+noticed: its replacement was refused."""
 
 from __future__ import annotations
 
 import gc
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from trainguard.core import forks
 from trainguard.core.snapshot.persist_client import PersistWorker
 
 FORK = multiprocessing.get_context("fork")
@@ -106,3 +111,36 @@ def test_grpc_says_nothing_at_a_fork_beside_a_stream_in_flight():
     out = subprocess.run([sys.executable, "-c", GRPC_JOB], env=env, capture_output=True, text=True, timeout=120)
     assert "forked" in out.stdout, out.stderr
     assert "fork" not in out.stderr, out.stderr
+
+
+def test_a_forked_child_keeps_no_connection_to_the_relay_open():
+    """The rank dies with its loader worker alive: the relay must see the
+    connection close at once, not when the worker notices."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    forks.keep_peer_from_children(f"127.0.0.1:{port}")  # what Processor.connect says of its relay
+    rank = FORK.Process(target=_rank_with_a_loader_worker, args=(port,))
+    rank.start()
+    conn, _ = server.accept()
+    conn.settimeout(20)
+    worker = None
+    try:
+        hello = conn.recv(64).split()
+        assert hello[0] == b"up", hello
+        worker = int(hello[1])
+        assert conn.recv(16) == b"", "the connection ended with the rank: no child holds it"
+        os.kill(worker, 0)  # while the worker lives on
+    finally:
+        conn.close()
+        server.close()
+        rank.join(30)
+        if worker is not None:
+            os.kill(worker, 9)
+
+
+def _rank_with_a_loader_worker(port: int) -> None:
+    relay = socket.create_connection(("127.0.0.1", port))
+    worker = FORK.Process(target=time.sleep, args=(60,))  # outlives this process
+    worker.start()
+    relay.sendall(f"up {worker.pid}".encode())
+    os.kill(os.getpid(), 9)  # the rank is lost; its worker lives on

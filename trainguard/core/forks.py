@@ -22,11 +22,16 @@ of the parent's memory and descriptors but none of its threads, so:
   (``gc.freeze``) just before a fork and unfrozen in the parent right
   after, as Python's documentation advises for fork without exec: the child
   never collects what it inherited. Both calls move lists, not objects.
-* **Pipes.** A child keeps its copy of every descriptor, the write end of
-  the persist worker's request pipe included: the worker then sees no end
-  of input when the trainer closes its end, and ``Guard.close()`` waited a
-  minute for it. :func:`keep_from_children` names descriptors that each
-  forked child points at ``/dev/null`` at once.
+* **Descriptors.** A child keeps its copy of every descriptor. The write
+  end of the persist worker's request pipe: the worker then saw no end of
+  input when the trainer closed its end, and ``Guard.close()`` waited a
+  minute for it. The processor's connection to its node's relay: when the
+  rank's process died, its loader workers (alive until they notice, up to
+  5 s) kept the connection open, and the replacement started in place was
+  refused ("rank 1 is already connected to this node's relay").
+  :func:`keep_from_children` names descriptors, and
+  :func:`keep_peer_from_children` the ``host:port`` of connections, that
+  each forked child points at ``/dev/null`` at once.
 
 :func:`install` is called when :mod:`trainguard.core` is imported.
 """
@@ -35,11 +40,14 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
+import stat
 import threading
 
-__all__ = ["install", "keep_from_children", "release"]
+__all__ = ["install", "keep_from_children", "keep_peer_from_children", "release"]
 
 _FDS: set[int] = set()
+_PEERS: set[tuple[str, int]] = set()  # (address, port) of connections children must not hold
 _LOCK = threading.Lock()
 _installed = False
 
@@ -60,6 +68,24 @@ def keep_from_children(*fds: int) -> None:
         _FDS.update(fds)
 
 
+def keep_peer_from_children(address: str) -> None:
+    """Forked children point their copies of connections to ``address``
+    (``host:port``, as a client dials it) at ``/dev/null``."""
+    host, _, port = address.rpartition(":")
+    try:
+        found = {(info[4][0], int(port)) for info in socket.getaddrinfo(host.strip("[]"), int(port),
+                                                                       type=socket.SOCK_STREAM)}
+    except (OSError, ValueError):
+        return  # an address that does not resolve here is not one a socket of ours is connected to
+    with _LOCK:
+        _PEERS.update((_plain(a), p) for a, p in found)
+
+
+def _plain(address: str) -> str:
+    """An IPv4 address mapped into IPv6 (a dual-stack socket's peer) as IPv4."""
+    return address.removeprefix("::ffff:")
+
+
 def release(*fds: int) -> None:
     """Forget descriptors about to be closed (their numbers will be reused)."""
     with _LOCK:
@@ -71,6 +97,8 @@ def _in_child() -> None:
     _LOCK = threading.Lock()  # only the forking thread exists here: the parent's may be held by one that is gone
     fds = list(_FDS)
     _FDS.clear()
+    if _PEERS:
+        fds += _connected_to(_PEERS)
     if not fds:
         return
     null = os.open(os.devnull, os.O_RDWR)
@@ -82,3 +110,28 @@ def _in_child() -> None:
                 pass  # closed meanwhile: nothing of ours left to hold
     finally:
         os.close(null)
+
+
+def _connected_to(peers: set[tuple[str, int]]) -> list[int]:
+    """This process's socket descriptors connected to one of ``peers``."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # not Linux: nothing to look through
+        return []
+    out = []
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor), or not a socket Python knows
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            peer = None  # not connected: a listening socket, say
+        finally:
+            sock.detach()  # the descriptor stays open; only the wrapper goes
+        if isinstance(peer, tuple) and (_plain(peer[0]), peer[1]) in peers:
+            out.append(fd)
+    return out

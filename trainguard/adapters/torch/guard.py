@@ -67,6 +67,7 @@ from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .own import fingerprints
+from .probes import ThreadProbes
 from .process_group import AbortableProcessGroup
 from .state import state_sha256
 from .trainstate import TrainState
@@ -235,8 +236,10 @@ class Guard(Checkpoints, RankRuntime):
         self._install_fault_hooks()
         self.processor = processor or self._connect(joining=join is not None)
         self.processor.add_stop_listener(lambda: self.process_group.stop())
-        self._thread = threading.get_ident()
-        self.processor.watchdog.in_collective = self._blocked_on_comm
+        probes = ThreadProbes(threading.get_ident(), lambda: self.process_group)
+        self.processor.watchdog.in_collective = probes.blocked_on_comm
+        self.processor.watchdog.in_pause = probes.waiting_for_loader
+        self.processor.watchdog.where = probes.where
         self._exit_code: int | None = None
         atexit.register(self._exit_now)
         if join:
@@ -276,17 +279,6 @@ class Guard(Checkpoints, RankRuntime):
                 return grad
 
             self._hooks.append(middle.register_hook(hook))
-
-    def _blocked_on_comm(self) -> bool:
-        """For the watchdog (called on the processor's thread): is the
-        training thread waiting on communication? Collectives are in flight
-        and its innermost Python frame is in torch or in our group's wait
-        (``backward`` waiting for DDP's buckets, ``Work.wait``), not in the
-        training script."""
-        if not self.process_group.busy:
-            return False
-        frame = sys._current_frames().get(self._thread)
-        return frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
 
     # ----------------------------------------------------------- the loop
     def _begin(self) -> None:
@@ -389,7 +381,6 @@ class Guard(Checkpoints, RankRuntime):
             self.own_records.close()
 
 
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
 
 
 def _refuse_unsupported(model: torch.nn.Module) -> None:
