@@ -20,11 +20,12 @@ from trainguard.rehearse.verdict import diagnose, judge
 pytestmark = pytest.mark.timeout(600)
 
 
-def rehearse(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+def rehearse(tmp_path, *flags: str, env: dict | None = None, script: str = "lm_train.py",
+             steps: int = 16) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "rehearsal.json"
     cmd = [sys.executable, "-m", "trainguard.cli", "rehearse", *flags, "--json", str(out), "--dir",
            str(tmp_path / "runs"), "--nproc-per-node", "2", "--monitor-interval", "0.1",
-           str(WORKERS / "lm_train.py"), "16", str(tmp_path / "report.json"), "ckpt", "4"]
+           str(WORKERS / script), str(steps), str(tmp_path / "report.json"), "ckpt", "4"]
     full = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     full.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", **(env or {})})
     proc = run_bounded(cmd, env=full, cwd=tmp_path, timeout=560, merge=True)
@@ -53,6 +54,37 @@ def test_a_script_that_loses_its_data_position_is_caught_and_told_what_to_pass(t
     assert not case["identical"] and "data position is not restored" in case["reason"]
     assert "data=" in case["reason"]
     assert (tmp_path / "runs" / "crash-in-forward" / "launch-2.log").exists(), "a failed rehearsal keeps its runs"
+
+
+def test_a_script_that_forgets_its_grad_scaler_is_caught_and_told_to_pass_it(tmp_path):
+    """The tester's mixed-precision script without ``scaler=``: the relaunch
+    starts the loss scale over. Before issue 37 the reason blamed kernels
+    or state to pass as extra=, or the case passed."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    proc, result = rehearse(tmp_path, "--kinds", "crash", "--quick", script="amp_train.py", steps=12,
+                            env={"AMP_NO_SCALER": "1", "PYTHONWARNINGS": "ignore::UserWarning"})
+    assert proc.returncode == 1, proc.stdout[-6000:]
+    (case,) = result["cases"]
+    assert not case["identical"] and "GradScaler" in case["reason"], case
+    assert "pass Guard(..., scaler=scaler)" in case["reason"] and "extra=" not in case["reason"]
+
+
+@pytest.mark.slow  # stands for it in CI: test_a_case_passes_only_when_every_launch_ended_as_planned
+def test_a_case_whose_first_launch_stopped_without_a_dying_gasp_is_not_a_pass(tmp_path):
+    """The job may not dump (``--strategies exit``): it stops at the fault
+    and the relaunch trains the steps since the save of step 4 again (the
+    fault strikes at step 5, inside rank 1's update). The
+    model still ends identical; before issue 37 the case said "yes"
+    (strategy ?, lost -)."""
+    proc, result = rehearse(tmp_path, "--strategies", "exit", "--kinds", "uce", "--quick")
+    assert proc.returncode == 1, proc.stdout[-6000:]
+    (case,) = result["cases"]
+    assert case["exits"][0] not in (0, 75) and case["exits"][-1] == 0, case
+    assert not case["identical"] and "launch 1 exited" in case["reason"], case
+    assert "device memory error" in case["reason"], "the launch's fault, from its log"
+    # rank 0 finished step 6 as rank 1 failed inside its update of it
+    assert "resumed from step 4, but the one before it had reached step 6" in case["reason"], case
+    assert case["strategy"] == "relaunch" and case["lost_steps"] == 2, case
 
 
 def test_diverged_random_streams_are_named_before_the_model():

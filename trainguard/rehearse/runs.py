@@ -149,14 +149,16 @@ def launcher(argv: Sequence[str], framework: str) -> list[str]:
 def first_error(log: Path, width: int = 240) -> str:
     """The first thing a launch's log says went wrong, in one line: a rank
     that left its step on an error the guard did not recover, else the
-    first ERROR, else the decision the controller took ("" when none)."""
+    launcher's line of a fault and how it ended, else the first ERROR, else
+    the decision the controller took ("" when none)."""
     try:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
         return ""
     error = re.compile(r"^\[trainguard [^\]]* ERROR \d{4}-")  # the log level, not "UCE ERROR" in a message
-    for pick in (lambda ln: error.match(ln) and " left step " in ln, lambda ln: error.match(ln),
-                 lambda ln: "] decision: " in ln):
+    for pick in (lambda ln: error.match(ln) and " left step " in ln,
+                 lambda ln: "] fault: " in ln and " -> " in ln,  # the launcher's summary: the fault and its end
+                 lambda ln: error.match(ln), lambda ln: "] decision: " in ln):
         line = next((ln for ln in lines if pick(ln)), None)
         if line is not None:
             text = line.split("] ", 1)[-1].strip()
