@@ -22,6 +22,7 @@ are ``-m slow``, each naming the CI case that stands for it."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -142,3 +143,19 @@ def test_a_lost_process_restarted_in_place_is_bit_identical(job_runner, referenc
 def test_spawned_loader_workers_are_retried_bit_identical(job_runner, reference, start):
     env = {**WORKER_CASE, "AMP_START": start}
     retried_in_place(job_runner, reference, "uce:rank=1,step=5,phase=optimizer", env)
+
+
+@pytest.mark.slow  # stands for it in CI: the worker cases above and tests/test_forks.py
+@pytest.mark.timeout(7200)
+def test_forty_launches_with_loader_workers_beside_snapshots_end_cleanly(tmp_path):
+    """The tester's fault-free worker case, again and again: 2 forked loader
+    workers per rank (new ones at every epoch) beside the Guard's threads,
+    snapshots every 2 steps. Before issue 37, 1 of 39 launches lost a worker
+    to a gRPC abort and dumped (exit 75), and every fork printed "Other
+    threads are currently calling into gRPC, skipping fork() handlers"."""
+    for i in range(40):
+        job = run_job(tmp_path, f"launch{i}", nproc=2, steps=6, script=AMP, env=WORKER_CASE)
+        assert job.rc == 0, f"launch {i + 1} of 40: {job}"
+        assert "Check failed" not in job.log and "fork()" not in job.log, f"launch {i + 1} of 40: {job}"
+        assert job.report["steps_completed"] == 6 and not job.report["recoveries"], job.report
+        shutil.rmtree(job.ckpt)
