@@ -7,13 +7,17 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from conftest import WORKERS, run_bounded
-from trainguard.rehearse import _options, table
+from trainguard.rehearse import _options, runs, table
 from trainguard.rehearse.cases import plan_cases
 from trainguard.rehearse.verdict import diagnose, judge
 
@@ -185,3 +189,40 @@ def test_options_come_first_and_a_missing_script_is_a_usage_error():
     row = {"case": "crash in forward", "strategy": "dump", "lost_steps": 0, "detect_s": 0.021, "recover_s": 0.05,
            "identical": True, "skipped": False, "reason": ""}
     assert "crash in forward  dump" in table([row]) and "yes" in table([row])
+
+
+def test_a_signal_from_outside_lands_during_training_at_a_seeded_step(tmp_path, monkeypatch):
+    """The moment is a step of the run's own (the SIGSTOP case's signal once
+    landed after a fast run had finished training: it was drawn in seconds
+    of the fault-free run's training)."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(runs, "_worker", lambda directory, rank: victim.pid)
+    (tmp_path / "trace").mkdir()
+    trace = tmp_path / "trace" / "r1.jsonl"
+    trace.write_text('{"start": 0}\n')
+    reached = []
+
+    def train():
+        for step in range(1, 13):
+            time.sleep(0.05)
+            with trace.open("a") as f:
+                f.write(json.dumps({"step": step, "t": time.time()}) + "\n")
+            reached.append(step)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+
+    class Running:
+        def poll(self):
+            return None
+
+    try:
+        sent = runs._signal_at_random(Running(), tmp_path, signal.SIGTERM, 1, 12, seed=3)
+        at = len(reached)
+        assert victim.wait(10) == -signal.SIGTERM
+    finally:
+        victim.kill()
+        trainer.join()
+    target = random.Random(3).randint(1, 10)
+    assert sent["step"] == target and sent["rank"] == 1
+    assert target <= at <= target + 1, "sent within the step after the one drawn, while training went on"

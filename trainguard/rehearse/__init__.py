@@ -33,7 +33,7 @@ from typing import Sequence
 from trainguard.core.rehearsal import read_final, read_launches, read_trace
 
 from .cases import Case, plan_cases
-from .runs import first_error, launcher, run, saved_steps, strikes, trained_seconds
+from .runs import first_error, launcher, run, saved_steps, strikes
 from .verdict import judge
 
 __all__ = ["main"]
@@ -89,11 +89,10 @@ def main(argv: Sequence[str]) -> int:
         cases = [c for c in cases if c.kind in kinds]
     print(f"fault-free: {world} ranks, {steps} steps in {reference.launches[0].seconds:.1f} s; "
           f"{len(cases)} cases", flush=True)
-    within = trained_seconds(reference.directory) / 2
     ref_traces = {r: read_trace(reference.directory, r) for r in final}
     rows = []
     for i, case in enumerate(cases):
-        rows.append(_one(case, root, command, strategies, within, seed + i, final, ref_traces))
+        rows.append(_one(case, root, command, strategies, steps, seed + i, final, ref_traces))
         print(_line(rows[-1]), flush=True)
     passed = all(r["identical"] or r["skipped"] for r in rows)
     print("\n" + table(rows))
@@ -108,7 +107,7 @@ def main(argv: Sequence[str]) -> int:
     return 0 if passed else 1
 
 
-def _one(case: Case, root: Path, command: list[str], strategies: str | None, within: float, seed: int,
+def _one(case: Case, root: Path, command: list[str], strategies: str | None, steps: int, seed: int,
          reference: dict, ref_traces: dict) -> dict:
     row = {"case": case.name, "kind": case.kind, "fault": case.fault, "skipped": bool(case.skip),
            "identical": False, "reason": case.skip, "strategy": "", "lost_steps": None, "detect_s": None,
@@ -116,7 +115,7 @@ def _one(case: Case, root: Path, command: list[str], strategies: str | None, wit
     if case.skip:
         return row
     r = run(root / case.slug, command, fault=case.fault, strategies=strategies, outside=case.outside,
-            within_s=within, seed=seed)
+            rank=max(reference), steps=steps, seed=seed)
     final = read_final(r.directory)
     row["exits"] = [launch.rc for launch in r.launches]
     verdict = judge(reference, final, {k: read_trace(r.directory, k) for k in reference}, ref_traces, row["exits"],

@@ -51,7 +51,7 @@ class Run:
 
 
 def run(directory: Path, command: Sequence[str], *, fault: str | None = None, strategies: str | None = None,
-        outside: int | None = None, within_s: float = 0.0, seed: int = 0, timeout_s: float = 3600) -> Run:
+        outside: int | None = None, rank: int = 0, steps: int = 0, seed: int = 0, timeout_s: float = 3600) -> Run:
     """Launch ``command`` (``trainguard run ...``) in ``directory`` and
     relaunch it, as a user would, while it stops after a dying gasp (75) or
     for any other reason, up to :data:`MAX_LAUNCHES` launches.
@@ -59,8 +59,8 @@ def run(directory: Path, command: Sequence[str], *, fault: str | None = None, st
     Args:
         fault: ``TRAINGUARD_FAULT`` for every launch (a fault strikes once
             per job: the run's checkpoint directory logs its strikes).
-        outside: a signal for the last rank's worker of the first launch, at
-            a random moment within ``within_s`` after its first step (seeded).
+        outside: a signal for ``rank``'s worker in the first launch, at a
+            random moment of its ``steps`` steps of training (seeded).
     """
     directory.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("TRAINGUARD_FAULT", ENV)}
@@ -79,7 +79,7 @@ def run(directory: Path, command: Sequence[str], *, fault: str | None = None, st
             signalled = None
             try:
                 if outside is not None and i == 0:
-                    signalled = _signal_at_random(proc, directory, outside, within_s, seed)
+                    signalled = _signal_at_random(proc, directory, outside, rank, steps, seed)
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -91,26 +91,31 @@ def run(directory: Path, command: Sequence[str], *, fault: str | None = None, st
     return out
 
 
-def _signal_at_random(proc: subprocess.Popen, directory: Path, sig: int, within_s: float,
+def _signal_at_random(proc: subprocess.Popen, directory: Path, sig: int, rank: int, steps: int,
                       seed: int) -> dict | None:
-    """Once the last rank traced its first step, wait a random moment
-    (at most ``within_s``) and send ``sig`` to that rank's worker."""
+    """At a random moment of training (seeded): once ``rank`` committed a
+    random step from 1 to ``steps - 2``, a random fraction of a step later,
+    send ``sig`` to its worker. Anchored to the run's own steps: a moment
+    drawn in seconds could fall after a fast run's training had ended."""
+    rng = random.Random(seed)
+    target, fraction = rng.randint(1, max(1, steps - 2)), rng.random()
     deadline = time.monotonic() + 600
-    rank = None
+    trace: dict = {}
     while proc.poll() is None and time.monotonic() < deadline:
-        traced = sorted(int(p.stem[1:]) for p in (directory / "trace").glob("r*.jsonl") if p.stat().st_size)
-        if traced:
-            rank = traced[-1]
+        trace = read_trace(directory, rank)
+        if any(step >= target for step in trace):
             break
         time.sleep(0.02)
-    if rank is None:
+    else:
         return None
-    time.sleep(random.Random(seed).uniform(0.0, max(0.0, within_s)))
+    times = [trace.get(s, {}).get("t") for s in (target - 1, target)]
+    if all(isinstance(t, (int, float)) for t in times):
+        time.sleep(fraction * max(0.0, times[1] - times[0]))
     pid = _worker(directory, rank)
     if pid is None or proc.poll() is not None:
         return None
     os.kill(pid, sig)
-    return {"rank": rank, "pid": pid, "signal": signal.Signals(sig).name, "time": time.time()}
+    return {"rank": rank, "pid": pid, "signal": signal.Signals(sig).name, "time": time.time(), "step": target}
 
 
 def _worker(directory: Path, rank: int) -> int | None:
@@ -127,12 +132,6 @@ def _worker(directory: Path, rank: int) -> int | None:
         if mark in env and any(r in env for r in ranks) and b"trainguard.cli" not in cmdline:
             return int(pid)
     return None
-
-
-def trained_seconds(directory: Path, rank: int = 0) -> float:
-    """How long the run's training took, from its trace."""
-    times = [e["t"] for e in read_trace(directory, rank).values() if "t" in e]
-    return max(times) - min(times) if len(times) > 1 else 0.0
 
 
 def saved_steps(directory: Path, rank: int = 0) -> list[int]:
