@@ -41,9 +41,9 @@ def test_a_protected_script_passes_its_rehearsal(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert result["passed"] and result["world_size"] == 2 and result["steps"] == 16
     by_case = {c["case"]: c for c in result["cases"]}
-    assert set(by_case) == {"uce in backward", "crash in forward", "crash while resuming"}
+    assert set(by_case) == {"uce in optimizer", "crash in forward", "crash while resuming"}
     assert all(c["identical"] for c in result["cases"])
-    assert by_case["uce in backward"]["strategy"] == "retry" and by_case["uce in backward"]["exits"] == [0]
+    assert by_case["uce in optimizer"]["strategy"] == "retry" and by_case["uce in optimizer"]["exits"] == [0]
     assert by_case["crash in forward"]["exits"] == [75, 0] and by_case["crash in forward"]["lost_steps"] == 0
     # the relaunch's resume failed on one rank: the job stopped, wrote nothing newer, and the next relaunch finished
     assert by_case["crash while resuming"]["exits"][0] == 75 and by_case["crash while resuming"]["exits"][-1] == 0
