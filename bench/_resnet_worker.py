@@ -93,7 +93,8 @@ def main() -> None:
         from trainguard.torch import Guard
 
         guard = Guard(model, opt, scheduler=sched, checkpoint_dir=args.ckpt, save_every=args.save_every,
-                      profiling_dir=args.profiling_dir if marked else None)
+                      profiling_dir=args.profiling_dir if marked else None,
+                      snapshot_every=int(os.environ.get("BENCH_SNAPSHOT_EVERY", "0")))
         if marked:
             wanted = [Switch(True, True)]
             guard.recorder.switch.poll = lambda: wanted[0]  # switched here, step by step

@@ -1,7 +1,7 @@
 """Write ``bench/README.md`` from ``bench/results/*.json``.
 
-    python bench/readme.py           # regenerate bench/README.md
-    python bench/readme.py --check   # exit 1 when bench/README.md is not what this writes
+    python bench/readme.py           # regenerate bench/README.md and docs/performance.md's tables
+    python bench/readme.py --check   # exit 1 when either is not what this writes
 
 One section per result file: its benchmark, machine and date, its goals (met or
 not, measured against the target) and its rows as a table. The figures are
@@ -155,6 +155,46 @@ def render(results: Path = RESULTS) -> str:
         stem = name[: -len(".json")]
         body = _body(d)
         out += [f"## {stem}", "", f"[`results/{name}`](results/{name}): " + body[0]] + body[1:]
+        if (results / f"{stem}.png").exists():  # a benchmark's plot, written beside its JSON
+            out += ["", f"![{stem}](results/{stem}.png)"]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+#: docs/performance.md's tables: (results file stem, what it measures), in the page's order. Each
+#: table is the file's goals, as measured; bench/README.md has every row.
+PERFORMANCE = (
+    ("recovery", "Recovery after a device memory error: retry in place vs torchrun + periodic torch.save"),
+    ("reschedule", "A killed worker under recover-in-place vs torchrun restarting every worker"),
+    ("overhead", "Per-step overhead of the optimizer wrapper and the processor"),
+    ("detect", "Detection of a killed, frozen or hung worker, and the watchdog's cost"),
+    ("checkpoint", "In-memory snapshots and asynchronous saves on CPU (full run)"),
+    ("checkpoint-quick", "The same, a later quick run"),
+    ("checkpoint-gpu", "Snapshots of GPU state"),
+    ("mindspore", "MindSpore: step overhead and a retried device memory error vs an msrun relaunch"),
+    ("mindspore-dying-gasp", "MindSpore vs torch: fault to dying-gasp checkpoint"),
+    ("megatron-gpu", "Megatron's replicated distributed optimizer on a GPU"),
+    ("compile_cache", "Warm restarts with the compile cache"),
+    ("slow_nodes", "Slow-node detection and marker overhead"),
+    ("scale", "The controller at 16,384 simulated ranks (relays)"),
+    ("scale-direct", "... one session per rank, no relay"),
+    ("scale-tls", "... over mutual TLS"),
+    ("preauth", "The controller under unauthenticated floods"),
+    ("multihost", "Host faults on network-namespace hosts"),
+)
+
+
+def render_performance(results: Path = RESULTS) -> str:
+    """The generated block of docs/performance.md: one goals table per benchmark of :data:`PERFORMANCE`."""
+    out: list[str] = []
+    for stem, title in PERFORMANCE:
+        d = json.loads((results / f"{stem}.json").read_text())
+        facts = [f"`{d.get('benchmark', stem)}`", str(d.get("when", "date not recorded")).split("T")[0],
+                 "quick run (`--quick`)" if d.get("quick") else "full run",
+                 f"machine: {_cut(' '.join(str(d.get('machine', 'not recorded')).split()), 160)}"]
+        out += [f"### {title}", "",
+                f"[`bench/results/{stem}.json`](../bench/results/{stem}.json) ({'; '.join(facts)}); every row: "
+                f"[bench/README.md](../bench/README.md#{_slug(stem)}).", ""]
+        out += (_goals(d["goals"]) if d.get("goals") else ["No goals set for this benchmark."]) + [""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -163,18 +203,34 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+PERFORMANCE_PAGE = HERE.parent / "docs" / "performance.md"
+_BLOCK = re.compile(r"(<!-- generated:performance -->\n).*?(<!-- /generated:performance -->)", re.S)
+
+
+def performance_page(results: Path = RESULTS) -> str:
+    """docs/performance.md with its generated block (between its markers) rendered now."""
+    text = PERFORMANCE_PAGE.read_text()
+    if len(_BLOCK.findall(text)) != 1:
+        raise SystemExit(f"{PERFORMANCE_PAGE}: needs one <!-- generated:performance --> ... "
+                         f"<!-- /generated:performance --> pair")
+    body = render_performance(results).rstrip()
+    return _BLOCK.sub(lambda m: f"{m.group(1)}{body}\n{m.group(2)}", text)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 when bench/README.md is stale; write nothing")
+    p.add_argument("--check", action="store_true", help="exit 1 when either page is stale; write nothing")
     args = p.parse_args(argv)
-    text = render()
+    wanted = {README: render(), PERFORMANCE_PAGE: performance_page()}
     if args.check:
-        if not README.exists() or README.read_text() != text:
-            print("bench/README.md is stale: run python bench/readme.py", file=sys.stderr)
+        stale = [str(path) for path, text in wanted.items() if not path.exists() or path.read_text() != text]
+        if stale:
+            print(f"stale: {', '.join(stale)}: run python bench/readme.py", file=sys.stderr)
             return 1
         return 0
-    README.write_text(text)
-    print(f"wrote {README} ({text.count(chr(10))} lines)", file=sys.stderr)
+    for path, text in wanted.items():
+        path.write_text(text)
+        print(f"wrote {path} ({text.count(chr(10))} lines)", file=sys.stderr)
     return 0
 
 

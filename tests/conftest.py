@@ -33,11 +33,11 @@ class Job:
 def run_job(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault: str | None = None,
             strategies: str | None = None, save_every: int = 0, ckpt: Path | None = None,
             env: dict | None = None, timeout: float = 150, script: Path | None = None,
-            extra_args: list[str] | None = None) -> Job:
+            extra_args: list[str] | None = None, max_restarts: int | None = 0) -> Job:
     """Launch ``tests/workers/tiny_train.py`` (or ``script``) with ``trainguard run``."""
     cmd, full_env, report, ckpt = job_command(tmp, name, nproc=nproc, steps=steps, fault=fault,
                                               strategies=strategies, save_every=save_every, ckpt=ckpt, env=env,
-                                              script=script, extra_args=extra_args)
+                                              script=script, extra_args=extra_args, max_restarts=max_restarts)
     proc = run_bounded(cmd, env=full_env, cwd=tmp, timeout=timeout)
     if proc.returncode:  # pytest shows a test's captured output when it fails: the log tail then reaches CI
         print(f"--- {name}: exit {proc.returncode}; log tail ---\n{(proc.stdout + proc.stderr)[-8000:]}")
@@ -48,9 +48,15 @@ def run_job(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault: str
 def job_command(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault: str | None = None,
                 strategies: str | None = None, save_every: int = 0, ckpt: Path | None = None,
                 env: dict | None = None, script: Path | None = None,
-                extra_args: list[str] | None = None) -> tuple[list[str], dict, Path, Path]:
+                extra_args: list[str] | None = None, max_restarts: int | None = 0) -> tuple[list[str], dict, Path, Path]:
     """The ``trainguard run`` command line, environment, report and
-    checkpoint paths of a job (see :func:`run_job`)."""
+    checkpoint paths of a job (see :func:`run_job`). ``max_restarts``:
+    the ``--max-restarts`` given unless ``extra_args`` has one (0, as the
+    tests written before trainguard had a default budget expect: a lost
+    process dumps and the test relaunches; ``None``: the launcher's default)."""
+    extra_args = list(extra_args or [])
+    if max_restarts is not None and "--max-restarts" not in extra_args:
+        extra_args += ["--max-restarts", str(max_restarts)]
     ckpt = ckpt or tmp / f"{name}-ckpt"
     report = tmp / f"{name}.json"
     report.unlink(missing_ok=True)
@@ -63,7 +69,7 @@ def job_command(tmp: Path, name: str, *, nproc: int = 4, steps: int = 10, fault:
         full_env["TRAINGUARD_STRATEGIES"] = strategies
     full_env.update(env or {})
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1",
-           *(extra_args or []), str(script or WORKERS / "tiny_train.py"), str(steps), str(report), str(ckpt),
+           *extra_args, str(script or WORKERS / "tiny_train.py"), str(steps), str(report), str(ckpt),
            str(save_every)]
     return cmd, full_env, report, ckpt
 

@@ -56,7 +56,7 @@ class StoreJob:
         full_env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "TRAINGUARD_PRELOCK_TIMEOUT_S": "20",
                          "TRAINGUARD_TOKEN": self.token, "PYTHONUNBUFFERED": "1", **(env or {})})
         run = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--monitor-interval", "0.1",
-               "--controller-port", str(self.port), str(SCRIPT), str(steps), str(self.report), str(self.ckpt),
+               "--max-restarts", "0", "--controller-port", str(self.port), str(SCRIPT), str(steps), str(self.report), str(self.ckpt),
                str(save_every)]
         inspect = [sys.executable, "-c", _INSPECT, str(self.ckpt)]
         script = (f"mount -t tmpfs -o size=4m tmpfs {disk} || exit 90; {shlex.join(run)}; rc=$?; "

@@ -181,7 +181,7 @@ def gpt(tmp: Path, name: str, *, launcher: list[str], fault: str | None = None,
     env.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1", **(extra_env or {})})
     if fault:
         env["TRAINGUARD_FAULT"] = fault
-    cmd = [*launcher, "--nproc-per-node", "2", "--monitor-interval", "0.1", str(EXAMPLE), "steps=6", "log_every=0",
+    cmd = [*launcher, "--nproc-per-node", "2", "--monitor-interval", "0.1", "--max-restarts", "0", str(EXAMPLE), "steps=6", "log_every=0",
            f"report={name}.json", f"checkpoint_dir={name}-ckpt"]
     out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=240)
     report = tmp / f"{name}.json"

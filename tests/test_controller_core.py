@@ -202,6 +202,47 @@ def test_two_lost_ranks_on_two_nodes_are_restarted_on_one_store():
     assert core.snapshot()["pids"] == {"0": [100], "1": [101, 201], "2": [102], "3": [103, 203]}
 
 
+@pytest.mark.parametrize("strategies, restarts, outcome", [
+    ("retry,recover-in-place,dump", 1, "recover-in-place"),
+    ("retry,dump,exit", 0, "dump"),
+])
+def test_a_device_memory_error_a_rank_cannot_repair_in_its_process_ends_that_process(strategies, restarts, outcome):
+    """CUDA cannot clean a device memory error in the process: the rank is
+    told to exit at once (no retry is tried on it) and counted lost, so a
+    restart strategy gives it a new process and the survivors keep theirs,
+    or, without restarts, the others dump without it."""
+    world = 3
+    sent: dict[int, list[Command]] = {}
+    orders: list = []
+    core = ControllerCore(ControllerConfig(strategies=strategies, max_restarts=restarts), world,
+                          send=lambda r, c: sent.setdefault(r, []).append(c),
+                          send_agent=lambda n, o: orders.append((n, o)))
+    full = (ReplicaGroup.full(range(world)),)
+    for rank in range(world):
+        core.on_hello(Hello(rank=rank, pid=100 + rank, replicas=full, status=status(3), device_repairable=rank != 1))
+    core.on_agent("a", AgentHello(ranks=tuple(range(world))))
+    core.on_fault(1, Fault(kind=FaultKind.UCE, rank=1, severity=Severity.HIGH, message="UCE ERROR"),
+                  RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATING))
+    (ended,) = sent[1]
+    assert isinstance(ended.action, Exit) and ended.action.code == 76, ended
+    assert "cannot be repaired in the process" in ended.action.reason
+    assert not core.ranks[1].alive
+    core.on_process_exit(1, 101, 76)  # its own exit is no second fault
+    for rank in (0, 2):
+        core.on_stopped(rank, RankStatus(step=3, run=RunStatus.STOPPED, data=DataStatus.UPDATED))
+    assert core.episode.plan.strategy.value == outcome, core.episode.reason
+    assert "retry: rank 1: device memory error" in core.episode.reason and "cannot be repaired in-process" in core.episode.reason
+    assert len(sent[1]) == 1, "nothing more is sent to the ended process"
+    if outcome == "dump":
+        assert core.state is ControllerState.DUMPING
+        assert {r for r, cmds in sent.items() if isinstance(cmds[-1].action, Save)} == {0, 2}
+        return
+    for rank in (0, 2):  # clean
+        core.on_result(rank, answer(sent[rank][-1], 3, RunStatus.STOPPED))
+    (start,) = [o for _, o in orders if isinstance(o.action, StartReplacement)]
+    assert (start.action.rank, start.action.step) == (1, 3)
+
+
 def test_the_record_names_the_lost_rank_not_the_peer_whose_collective_broke(caplog):
     """A survivor's broken collective often reaches the controller before
     the lost process does; the record and the one warning line still name

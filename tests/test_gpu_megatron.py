@@ -48,7 +48,8 @@ def gpt(tmp: Path, name: str, *args: str, fault: str | None = None, nproc: int =
     if fault:
         env["TRAINGUARD_FAULT"] = fault
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1",
-           *launcher, str(ONE_GPU), str(EXAMPLE), "steps=8", "log_every=0", "device=cuda", "backend=trainguard",
+           *(launcher if "--max-restarts" in launcher else ("--max-restarts", "0", *launcher)), str(ONE_GPU),
+           str(EXAMPLE), "steps=8", "log_every=0", "device=cuda", "backend=trainguard",
            "optimizer=replicated", "replicas=2", *SIZE, f"report={name}.json", f"checkpoint_dir={name}-ckpt", *args]
     out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=400)
     report = tmp / f"{name}.json"

@@ -26,7 +26,8 @@ CUDA = {"SNAP_DEVICE": "cuda"}
 def _job(tmp_path, name, **kw):
     job_id = f"gpusnap-{uuid.uuid4().hex[:8]}"
     job = run_job(tmp_path, name, nproc=2, steps=12, save_every=4, script=WORKERS / "snapshot_train.py",
-                  extra_args=["--job-id", job_id, *kw.pop("extra_args", [])], env=CUDA, **kw)
+                  extra_args=["--job-id", job_id, *kw.pop("extra_args", [])], env={**CUDA, **kw.pop("env", {})},
+                  **kw)
     assert not list(Path("/dev/shm").glob(f"trainguard-{job_id}-*")), "the node agent must remove its snapshots"
     return job
 
@@ -170,3 +171,24 @@ def test_restart_on_gpu_resumes_from_pinned_memory_bit_identical(tmp_path):
     assert {rank: rep["snapshots"]["resumed_from"] for rank, rep in reports.items()} == \
         {0: {"step": 6, "source": "memory"}, 1: {"step": 6, "source": "memory"}}, crash
     assert all(rep["snapshots"]["pinned"] == 2 and not rep["snapshots"]["pin_failed"] for rep in reports.values())
+
+
+def test_a_device_memory_error_on_cuda_restarts_that_process_alone_bit_identical(tmp_path):
+    """CUDA cannot clean a device memory error in the process: the struck
+    rank's process is ended and restarted alone (recover-in-place), its
+    state from the survivor and its streams from its node's record; the
+    survivor keeps its PID and the job ends bit-identical, dropout masks
+    (the CUDA generator) included."""
+    dropout = {"SNAP_DROPOUT": "1"}
+    clean = _job(tmp_path, "clean", env=dropout)
+    assert clean.rc == 0, clean.log[-6000:]
+    uce = _job(tmp_path, "uce", env=dropout, fault="uce:rank=1,step=6,phase=backward",
+               strategies="retry,recover-in-place,dump,exit", extra_args=["--max-restarts", "1"])
+    assert uce.rc == 0, uce.log[-8000:]
+    (record,) = uce.report["recoveries"]
+    assert (record["fault"], record["rank"], record["strategy"], record["lost_steps"]) == \
+        ("uce", 1, "recover-in-place", 0), record
+    assert "cannot be repaired in the process" in uce.log
+    pids = uce.report["pids"]
+    assert len(pids["0"]) == 1 and len(pids["1"]) == 2, pids
+    assert uce.report["final_state_sha256"] == clean.report["final_state_sha256"], uce

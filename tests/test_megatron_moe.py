@@ -24,7 +24,7 @@ def run(tmp: Path, name: str, fault: str | None = None, **extra: str) -> tuple[i
     if fault:
         env["TRAINGUARD_FAULT"] = fault
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "4", "--monitor-interval", "0.1",
-           str(WORKER), f"{name}.json", f"{name}-ckpt"]
+           "--max-restarts", "0", str(WORKER), f"{name}.json", f"{name}-ckpt"]
     out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=240)
     report = tmp / f"{name}.json"
     return out.returncode, json.loads(report.read_text()) if report.exists() else None, out.stdout + out.stderr

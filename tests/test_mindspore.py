@@ -303,3 +303,19 @@ def test_a_frozen_worker_is_killed_by_the_msrun_plugin_and_the_job_dumps(tmp_pat
     assert "found stopped (state T)" in job.log and "killed by its agent" in job.log, job
     assert "dying-gasp checkpoint at step 3" in job.log, job
     assert (job.ckpt / DUMP_3 / "manifest.json").is_file(), job
+
+
+@needs_mindspore
+@pytest.mark.timeout(400)
+@pytest.mark.slow  # ~45 s; CI: the same decision under trainguard run (tests/test_restart_loops.py)
+def test_a_relaunch_that_fails_the_same_way_at_the_same_step_stops_instead_of_looping(tmp_path):
+    """A bug in the script at step 3, on every launch: the first launch dumps (75), the relaunch
+    resumes from it, fails alike and stops with exit 1 instead of asking to be relaunched again."""
+    ckpt, env = tmp_path / "ckpt", {"MS_TRAIN_BUG": "1,3"}
+    first = run_ms(tmp_path, "bug", strategies="dump,exit", ckpt=ckpt, env=env)
+    assert first.rc == 75 and "dying-gasp checkpoint at step 3" in first.log, first
+    again = run_ms(tmp_path, "bug", strategies="dump,exit", ckpt=ckpt, env=env)
+    assert again.rc == 1, again
+    assert "the same fault (unknown ValueError) failed the launch before at the same step" in again.log, again
+    assert "relaunch the same command to resume" not in again.log, again
+    assert (ckpt / "latest_tft_step.txt").read_text().strip() == "3"

@@ -13,7 +13,7 @@ BLOCKER = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "mindspore", "megatron"}:
+        if name.split(".")[0] in {"torch", "mindspore", "megatron", "tensorflow", "keras"}:
             raise ImportError(f"blocked framework import: {name}")
         return None
 sys.meta_path.insert(0, Block())
@@ -22,7 +22,8 @@ import importlib, pkgutil
 for module in pkgutil.walk_packages(core.__path__, "trainguard.core."):
     importlib.import_module(module.name)
 import trainguard.cli
-assert not any(m.split(".")[0] in {"torch", "mindspore", "megatron"} for m in sys.modules)
+import trainguard.launcher.tfrun, trainguard.tensorflow  # TensorFlow's launcher and adapter import it lazily
+assert not any(m.split(".")[0] in {"torch", "mindspore", "megatron", "tensorflow", "keras"} for m in sys.modules)
 print("ok", len(core.__all__))
 """
 

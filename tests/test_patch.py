@@ -364,6 +364,15 @@ def test_plain_torchrun_on_the_patched_install_recovers_like_trainguard_run(inst
         assert len(report["pids"]["0"]) == 1 and len(report["pids"]["1"]) == 2
         assert report["final_state_sha256"] == reference.report["final_state_sha256"]
 
+        # A bug in the script at the same step on every launch: one dump, one restart, then it stops (exit 1)
+        # instead of spending --max-restarts on the same failure (no restart loops).
+        out, report = plain_torchrun(tmp_path, "loop", {"TINY_BUG": "1,4", "TRAINGUARD_STRATEGIES": "dump,exit"},
+                                     ("--max-restarts", "3"))
+        log = out.stdout + out.stderr
+        assert out.returncode == 1, log[-6000:]
+        assert log.count("rank 1 left step 4") == 2, log[-6000:]
+        assert "the same fault (unknown ValueError) failed the launch before at the same step" in log
+
         out, report = plain_torchrun(tmp_path, "disabled", {"TRAINGUARD_DISABLE": "1"})
         log = out.stdout + out.stderr
         assert out.returncode == 0, log[-6000:]

@@ -29,6 +29,7 @@ def rehearse(tmp_path, *flags: str, env: dict | None = None, script: str = "lm_t
     out = tmp_path / "rehearsal.json"
     cmd = [sys.executable, "-m", "trainguard.cli", "rehearse", *flags, "--json", str(out), "--dir",
            str(tmp_path / "runs"), "--nproc-per-node", "2", "--monitor-interval", "0.1",
+           "--max-restarts", "0",  # every lost process dumps and is relaunched: the paths these cases walk
            str(WORKERS / script), str(steps), str(tmp_path / "report.json"), "ckpt", "4"]
     full = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     full.update({"TRAINGUARD_HEARTBEAT_INTERVAL_S": "0.5", **(env or {})})

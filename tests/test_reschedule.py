@@ -72,6 +72,30 @@ def test_a_frozen_worker_is_killed_and_restarted_alone(job_runner, reference):
     assert job.report["final_state_sha256"] == reference["final_state_sha256"]
 
 
+def test_a_device_memory_error_the_device_cannot_repair_restarts_that_process_alone(tmp_path):
+    """A device that cannot clean a memory error in the process (CUDA; here
+    the CPU standing in for it): the struck process is ended, a new one
+    takes its place from the survivors' state, and the job ends
+    bit-identical -- dropout and every rank's streams included -- with the
+    survivor's PID kept."""
+    env = {"SNAP_DROPOUT": "1", "SNAP_UNREPAIRABLE": "1"}
+    kw = dict(nproc=2, steps=STEPS, script=WORKERS / "snapshot_train.py", env=env)
+    clean = run_job(tmp_path, "clean", **kw)
+    assert clean.rc == 0, clean
+    job = run_job(tmp_path, "uce", fault="uce:rank=1,step=4,phase=backward",
+                  strategies="retry,recover-in-place,dump,exit", extra_args=["--max-restarts", "1"], **kw)
+    assert job.rc == 0, job
+    (record,) = job.report["recoveries"]
+    assert (record["fault"], record["rank"], record["strategy"], record["lost_steps"]) == \
+        ("uce", 1, "recover-in-place", 0), record
+    assert "cannot be repaired in the process" in job.log
+    restarted_alone(job.report, 1)
+    assert job.report["final_state_sha256"] == clean.report["final_state_sha256"]
+    for rank in (0, 1):  # every rank's own record: streams and the state it ended with
+        assert json.loads((tmp_path / f"uce.json.{rank}").read_text())["final_state_sha256"] == \
+            json.loads((tmp_path / f"clean.json.{rank}").read_text())["final_state_sha256"]
+
+
 @pytest.mark.slow  # CI: a second fault during a retry (test_torch_recovery)
 def test_a_second_fault_during_the_recovery_falls_back_to_a_dump(job_runner, tmp_path):
     """Rank 1 is killed; while the job recovers, rank 2 dies too. The

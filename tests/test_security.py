@@ -184,7 +184,7 @@ def test_a_tls_controller_serves_its_nodes_and_no_one_else(pki):
 def test_a_job_runs_over_mutual_tls(tmp_path, pki):
     d = pki["node"]
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--monitor-interval", "0.1",
-           "--tls-cert", d["TRAINGUARD_TLS_CERT"], "--tls-key", d["TRAINGUARD_TLS_KEY"], "--tls-ca",
+           "--max-restarts", "0", "--tls-cert", d["TRAINGUARD_TLS_CERT"], "--tls-key", d["TRAINGUARD_TLS_KEY"], "--tls-ca",
            d["TRAINGUARD_TLS_CA"], str(WORKERS / "tiny_train.py"), "6", str(tmp_path / "r.json"),
            str(tmp_path / "ckpt")]
     out = subprocess.run(cmd, env=_env(TRAINGUARD_FAULT="comm:rank=1,step=3"), cwd=tmp_path, capture_output=True,

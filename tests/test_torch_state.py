@@ -305,3 +305,23 @@ def test_a_process_ending_with_backend_threads_still_in_python_exits_with_its_co
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["callback done"]
     assert "terminate called" not in out.stderr and "Fatal Python error" not in out.stderr
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_the_survivors_mirror_of_ddp_start_up_reads_the_buffer_setting_of_an_older_torch(monkeypatch, broadcast):
+    """Before torch 2.13, DDP kept its buffer sync as ``broadcast_buffers``
+    alone (an H200's torch 2.11 had no ``forward_sync_buffers`` and a
+    restarted process's join failed on it): the mirror of DDP's start-up
+    collectives reads whichever is there, and sends the buffers when it says so."""
+    from types import SimpleNamespace
+
+    from trainguard.adapters.torch import join
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    older = SimpleNamespace(module=net, parameters_to_ignore=set(), broadcast_bucket_size=1 << 20,
+                            broadcast_buffers=broadcast, _build_params_for_reducer=lambda: (list(net.parameters()), []))
+    sent = []
+    monkeypatch.setattr(join, "_verify_param_shape_across_processes", lambda group, params: None)
+    monkeypatch.setattr(join, "_sync_params_and_buffers", lambda group, states, size, src: sent.append(len(states)))
+    join._mirror_ddp(older, group=None)
+    assert sent == [4 + (3 if broadcast else 0)]  # 4 parameters, BatchNorm's 3 buffers

@@ -1,7 +1,9 @@
 """The ``trainguard`` command.
 
 * ``trainguard run [torchrun flags] SCRIPT [ARGS]`` -- launch a protected job;
-  ``trainguard run --framework mindspore [msrun flags] SCRIPT [ARGS]`` -- the same with msrun.
+  ``trainguard run --framework mindspore [msrun flags] SCRIPT [ARGS]`` -- the same with msrun;
+  ``trainguard run --framework tensorflow --workers-per-node N SCRIPT [ARGS]`` -- a multi-worker
+  TensorFlow job, restarted whole on a fault.
 * ``trainguard rehearse [--quick] [--json FILE] [--strategies LIST] [launcher flags] SCRIPT [ARGS]`` --
   inject every kind of fault into your own script and check each run ends
   bit-identical to a fault-free one (:mod:`trainguard.rehearse`).
@@ -11,8 +13,8 @@
 * ``trainguard report RUN_DIR [--out PNG]`` -- a picture of a job's timeline
   and a text summary, from the run directory ``trainguard run --run-dir``
   wrote (:mod:`trainguard.report`).
-* ``trainguard ckpt list|verify DIR`` -- the checkpoints in a directory and
-  whether each passes verification.
+* ``trainguard ckpt list|verify DIR [--layout auto|torch|megatron|mindspore]`` -- the checkpoints in a
+  directory (its layout found from its tracker file unless given) and whether each passes verification.
 * ``trainguard slow-nodes DIR [--job ID] [--json] [--plot PNG]`` -- the slow
   ranks of a job from its profiling records, with the evidence.
 """
@@ -31,7 +33,8 @@ __all__ = ["main"]
 USAGE = """usage: trainguard {run,rehearse,status,report,ckpt,slow-nodes} ...
 
   run     launch a training script like torchrun, protected by trainguard
-          (--framework mindspore: like msrun, with msrun's flags)
+          (--framework mindspore: like msrun, with msrun's flags;
+           --framework tensorflow: TF_CONFIG per worker, the whole job restarted on a fault)
   rehearse  run your script once per fault kind and check each ends bit-identical
           to a fault-free run (--quick: one case per kind)
   status  show a running job's controller state (--watch: live, per rank)
@@ -118,15 +121,40 @@ def _report(argv: Sequence[str]) -> int:
     return 0
 
 
+#: ``trainguard ckpt --layout`` -> the name of the naming in trainguard.core.
+_LAYOUTS = {"torch": "TORCH", "megatron": "MEGATRON", "mindspore": "MINDSPORE"}
+
+
+def _naming(directory: Path, layout: str):
+    """The checkpoint naming of ``directory``: ``layout``'s, or with ``auto`` the first whose tracker file
+    (``latest_step.txt``, ``latest_checkpointed_iteration.txt``, ``latest_tft_step.txt``) or step
+    directories it holds (torch's when none)."""
+    import trainguard.core as core
+
+    namings = [getattr(core, _LAYOUTS[name]) for name in _LAYOUTS]
+    if layout != "auto":
+        return getattr(core, _LAYOUTS[layout])
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return core.TORCH
+    for naming in namings:
+        if naming.tracker in names or any(naming.step_of(n) is not None for n in names):
+            return naming
+    return core.TORCH
+
+
 def _ckpt(argv: Sequence[str]) -> int:
-    from trainguard.core import MEGATRON, TORCH, CheckpointError, CheckpointStore
+    from trainguard.core import CheckpointError, CheckpointStore
 
     p = argparse.ArgumentParser(prog="trainguard ckpt")
     p.add_argument("action", choices=["list", "verify"])
     p.add_argument("directory", type=Path)
-    p.add_argument("--layout", choices=["torch", "megatron"], default="torch")
+    p.add_argument("--layout", choices=["auto", *_LAYOUTS], default="auto",
+                   help="the directory's naming (default auto: the one whose tracker file or step directories "
+                        "are there)")
     args = p.parse_args(argv)
-    store = CheckpointStore(args.directory, TORCH if args.layout == "torch" else MEGATRON)
+    store = CheckpointStore(args.directory, _naming(args.directory, args.layout))
     try:
         steps = store.steps()
     except OSError as e:
@@ -187,8 +215,8 @@ def _framework(argv: list[str]) -> tuple[str, list[str]]:
     """``--framework NAME`` / ``--framework=NAME`` at the front of ``run``'s arguments."""
     first = argv[0]
     name, rest = (first.partition("=")[2], argv[1:]) if "=" in first else (argv[1] if len(argv) > 1 else "", argv[2:])
-    if name not in ("torch", "mindspore"):
-        raise SystemExit(f"trainguard run: --framework must be torch or mindspore, got {name!r}")
+    if name not in ("torch", "mindspore", "tensorflow"):
+        raise SystemExit(f"trainguard run: --framework must be torch, mindspore or tensorflow, got {name!r}")
     return name, rest
 
 
@@ -204,6 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trainguard.launcher.msrun import main as msrun_main
 
             return msrun_main(rest)
+        if framework == "tensorflow":
+            from trainguard.launcher.tfrun import main as tf_main
+
+            return tf_main(rest)
     if command == "run":
         from trainguard.launcher.run import main as run_main
 

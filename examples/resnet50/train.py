@@ -88,9 +88,16 @@ def main(cfg: DictConfig) -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     if cfg.device == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= gpus and cfg.backend != "gloo":  # NCCL refuses two ranks on one GPU
+            raise ValueError(f"local rank {local_rank} has no GPU of its own ({gpus} visible); use backend=gloo "
+                             f"to let ranks share GPUs")
+        device = torch.device("cuda", local_rank % gpus)  # gloo: ranks share the GPUs in turn
+        torch.cuda.set_device(device)
+        if cfg.deterministic:  # a step redone after a fault must compute what it computed the first time
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts (torch's docs)
+            torch.backends.cudnn.benchmark = False
+            torch.use_deterministic_algorithms(True)  # an op without a deterministic kernel raises, never differs
     elif cfg.device == "cpu":
         device = torch.device("cpu")
     else:

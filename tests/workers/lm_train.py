@@ -14,6 +14,8 @@ stretches each step (for faults from outside); LM_KILL_AFTER_BACKWARD=RANK:STEP
 makes that rank SIGKILL itself once (a marker in the checkpoint directory),
 at that step, after its backward pass (its gradients all-reduced with every
 peer) and before its optimizer step, once rank 0 committed the step.
+LM_RAISE_AT=RANK:STEP makes the script itself raise ValueError there, in
+every launch (a bug in the script).
 """
 
 import hashlib
@@ -130,10 +132,13 @@ def main() -> None:
     pause = float(os.environ.get("LM_STEP_SLEEP", "0"))
     kill_rank, kill_step = map(int, os.environ.get("LM_KILL_AFTER_BACKWARD", "-1:-1").split(":"))
     killed = Path(ckpt) / f"killed-after-backward-r{kill_rank}"
+    raise_rank, raise_step = map(int, os.environ.get("LM_RAISE_AT", "-1:-1").split(":"))
     for step in guard.steps(steps):
         with guard.protect():
             time.sleep(pause)
             x, y = data.next()
+            if rank == raise_rank and step == raise_step:
+                raise ValueError(f"a bug in the script at step {step}")
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             guard.optimizer.zero_grad()
             loss.backward()

@@ -52,6 +52,7 @@ guard = Guard(net, nn.Momentum(net.trainable_params(), 0.05, 0.9), checkpoint_di
               snapshot_shared=__import__("os").environ.get("TRAIN_SNAPSHOT_SHARED") == "1")
 grad_fn = ms.value_and_grad(nn.WithLossCell(net, loss_fn), None, guard.optimizer.parameters)
 rank = get_rank()
+bug = tuple(map(int, __import__("os").environ.get("MS_TRAIN_BUG", "-1,-1").split(",")))
 for step in guard.steps(steps):
     with guard.protect():
         with guard.loading():
@@ -59,6 +60,8 @@ for step in guard.steps(steps):
             x = Tensor(data.standard_normal((8, 16)).astype(np.float32))
             y = Tensor(data.integers(0, 4, 8).astype(np.int32))
             random.random(), np.random.random()  # the script's own draws (an augmentation, say)
+        if (rank, step) == bug:  # MS_TRAIN_BUG=RANK,STEP: a bug in the script, on every launch
+            raise ValueError(f"a bug in the script at step {step}")
         loss, grads = grad_fn(x, y)
         guard.optimizer(grads)
 out = guard.report()

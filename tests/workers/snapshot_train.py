@@ -9,7 +9,8 @@ GPU ``LOCAL_RANK % device_count`` (gloo: ranks may share one GPU);
 ``SNAP_STEP_SLEEP=S`` makes each step last S seconds more. ``SNAP_DROPOUT=1`` adds a
 dropout layer drawing from the global RNG, seeded differently on each rank. Each rank writes
 its report to ``REPORT.<rank>`` (rank 0 to REPORT too). ``SNAPSHOT_PEER=1`` and
-``SNAPSHOT_SHARED=1`` turn on the Guard's options of those names.
+``SNAPSHOT_SHARED=1`` turn on the Guard's options of those names. ``SNAP_UNREPAIRABLE=1`` makes the CPU
+stand in for CUDA in a recovery: its device memory errors cannot be repaired in the process.
 """
 
 import json
@@ -43,6 +44,10 @@ def main() -> None:
         torch.cuda.set_device(device)
     if os.environ.get("CORRUPT_ON_RESTART") == str(rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT") != "0":
         corrupt_own_snapshots(rank)
+    if os.environ.get("SNAP_UNREPAIRABLE") == "1":
+        from trainguard.adapters.torch import device as devices
+
+        devices.Device.repairable = property(lambda self: False)
     torch.manual_seed(0)
     dropout = [torch.nn.Dropout(0.2)] if os.environ.get("SNAP_DROPOUT") == "1" else []
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), *dropout, torch.nn.Linear(256, 8)).to(device)

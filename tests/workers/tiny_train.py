@@ -11,7 +11,8 @@ rank write its report (REPORT.rank<r>); TINY_EVAL_HOLD=STEP,S runs an
 graph compile does: the heartbeat thread cannot run). TINY_HOLD_UPDATE=RANK,STEP
 holds that rank's update of that step until every other rank has committed
 the step (each writes a marker file beside REPORT), so a fault in that update
-finds the others one step ahead, however loaded the machine.
+finds the others one step ahead, however loaded the machine. TINY_BUG=RANK,STEP makes
+that rank raise ValueError inside that step on every launch (a bug in the script).
 """
 
 import json
@@ -64,6 +65,7 @@ def main() -> None:
     step_sleep = float(os.environ.get("TINY_STEP_SLEEP", "0"))
     hold_step, hold_s = map(float, os.environ.get("TINY_EVAL_HOLD", "-1,0").split(","))
     held_rank, held_step = map(int, os.environ.get("TINY_HOLD_UPDATE", "-1,-1").split(","))
+    bug_rank, bug_step = map(int, os.environ.get("TINY_BUG", "-1,-1").split(","))
     marker = lambda r, s: f"{report}.committed-r{r}-{s}"  # noqa: E731
     if rank == held_rank:
         update = opt.step  # inside the Guard's update window: after its collectives (BatchNorm buffers)
@@ -82,6 +84,8 @@ def main() -> None:
             time.sleep(step_sleep)
             x, y = batch(step, rank, device)
             loss = F.binary_cross_entropy_with_logits(model(x), y)
+            if rank == bug_rank and step == bug_step:
+                raise ValueError(f"a bug in the script at step {step}")
             guard.optimizer.zero_grad()
             loss.backward()
             guard.optimizer.step()

@@ -220,10 +220,12 @@ def from_annotations(environ: Mapping[str, str] | None = None) -> StrategyChoice
     return _checked(value, f"annotation file {path}")
 
 
-def resolve_strategies(flag: str | None = None, environ: Mapping[str, str] | None = None) -> StrategyChoice:
+def resolve_strategies(flag: str | None = None, environ: Mapping[str, str] | None = None, *,
+                       default: tuple[Strategy, ...] | None = None) -> StrategyChoice:
     """The job's strategies: ``flag`` (``--strategies``), else
     ``TRAINGUARD_STRATEGIES``, else the ``recover-strategy`` annotation,
-    else the default. The annotations file is read only when it decides.
+    else ``default`` (``None``: the controller's). The annotations file is
+    read only when it decides.
 
     Raises:
         ConfigError: the deciding source is invalid (the message names it).
@@ -233,4 +235,4 @@ def resolve_strategies(flag: str | None = None, environ: Mapping[str, str] | Non
         return _checked(flag, "--strategies")
     if "TRAINGUARD_STRATEGIES" in environ:
         return _checked(environ["TRAINGUARD_STRATEGIES"], "TRAINGUARD_STRATEGIES")
-    return from_annotations(environ) or StrategyChoice(ControllerConfig().strategies, "default")
+    return from_annotations(environ) or StrategyChoice(default or ControllerConfig().strategies, "default")

@@ -12,6 +12,7 @@ produces step ``n + 1``.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -158,6 +159,15 @@ class Fault:
             return False
         return not (self.kind is FaultKind.UCE and self.severity is Severity.LOW)
 
+    @property
+    def cause(self) -> str:
+        """The fault's class, the same whichever rank it struck: its kind and, for a raised error,
+        the error's type (``unknown ValueError``, ``process_lost``). A relaunch that fails with the
+        cause of the dying gasp it resumed from, at that step, stops instead of looping."""
+        head = self.message.split(":", 1)[0].strip()
+        error = head if re.fullmatch(r"[A-Za-z_][\w.]*", head) else ""
+        return f"{self.kind.name.lower()} {error}".strip()
+
     def describe(self) -> str:
         what = self.kind.name.lower().replace("_", " ")
         if self.kind is FaultKind.UCE:
@@ -220,6 +230,9 @@ class Plan:
     finaliser: int | None = None
     exit_code: int = 0
     replacements: Mapping[int, str] = field(default_factory=dict)
+    #: An exit no relaunch can help (the fault repeats the one the job resumed from): launchers
+    #: do not restart the job (``--max-restarts`` is not spent on it).
+    final: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +249,7 @@ class RecoveryRecord:
     lost_steps: int
     detected_at: float | None = None  # unix time; compare with a fault log's strike time
     message: str = ""  # the first fault, as detected
+    cause: str = ""  # the first fault's class, the same on every rank (Fault.cause)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -16,84 +16,39 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .api import ConfigError, Strategy
+from .config_env import ENV, Setting
 from .faults import FaultSpec, faults_from_env
 from .secret import TLS
 
-__all__ = ["ENV", "HEARTBEATS_PER_S", "ControllerConfig", "PersistConfig", "ProcessorConfig", "RankConfig",
-           "WatchdogConfig", "check_env", "parse_strategies"]
+__all__ = ["DEFAULT_MAX_RESTARTS", "ENV", "HEARTBEATS_PER_S", "ControllerConfig", "PersistConfig", "ProcessorConfig",
+           "RankConfig", "Setting", "WatchdogConfig", "check_env", "launch_defaults", "parse_strategies"]
 
 #: Heartbeats a second one controller is sized for (see heartbeat_interval_for).
 HEARTBEATS_PER_S = 4096
 
-#: Every environment variable trainguard reads, and what it is for.
-ENV: Mapping[str, str] = {
-    "TRAINGUARD_CONTROLLER": "controller address host:port (set by the launcher)",
-    "TRAINGUARD_TOKEN": "per-job secret authenticating control messages (the same on every node of a multi-node "
-                        "job; a single-node launcher makes one)",
-    "TRAINGUARD_TOKEN_FILE": "a file holding the job secret, mounted on every node (a Kubernetes Secret); read "
-                             "before TRAINGUARD_TOKEN",
-    "TRAINGUARD_TLS_CERT": "PEM certificate of this node for mutual TLS on the control plane (with _KEY and _CA)",
-    "TRAINGUARD_TLS_KEY": "PEM private key of TRAINGUARD_TLS_CERT",
-    "TRAINGUARD_TLS_CA": "PEM certificate of the authority that signed every node's certificate",
-    "TRAINGUARD_CHECKPOINT_DIR": "where trainguard.compat.mindio_ttp.megatron_ttp saves and loads when Megatron-LM's "
-                                 "args.save/args.load are not there",
-    "TRAINGUARD_JOB_ID": "job id used in logs and checkpoints",
-    "TRAINGUARD_STRATEGIES": "ordered recover strategies, comma-separated (retry,dump,exit)",
-    "TRAINGUARD_ANNOTATIONS": "the pod's annotations file (Kubernetes Downward API, metadata.annotations), whose "
-                              "recover-strategy is used when neither --strategies nor TRAINGUARD_STRATEGIES is "
-                              "given (default /etc/podinfo/annotations, read only if it exists)",
-    "TRAINGUARD_FAULT": "fault injection: KIND:rank=R,step=N[,phase=P];...",
-    "TRAINGUARD_HOST": "address the controller binds to (default 127.0.0.1)",
-    "TRAINGUARD_PORT": "port the controller binds to (default: any free port)",
-    "TRAINGUARD_HEARTBEAT_INTERVAL_S": "seconds between rank heartbeats (default: 1, or world_size/4096 above 4096 ranks)",
-    "TRAINGUARD_HEARTBEAT_MISSES": "missed heartbeats before a rank counts as lost (default 3)",
-    "TRAINGUARD_FIRST_STEP_SILENCE_S": "seconds a rank with no step time yet may go without a heartbeat (a "
-                                       "graph compile holds the GIL, and the heartbeat thread, for seconds; 600)",
-    "TRAINGUARD_PRELOCK_TIMEOUT_S": "seconds healthy ranks get to stop at a consistent step (default 30)",
-    "TRAINGUARD_HANDLER_TIMEOUT_S": "seconds a stop/clean/repair/rollback handler may take (default 180)",
-    "TRAINGUARD_SAVE_TIMEOUT_S": "seconds a dying-gasp save may take (default 1800)",
-    "TRAINGUARD_MAX_MESSAGE_BYTES": "largest control message accepted (default 1 MiB)",
-    "TRAINGUARD_RESTART_TIMEOUT_S": "seconds a restarted process may take to start and join (default 300)",
-    "TRAINGUARD_SPARE_SLOTS": "workers a node agent may start for other nodes' ranks under `recover` (default 0)",
-    "TRAINGUARD_STANDBY": "'off': restarted workers start cold instead of in a warm standby process (default on)",
-    "TRAINGUARD_JOIN": "set by the node agent for a replacement process: what it joins (do not set by hand)",
-    "TRAINGUARD_SHM_REPAIR": "0: a MindSpore repair between ranks of one machine uses Broadcast, not /dev/shm "
-                             "(default 1)",
-    "TRAINGUARD_SNAPSHOT_EVERY": "trainguard.compat.mindio_ttp.megatron_ttp: copy each rank's state into shared "
-                                 "memory every this many iterations; periodic saves then persist it in the "
-                                 "background (default 0: off)",
-    "TRAINGUARD_SNAPSHOTS_IN_MEMORY": "... snapshot slots per rank, each the size of the rank's state (default 2)",
-    "TRAINGUARD_SNAPSHOT_OVERLAP": "torch Guard: 1 (default) copies a snapshot beside the next step, whose optimizer "
-                                   "update waits for it; 0 copies it in line (parameters changed outside updates)",
-    "TRAINGUARD_SNAPSHOT_ROOT": "where snapshot directories live in shared memory (default /dev/shm)",
-    "TRAINGUARD_SNAPSHOT_STAGING_MB": "torch: staging buffer of GPU snapshots, MiB on each GPU (default 64; 0: none)",
-    "TRAINGUARD_INNER_BACKEND": "torch: gloo (default) or nccl inside the groups of init_process_group('trainguard')",
-    "TRAINGUARD_PERSIST_PARENT": "set by a trainer for its persist worker: the trainer's pid (do not set by hand)",
-    "TRAINGUARD_SNAPSHOT_DIR": "set by the node agent: this node's snapshot directory (do not set by hand)",
-    "TRAINGUARD_SNAPSHOT_PEER": "set by the node agent: host:port of the next node's snapshot copies (do not set by hand)",
-    "TRAINGUARD_STORE_ROUND": "set by the node agent: names this round's worker store, the same on every node "
-                              "(do not set by hand)",
-    "TRAINGUARD_PROFILING_DIR": "where per-rank profiling markers are written (<dir>/<job id>/<rank>/<unix ts>); "
-                                "unset: no markers",
-    "TRAINGUARD_PROFILING_SWITCH": "the JSON switch file turning markers on and off at run time "
-                                   "(default <profiling dir>/profilingSwitch)",
-    "TRAINGUARD_PROFILING_CAP_MB": "size of the profiling directory past which each rank ages out its oldest "
-                                   "record files (default 5000)",
-    "TRAINGUARD_COMPILE_CACHE": "directory of the job's compile cache (torch.compile, MindSpore graphs), reached by "
-                                "every rank and relaunch; 'off': none (default <checkpoint dir>/.trainguard/"
-                                "compile_cache)",
-    "TRAINGUARD_REHEARSAL_DIR": "set by `trainguard rehearse` for each run: the guards save checkpoints there and "
-                                "trace each step's fingerprints (do not set by hand)",
-    "TRAINGUARD_LOG_LEVEL": "log level of trainguard's loggers (default INFO)",
-    "TRAINGUARD_RUN_DIR": "the run directory: the job appends its events (faults, decisions, recoveries, "
-                          "checkpoints, per-rank steps) to <dir>/events.jsonl for `trainguard report` (unset: none)",
-    "TRAINGUARD_DISABLE": "1: a torchrun patched by `adapters-patch torchrun` runs as plain torchrun",
-    "TRAINGUARD_WATCHDOG": "'off' turns the in-process hang watchdog off (default on)",
-    "TRAINGUARD_HANG_STEPS": "a rank is hung after this many median step times without progress (default 3)",
-    "TRAINGUARD_HANG_MIN_S": "... but never sooner than this many seconds (default 2)",
-    "TRAINGUARD_FIRST_STEP_TIMEOUT_S": "limit for the first step after start or recovery, and for a section's "
-                                       "first run (default 600)",
-}
+#: The restart budget of a ``trainguard run`` launch without ``--max-restarts``
+#: (see :func:`launch_defaults` and docs/recovery.md): enough for a long
+#: job's faults between relaunches (each process restarted alone, or the
+#: group after a dump, spends one), few enough that a fault that keeps coming
+#: back ends the launch within minutes.
+DEFAULT_MAX_RESTARTS = 10
+
+
+def launch_defaults(max_restarts: int | None) -> tuple[int, tuple[Strategy, ...]]:
+    """What ``trainguard run`` uses when the user named neither a restart
+    budget (``None``: :data:`DEFAULT_MAX_RESTARTS`) nor strategies: a lost
+    process is started again in place while the others keep running
+    (``recover-in-place``), and a dump is the way out only when that cannot
+    work; with no budget (``--max-restarts 0``) no process can be restarted,
+    so the list leaves ``recover-in-place`` out rather than plan on it.
+
+    Returns:
+        ``(max_restarts, strategies)``.
+    """
+    budget = DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts
+    if budget > 0:
+        return budget, (Strategy.RETRY, Strategy.RECOVER_IN_PLACE, Strategy.DUMP, Strategy.EXIT)
+    return budget, (Strategy.RETRY, Strategy.DUMP, Strategy.EXIT)
 
 
 def check_env(environ: Mapping[str, str] | None = None) -> None:

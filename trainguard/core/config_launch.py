@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
-from .api import ConfigError
+from .api import ConfigError, Strategy
 from .config import check_env
 from .faults import FaultSpec, faults_from_env
 
-__all__ = ["LaunchConfig"]
+__all__ = ["LaunchConfig", "unrunnable"]
 
 _ON, _OFF = ("on", "1", "true"), ("off", "0", "false")
 
@@ -56,3 +56,25 @@ class LaunchConfig:
         return cls(faults=faults_from_env(environ), job_id=environ.get("TRAINGUARD_JOB_ID") or None,
                    spare_slots=int(spare), standby=standby in _ON,
                    snapshot_root=environ.get("TRAINGUARD_SNAPSHOT_ROOT") or None)
+
+
+def unrunnable(strategies: Iterable[Strategy], *, max_restarts: int, spare_slots: int) -> str | None:
+    """Why a strategy in ``strategies`` can never act under these launch flags, or ``None``.
+
+    A pure function of the flags, asked before any worker starts (``trainguard run`` refuses the job
+    with exit 2): ``recover-in-place`` and ``recover`` start new processes, which draw on the
+    restart budget (``--max-restarts``); ``recover`` starts them on another node's spare slots
+    (``--spare-slots``, which every node is given alike; a single node has no other node, so its
+    launcher passes 0). Listing such a strategy would otherwise pass it over at the first fault
+    ("the job's limit is spent") and fall back without saying so before.
+    """
+    strategies = tuple(strategies)
+    why = []
+    restarting = [s.value for s in strategies if s in (Strategy.RECOVER_IN_PLACE, Strategy.RECOVER)]
+    if restarting and max_restarts < 1:
+        why.append(f"{' and '.join(restarting)} start{'s' if len(restarting) == 1 else ''} new processes, which "
+                   f"draw on the restart budget, and it is 0: add --max-restarts N (N >= 1)")
+    if Strategy.RECOVER in strategies and spare_slots < 1:
+        why.append("recover starts a lost rank's new process on another node's spare slot, and there is none: "
+                   "give every node --spare-slots N (N >= 1) in a job of several nodes, or use recover-in-place")
+    return "; ".join(why) or None

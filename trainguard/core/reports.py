@@ -31,6 +31,7 @@ class Hello:
     replicas: tuple[ReplicaGroup, ...] = ()
     joining: bool = False
     device_repairable: bool = False  # in-process repair after a device memory error
+    resumed_after_dump: str = ""  # the cause of the dying gasp it resumed from ("": none)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,9 @@
 * when a worker dies, the agent reports it to the controller at once and
   lets the survivors finish what the controller tells them (a dying-gasp
   save, then exit) instead of killing them on the spot. Once every worker
-  has exited, torch's usual restart logic (``--max-restarts``) applies;
+  has exited, torch's usual restart logic (``--max-restarts``) applies, the
+  group started again in warm standby processes (:mod:`.warm`) -- unless
+  the dump followed the script's own exception;
 * a worker found stopped (SIGSTOP, a frozen container: state ``T`` in
   ``/proc``) on two checks ``STOPPED_CONFIRM_S`` apart is a hang: the agent
   kills it and reports why, within a second instead of a heartbeat timeout;
@@ -20,7 +22,8 @@
   (:mod:`trainguard.core.snapshot`), so in-memory snapshots outlive the
   workers that took them, and removes it when it exits; with several
   nodes it also keeps the previous node's copies (a peer server) and
-  tells its workers where the next node's is;
+  tells its workers where the next node's is, and mirrors its ranks'
+  own-part records there (:mod:`.own_copies`);
 * it takes the controller's orders (:mod:`.restart`): start a new process
   for one rank while the others keep running (recover-in-place for its own
   ranks, recover for another node's), kill one, lower the restart budget, or
@@ -54,9 +57,12 @@ from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.secret import TLS
 from trainguard.core.snapshot import PeerServer, SnapshotDir
+from trainguard.core.snapshot.own_peer import OwnMirror
 
 from .watch import FrozenWatch, report_exit, stop_controller
 from .restart import Replacements
+from .own_copies import ROUND_KEY, fetch_into
+from .warm import WarmGroup, script_error
 
 __all__ = ["TrainguardAgent"]
 
@@ -64,7 +70,7 @@ log = logging.getLogger("trainguard.launcher")
 
 _ADDRESS_KEY = "trainguard/controller"
 _WORKER_STORE_KEY = "trainguard/worker_store_port"
-_ROUND_KEY = "trainguard/round"  # a random id of the round: the key of the peer servers' addresses
+_ROUND_KEY = ROUND_KEY  # a random id of the round: the key of the peer servers' addresses
 #: The controller's states between a fault and its outcome.
 _HANDLING = ("ABNORMAL", "RECOVERING", "DUMPING")
 #: How long the others of a round in which a rank failed before every rank
@@ -105,9 +111,11 @@ class TrainguardAgent(LocalElasticAgent):
         self._ended_at: float | None = None  # when a failure's episode ended the job (see ENDED_GRACE_S)
         self._reported: set[int] = set()
         self._frozen = FrozenWatch()
+        self._warm = WarmGroup()
         self.last_status: dict | None = None
         self.snapshot_dir: SnapshotDir | None = None
         self.peer_server: PeerServer | None = None
+        self.own_mirror: OwnMirror | None = None
         self.link_sink: LinkSink | None = None
 
     # ----------------------------------------------------------- controller
@@ -133,7 +141,9 @@ class TrainguardAgent(LocalElasticAgent):
         self._fresh_worker_store(worker_group)
         world_size = worker_group.workers[0].world_size
         if worker_group.group_rank == 0:
-            self.last_status, self.controller = stop_controller(self.controller, self.last_status), None
+            # The round is over (every worker here exited): the streams still open are
+            # relays' that will be replaced, so no call needs the default second to finish.
+            self.last_status, self.controller = stop_controller(self.controller, self.last_status, 0.1), None
             if worker_group.group_world_size > 1 and self._config.host in ("127.0.0.1", "localhost", "::1"):
                 log.warning("the controller listens on %s: only agents on this host can reach it; for nodes "
                             "on other hosts pass --controller-host (or TRAINGUARD_HOST)", self._config.host)
@@ -187,6 +197,18 @@ class TrainguardAgent(LocalElasticAgent):
         key = f"trainguard/peer/{store.get(_ROUND_KEY).decode()}"
         store.set(f"{key}/{me}", f"{here}:{port}")
         os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"{key}/{(me + 1) % nodes}").decode()
+        if self.own_mirror is None:  # this node's ranks' own-part records, copied to the next node (own_peer.py)
+            self.own_mirror = OwnMirror(self.snapshot_dir.path, self._mirrored_ranks,
+                                        lambda: os.environ.get("TRAINGUARD_SNAPSHOT_PEER"), lambda: self._secret)
+            self.own_mirror.start()
+
+    def _mirrored_ranks(self) -> list[int]:
+        replacements = self.replacements
+        return sorted(replacements.processes()) if replacements is not None else []
+
+    def _own_copy(self, rank: int, step: int) -> str | None:
+        """``rank``'s own part of ``step`` brought here from another host (see :func:`.own_copies.fetch_into`)."""
+        return fetch_into(self._worker_group, self.snapshot_dir, self._secret, rank, step)
 
     def _link_sink(self, worker_group: WorkerGroup) -> str:
         """With several nodes, this node's link-probe sink (:mod:`trainguard.core.links`): its address, or ""."""
@@ -243,6 +265,9 @@ class TrainguardAgent(LocalElasticAgent):
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self.own_mirror is not None:
+            self.own_mirror.stop()
+            self.own_mirror = None
         if self.peer_server is not None:
             self.peer_server.stop()
             self.peer_server = None
@@ -252,6 +277,21 @@ class TrainguardAgent(LocalElasticAgent):
         if self.snapshot_dir is not None:
             self.snapshot_dir.remove()
             self.snapshot_dir = None
+        self._warm.close()
+
+    # ----------------------------------------------------------- group restarts
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """torch's, but a restarted group runs in warm standbys when it can
+        (see :mod:`.warm`)."""
+        previous = self._pcontext
+        if previous is not None and self._launch.standby and "TORCHELASTIC_ENABLE_FILE_TIMER" not in os.environ:
+            restart_count = worker_group.spec.max_restarts - self._remaining_restarts
+            context = self._warm.start(previous, worker_group, restart_count, self._logs_specs,
+                                       self._log_line_prefix_template)
+            if context is not None:
+                self._pcontext = context
+                return context.pids()
+        return super()._start_workers(worker_group)
 
     # ----------------------------------------------------------- monitoring
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -259,7 +299,11 @@ class TrainguardAgent(LocalElasticAgent):
         if not handlers:
             return super()._monitor_workers(worker_group)
         if self.replacements is None or self.replacements.context is not self._pcontext:
-            self.replacements = Replacements(self, worker_group, self._pcontext, standby=self._wants_standby())
+            self.replacements = Replacements(self, worker_group, self._pcontext, standby=self._wants_standby(),
+                                             own_copy=self._own_copy)
+        # for a restart of the group (see .warm); an agent not run by run() has no budget
+        if getattr(self, "_remaining_restarts", 0) > 0 and self._launch.standby:
+            self._warm.fill(worker_group.spec.local_world_size)
         self._take_orders()
         for event in self.replacements.ready():
             self.relay.report(event)
@@ -323,7 +367,22 @@ class TrainguardAgent(LocalElasticAgent):
             elif running:
                 log.error("ranks %s still running %.0f s after a failure; stopping them", running,
                           now - self._failed_at)
-        return super()._monitor_workers(worker_group)
+        result = super()._monitor_workers(worker_group)
+        if result.state is WorkerState.FAILED and getattr(self, "_remaining_restarts", 0) > 0:
+            self._no_restart_after_script_error()
+        return result
+
+    def _no_restart_after_script_error(self) -> None:
+        """No restart of the group after a dump the script's own exception
+        caused: it would meet the exception again (see :func:`.warm.script_error`)."""
+        try:
+            status = self.controller.snapshot() if self.controller is not None else self._client.status()
+        except Exception:  # noqa: BLE001 - no controller: torch's rule stands
+            return
+        why = script_error(status)
+        if why:
+            log.warning("not restarting the group: %s", why)
+            self._remaining_restarts = 0
 
     def _controller_state(self) -> str | None:
         """The job's controller state (``None``: it is gone and gives no more orders)."""

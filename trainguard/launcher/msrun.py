@@ -45,7 +45,7 @@ from trainguard.core.snapshot import SnapshotDir
 
 from .watch import FrozenWatch, report_exit, stop_controller
 
-__all__ = ["MsrunPlugin", "attach", "main", "strategies_from_env"]
+__all__ = ["MsrunPlugin", "attach", "main", "msrun_argv", "strategies_from_env"]
 
 log = logging.getLogger("trainguard.launcher")
 
@@ -303,7 +303,59 @@ class MsrunPlugin:
         for rank, code in sorted(codes.items()):
             if code:
                 print(f"trainguard: rank {rank} failed with exit code {code}", file=sys.stderr)
+        if records and records[-1]["strategy"] == "exit":
+            print(f"trainguard: the job stopped ({records[-1]['reason']})", file=sys.stderr)
         return 1
+
+
+#: torchrun's flags ``trainguard run --framework mindspore`` also takes -> msrun's.
+_TORCHRUN_FLAGS = {"--nproc-per-node": "--local_worker_num", "--nproc_per_node": "--local_worker_num",
+                   "--nnodes": "--nnodes", "--node-rank": "--node_rank", "--node_rank": "--node_rank",
+                   "--master-addr": "--master_addr", "--master_addr": "--master_addr",
+                   "--master-port": "--master_port", "--master_port": "--master_port"}
+#: msrun's default worker count (``--worker_num`` and ``--local_worker_num``).
+MSRUN_DEFAULT_WORKERS = 8
+
+
+def msrun_argv(argv: list[str]) -> list[str]:
+    """``trainguard run --framework mindspore``'s flags as msrun's parser takes them.
+
+    msrun's own flags pass unchanged; torchrun's ``--nproc-per-node N`` (with ``--nnodes M``)
+    becomes ``--local_worker_num=N --worker_num=N*M``, and ``--node-rank``, ``--master-addr``,
+    ``--master-port`` msrun's spellings. Only the flags before the script are read.
+
+    Raises:
+        TrainguardError: a torchrun flag and its msrun counterpart both given, or a count that is
+            not a whole number.
+    """
+    flags: dict[str, str] = {}
+    order: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        name, eq, value = argv[i].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise TrainguardError(f"{name} needs a value")
+            value, i = argv[i + 1], i + 1
+        target = _TORCHRUN_FLAGS.get(name, name)
+        if target in flags:
+            raise TrainguardError(f"{name} is given twice (or with its msrun spelling {target})")
+        flags[target] = value
+        order.append(target)
+        i += 1
+    script = argv[i:]
+    nnodes = flags.pop("--nnodes", None)
+    if nnodes is not None:
+        order.remove("--nnodes")
+    if "--local_worker_num" in flags and "--worker_num" not in flags:
+        for what, n in (("--nproc-per-node", flags["--local_worker_num"]), ("--nnodes", nnodes or "1")):
+            if not n.isdigit() or int(n) < 1:
+                raise TrainguardError(f"{what} {n!r}: give a whole number >= 1 (a node range is msrun's to refuse)")
+        flags["--worker_num"] = str(int(flags["--local_worker_num"]) * int(nnodes or 1))
+        order.append("--worker_num")
+    elif nnodes is not None:
+        raise TrainguardError("--nnodes needs --nproc-per-node (or give msrun's --worker_num and --local_worker_num)")
+    return [f"{k}={flags[k]}" for k in order] + script
 
 
 def main(argv: list[str]) -> int:
@@ -311,6 +363,14 @@ def main(argv: list[str]) -> int:
     from mindspore.parallel.cluster.process_entity._api import _ProcessManager
     from mindspore.parallel.cluster.run import get_args
 
+    try:
+        argv = msrun_argv(list(argv))
+    except TrainguardError as e:
+        print(f"trainguard run --framework mindspore: {e}", file=sys.stderr)
+        return 2
+    if not any(a.startswith(("--worker_num", "--local_worker_num")) for a in argv if a.startswith("--")):
+        print(f"trainguard run --framework mindspore: {MSRUN_DEFAULT_WORKERS} workers on this node, msrun's "
+              f"default (give --nproc-per-node N, or msrun's --worker_num and --local_worker_num)", file=sys.stderr)
     saved = sys.argv
     sys.argv = ["trainguard run --framework mindspore", *argv]
     try:

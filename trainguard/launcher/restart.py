@@ -31,7 +31,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +40,7 @@ from torch.distributed.elastic.utils import macros
 
 from trainguard.core.protocol import trainguard_pb2 as pb
 
-from .standby import command_for
+from .standby import command_for, handler_for, new_standby
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -64,8 +63,11 @@ class Replacements:
         standby: keep a warm standby process for the next restart.
     """
 
-    def __init__(self, agent: Any, group: "WorkerGroup", context: Any, *, standby: bool = False) -> None:
+    def __init__(self, agent: Any, group: "WorkerGroup", context: Any, *, standby: bool = False,
+                 own_copy: Any = None) -> None:
         self.context = context
+        # (rank, step) -> None, or why the rank's own part of that step cannot be had on this node
+        self._own_copy = own_copy
         self._group = group
         self._local = {w.global_rank: w.local_rank for w in group.workers}
         self._adopted: dict[int, Any] = {}  # other nodes' ranks run here: global rank -> handler
@@ -79,8 +81,7 @@ class Replacements:
             self._standby = self._new_standby()
 
     def _new_standby(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-u", "-m", "trainguard.launcher.standby"], stdin=subprocess.PIPE,
-                                start_new_session=True, text=True)
+        return new_standby()
 
     def _launch(self, args: tuple, env: dict[str, str], stdout: str | None, stderr: str | None,
                 local_rank: int) -> SubprocessHandler:
@@ -97,7 +98,7 @@ class Replacements:
                 log.warning("the standby process is gone; starting the worker cold")
             else:
                 self._standby = self._new_standby()
-                return _Running(standby, local_rank)
+                return handler_for(standby, local_rank)
         return get_subprocess_handler(entrypoint=ctx.entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
                                       local_rank_id=local_rank)
 
@@ -116,6 +117,13 @@ class Replacements:
         rank = start.rank
         if rank in self._local:
             self._moved.discard(rank)  # a rank elastic training dropped comes back here
+        elif start.step >= 0 and self._own_copy is not None:
+            # Another node's rank: its random streams and data position come from the copy another host
+            # keeps, or the new process would go on from its seed (not the job a fault-free run trains).
+            why = self._own_copy(rank, start.step)
+            if why:
+                log.error("not starting rank %d here: %s", rank, why)
+                return pb.AgentEvent(rank=rank, order=order.id, ok=False, message=why)
         try:
             self._end(rank)
             store = None
@@ -133,7 +141,8 @@ class Replacements:
         except Exception as e:  # answered to the controller, which falls back
             log.exception("could not start a new process for rank %d", rank)
             return pb.AgentEvent(rank=rank, order=order.id, ok=False, message=f"{type(e).__name__}: {e}")
-        log.warning("started pid %d for rank %d (joining generation %d at step %d)", handler.proc.pid, rank,
+        # INFO: a restart in place is the default way back; the controller's one WARNING tells the fault's story.
+        log.info("started pid %d for rank %d (joining generation %d at step %d)", handler.proc.pid, rank,
                     start.generation, start.step)
         self._starting[rank] = (order, handler, store, f"{host}:{port}", time.monotonic() + READY_TIMEOUT_S)
         return None
@@ -220,12 +229,3 @@ class Replacements:
             self._standby.kill()
             self._standby.wait()
             self._standby = None
-
-
-class _Running(SubprocessHandler):
-    """torch's handle for a worker that already runs (a standby put to work)."""
-
-    def __init__(self, proc: subprocess.Popen, local_rank: int) -> None:  # noqa: D107 - no new process here
-        self.proc = proc
-        self.local_rank_id = local_rank
-        self._stdout = self._stderr = None

@@ -24,9 +24,10 @@ import sys
 import uuid
 from typing import Sequence
 
-from trainguard.core import EXIT_AFTER_DUMP, ControllerConfig, TrainguardError, logs
+from trainguard.core import EXIT_AFTER_DUMP, ConfigError, ControllerConfig, TrainguardError, logs
 from trainguard.core.annotations import resolve_strategies
-from trainguard.core.config_launch import LaunchConfig
+from trainguard.core.config import launch_defaults
+from trainguard.core.config_launch import LaunchConfig, unrunnable
 from trainguard.core.events import note
 from trainguard.core.faults import check_ranks
 from trainguard.core.secret import TLS, job_secret
@@ -42,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
+    # None: not given, so trainguard's default budget applies (see launch_defaults).
+    p.set_defaults(max_restarts=None)
     p.set_defaults(master_port=None)  # as torch 2.13 has it: a single-node job without one gets a free port
     # (_standalone_defaults); torch 2.11's 29500 made two such jobs on one host collide
     p.prog = "trainguard run"
@@ -49,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     tg = p.add_argument_group("trainguard")
     tg.add_argument("--strategies", default=None,
                     help="ordered recover strategies, comma-separated (default: TRAINGUARD_STRATEGIES, else the "
-                         "pod's recover-strategy annotation in TRAINGUARD_ANNOTATIONS, else retry,dump,exit)")
+                         "pod's recover-strategy annotation in TRAINGUARD_ANNOTATIONS, else "
+                         "retry,recover-in-place,dump,exit; retry,dump,exit with --max-restarts 0)")
     tg.add_argument("--controller-host", default=None,
                     help="address the controller binds to (default: TRAINGUARD_HOST or 127.0.0.1)")
     tg.add_argument("--controller-port", type=int, default=None,
@@ -98,17 +102,30 @@ def launch(argv: Sequence[str]) -> int:
     launch = LaunchConfig.from_env()
     if args.spare_slots is not None:  # the flag wins
         launch = dataclasses.replace(launch, spare_slots=args.spare_slots)
+    # The restart budget: --max-restarts, else trainguard's default (printed: it decides what a lost process
+    # costs); the default strategies follow from it.
+    given = args.max_restarts is not None
+    args.max_restarts, default_strategies = launch_defaults(args.max_restarts)
     # Flag, TRAINGUARD_STRATEGIES, the pod's recover-strategy annotation, default: the first log line says which.
-    choice = resolve_strategies(args.strategies)
+    choice = resolve_strategies(args.strategies, default=default_strategies)
     log.info("%s", choice.describe())
+    log.info("restart budget %d (%s)", args.max_restarts,
+             "--max-restarts" if given else "default; --max-restarts N to change")
     _standalone_defaults(args)
     if "OMP_NUM_THREADS" not in os.environ and determine_local_world_size(args.nproc_per_node) > 1:
         # torchrun's own choice, made without its boxed warning: a clean run prints none
         log.info("OMP_NUM_THREADS=1 for every worker (torchrun's default with several per node; set it to tune)")
         os.environ["OMP_NUM_THREADS"] = "1"
     config, cmd, cmd_args = config_from_args(args)
+    why = unrunnable(choice.strategies, max_restarts=config.max_restarts,
+                     spare_slots=launch.spare_slots if config.max_nodes > 1 else 0)
+    if why:  # before any worker starts: the strategy would only be passed over at the first fault
+        raise ConfigError(f"{choice.describe()}: {why}")
     if config.min_nodes != config.max_nodes:
-        raise TrainguardError("elastic node counts (--nnodes MIN:MAX) need elastic-training; give one number")
+        raise TrainguardError(
+            f"--nnodes {config.min_nodes}:{config.max_nodes}: trainguard run takes every torchrun flag but a node "
+            f"range; give a fixed count such as --nnodes {config.max_nodes} (a job that loses a node goes on under "
+            f"the recover, dump or elastic-training strategies instead of a new rendezvous of fewer nodes)")
     check_ranks(launch.faults, config.nproc_per_node * config.max_nodes)
     for name in ("token_file", "tls_cert", "tls_key", "tls_ca"):
         if getattr(args, name):
@@ -175,6 +192,8 @@ def _summarise(result, status: dict | None) -> int:
         return EXIT_AFTER_DUMP
     for rank, failure in sorted(result.failures.items()):
         print(f"trainguard: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+    if records and records[-1]["strategy"] == "exit":
+        print(f"trainguard: the job stopped ({records[-1]['reason']})", file=sys.stderr)
     return 1
 
 

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import runpy
+import subprocess
 import sys
+import threading
+from typing import Any
 
-__all__ = ["command_for", "main"]
+__all__ = ["command_for", "handler_for", "main", "new_standby"]
 
 
 def command_for(entrypoint: str, args: tuple) -> tuple[list[str], bool] | None:
@@ -42,7 +46,66 @@ def command_for(entrypoint: str, args: tuple) -> tuple[list[str], bool] | None:
     return rest, module
 
 
+def new_standby() -> subprocess.Popen:
+    """Start a standby; it imports torch while it waits for its line."""
+    return subprocess.Popen([sys.executable, "-u", "-m", "trainguard.launcher.standby"], stdin=subprocess.PIPE,
+                            start_new_session=True, text=True)
+
+
+def handler_for(proc: subprocess.Popen, local_rank: int) -> Any:
+    """torch's handle (``SubprocessHandler``) for a standby put to work."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    class _Running(SubprocessHandler):
+        def __init__(self) -> None:  # noqa: D107 - no new process here
+            self.proc = proc
+            self.local_rank_id = local_rank
+            self._stdout = self._stderr = None
+
+    return _Running()
+
+
+def _idle_while_importing() -> bool:
+    """Import at idle priority (``SCHED_IDLE``), where the kernel lets this
+    process switch back to normal before it runs the worker: a standby then
+    takes only CPU that training leaves unused (on a 2-core box its import
+    beside two starting workers made their start-up seconds longer)."""
+    idle, normal = getattr(os, "SCHED_IDLE", None), getattr(os, "SCHED_OTHER", None)
+    if idle is None or normal is None:
+        return False
+    try:
+        os.sched_setscheduler(0, idle, os.sched_param(0))
+        os.sched_setscheduler(0, normal, os.sched_param(0))  # proves the way back is open
+        os.sched_setscheduler(0, idle, os.sched_param(0))
+    except OSError:
+        try:
+            os.sched_setscheduler(0, normal, os.sched_param(0))
+        except OSError:
+            pass
+        return False
+    return True
+
+
+def _normal_priority() -> None:
+    """Every thread of the process back at normal priority."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
 def main() -> int:
+    idle = _idle_while_importing()
+    got: queue.Queue = queue.Queue()
+
+    def wait_for_work() -> None:  # the line may come while the imports run: finish them at normal priority
+        line = sys.stdin.readline()
+        if idle:
+            _normal_priority()
+        got.put(line)
+
+    threading.Thread(target=wait_for_work, name="trainguard-standby", daemon=True).start()
     # The expensive part, done before anyone waits for it. DDP's constructor
     # imports torch._dynamo (~1 s on a small CPU box), so that too.
     import torch  # noqa: F401
@@ -52,7 +115,7 @@ def main() -> int:
 
     import trainguard.torch  # noqa: F401
 
-    line = sys.stdin.readline()
+    line = got.get()
     if not line.strip():
         return 0
     spec = json.loads(line)

@@ -65,13 +65,14 @@ def report_exit(controller: Any, client: Any, rank: int, pid: int, code: int, re
         log.warning("could not report the exit of rank %d to the controller: %s", rank, e)
 
 
-def stop_controller(controller: Any, last_status: dict | None) -> dict | None:
+def stop_controller(controller: Any, last_status: dict | None, grace_s: float = 1.0) -> dict | None:
     """Stop the controller a node agent runs (``None``: none) and return its
-    last status, or ``last_status`` when it has none to give."""
+    last status, or ``last_status`` when it has none to give. ``grace_s``:
+    how long calls in flight may finish."""
     if controller is not None:
         try:
             last_status = controller.snapshot()
         except Exception as e:  # noqa: BLE001 - a controller that already stopped has nothing more to say
             log.debug("no last status from the controller: %s", e)
-        controller.stop()
+        controller.stop(grace_s)
     return last_status

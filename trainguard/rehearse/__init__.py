@@ -43,10 +43,16 @@ _OWN = {"--json": 1, "--strategies": 1, "--dir": 1, "--seed": 1, "--framework": 
         "--keep": 0}
 
 
+class _Help(Exception):
+    """``-h``/``--help`` among rehearse's own options."""
+
+
 def _options(argv: list[str]) -> tuple[dict, list[str]]:
     """Rehearse's own options (they come first), then the launcher's argv."""
     opts: dict = {"quick": False, "keep": False, "framework": "torch", "seed": None}
-    while argv and argv[0].split("=")[0] in _OWN:
+    while argv and (argv[0].split("=")[0] in _OWN or argv[0] in ("-h", "--help")):
+        if argv[0] in ("-h", "--help"):
+            raise _Help
         name, _, value = argv.pop(0).partition("=")
         if _OWN[name] and not value:
             if not argv:
@@ -63,6 +69,9 @@ def _options(argv: list[str]) -> tuple[dict, list[str]]:
 def main(argv: Sequence[str]) -> int:
     try:
         opts, rest = _options(list(argv))
+    except _Help:  # rehearse's own help, before anything is launched (not the launcher's)
+        print(f"usage: {USAGE}\n\nIt runs{__doc__.split('It runs', 1)[1]}", end="")
+        return 0
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2

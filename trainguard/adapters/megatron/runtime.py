@@ -81,7 +81,10 @@ def start_processor(master_ip: str, port: int) -> None:
     config = ProcessorConfig.from_env(rank=TTP.rank, world_size=TTP.world_size, environ=environ)
     processor = Processor(config)
     processor.connect(step=TTP.step, replicas=TTP.groups(), device=TTP.device,
-                      restart_count=TTP.settings.restart_count)
+                      restart_count=TTP.settings.restart_count,
+                      # known only when the script loads before it starts the processor (the recipe
+                      # loads after: no restart-loop check on this path)
+                      resumed_after_dump=TTP.resumed_after_dump(TTP.step))
     processor.add_stop_listener(lambda: TTP.call("stop", optional=True))
     processor.watchdog.in_collective = blocked_in_collective(threading.get_ident())
     TTP.processor = processor

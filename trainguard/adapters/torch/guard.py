@@ -248,7 +248,7 @@ class Guard(Checkpoints, RankRuntime):
     def _join(self, step: int) -> None:
         """A replacement process: take part in the recovery that started it
         (repair from a replica, roll back to ``step``) before training."""
-        log.warning("rank %d (pid %d) joins the running job at step %d", self.rank, os.getpid(), step)
+        log.info("rank %d (pid %d) joins the running job at step %d", self.rank, os.getpid(), step)
         self.injector.strike("resume", step)
         self.processor.watchdog.disarm()
         outcome = recover(self.processor, self._handlers, injector=self.injector)

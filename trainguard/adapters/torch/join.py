@@ -52,15 +52,19 @@ def joining(raw: str | None) -> dict | None:
 
 
 def _default_group(prefix: Any, rank: int, size: int, timeout: timedelta, device: torch.device) -> dist.ProcessGroup:
-    """The survivor's side of the new process's ``init_process_group``:
-    group ``0`` under ``default_pg`` (``prefix``), its backend under the
-    device type."""
-    if device.type != "cpu":
-        raise RecoveryError(f"joining a new process is supported with gloo on CPU; this job runs on {device.type}")
+    """The survivor's side of the new process's ``init_process_group("gloo")``:
+    group ``0`` under ``default_pg`` (``prefix``), one gloo backend on the
+    store under ``cpu/``, for CPU tensors and, on a GPU, CUDA tensors too
+    (as torch registers it for every device gloo serves)."""
+    backend_name = dist.get_backend()
+    if device.type not in ("cpu", "cuda") or backend_name != "gloo":
+        raise RecoveryError(f"joining a new process needs gloo as the default group's backend (on CPU or CUDA); "
+                            f"this job runs {backend_name} on {device.type}")
     group = dist.ProcessGroup(prefix, rank, size)
     backend = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, size, timeout)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    for kind in {"cpu", device.type}:
+        group._register_backend(torch.device(kind), dist.ProcessGroup.BackendType.GLOO, backend)
     return group
 
 
@@ -70,7 +74,10 @@ def _mirror_ddp(ddp: torch.nn.parallel.DistributedDataParallel, group: dist.Proc
     _verify_param_shape_across_processes(group, parameters)
     ignore = ddp.parameters_to_ignore
     states = [p.detach().clone() for n, p in ddp.module.named_parameters() if n not in ignore]
-    if ddp.forward_sync_buffers:
+    # torch 2.13 names it forward_sync_buffers (broadcast_buffers is its alias); before, broadcast_buffers
+    # (torch 2.11 on an H200 had no forward_sync_buffers: the join failed on it)
+    sync_buffers = getattr(ddp, "forward_sync_buffers", None)
+    if ddp.broadcast_buffers if sync_buffers is None else sync_buffers:
         states += [b.detach().clone() for n, b in ddp.module.named_buffers() if n not in ignore]
     _sync_params_and_buffers(group, states, ddp.broadcast_bucket_size, 0)
 

@@ -47,7 +47,20 @@ from typing import Mapping
 
 from trainguard.core import ConfigError
 
-__all__ = ["TASKD_PORT", "taskd_port"]
+__all__ = ["TASKD_PORT", "destroy_taskd_worker", "init_taskd_manager", "init_taskd_worker", "start_taskd_manager",
+           "start_taskd_worker", "taskd_port"]
+
+#: The names TaskD's docs import from ``taskd.api``, also importable from this package (where the
+#: README and docs/megatron.md name them); loaded on first use, as ``.api`` imports this module.
+_API = {"init_taskd_manager", "start_taskd_manager", "init_taskd_worker", "start_taskd_worker", "destroy_taskd_worker"}
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: The port TaskD's manager listens on (the job YAML's ``taskd-port``).
 TASKD_PORT = 9601

@@ -76,6 +76,10 @@ class AgentTable:
         agent = self._agents.get(node)
         return sorted(agent.ranks) if agent is not None else []
 
+    def nodes(self) -> list[str]:
+        """The node agents still here."""
+        return sorted(self._agents)
+
     def home(self, rank: int) -> str | None:
         return next((a.node for a in self._agents.values() if rank in a.ranks), None)
 

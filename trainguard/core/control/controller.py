@@ -22,16 +22,13 @@ An *episode* begins with the first fault while training runs normally:
    timeout or a new fault abandons the plan: the strategy is marked tried,
    every rank is stopped again and the next strategy is decided.
 
-Costs stay linear in the number of ranks: groups are parsed once at the
-edge and interned at registration, a phase's command is built when the phase starts and shared by
-every rank it goes to, and the prelock counts the ranks still to stop.
+Costs stay linear in the number of ranks: groups are parsed once at the edge and interned at
+registration, a phase's command is built once and shared, the prelock counts the ranks still to stop.
 
-Parts it owns and calls, each an object given what it uses: :mod:`.job`
-(the state they share: the state machine, the episode, the counters),
-:mod:`.roster` (the ranks), :mod:`.liveness` (silence limits),
-:mod:`.prelock` (stage 1), :mod:`.planning` (stage 2), :mod:`.phases`
-(stage 3), :mod:`.restarts` (new processes) and :mod:`.status` (event log,
-records, the status view).
+Parts it owns and calls, each an object given what it uses: :mod:`.job` (the state they share),
+:mod:`.roster` (the ranks), :mod:`.liveness` (silence limits), :mod:`.prelock` (stage 1),
+:mod:`.planning` (stage 2), :mod:`.phases` (stage 3), :mod:`.restarts` (new processes) and
+:mod:`.status` (event log, records, the status view).
 """
 
 from __future__ import annotations
@@ -144,7 +141,7 @@ class ControllerCore:
         r.stopped = True
         phase = self.job.current_phase()
         if phase is not None and phase.name == "join" and r.rank in phase.waiting:
-            log.warning("rank %d rejoined (pid %d on %s)", r.rank, r.pid, r.host)
+            log.info("rank %d rejoined (pid %d on %s)", r.rank, r.pid, r.host)
             phase.waiting.discard(r.rank)
             if not phase.waiting:
                 self.phases.next()
@@ -172,7 +169,15 @@ class ControllerCore:
         if fault.kind is FaultKind.HANG:
             # Its loop is stuck: it cannot take part in a recovery. End the
             # process (its processor forces the exit) and treat it as lost.
-            self._end_hung(r, fault.message)
+            self._end(r, EXIT_HUNG, fault.message)
+            self._fault(fault)
+            return
+        if fault.kind is FaultKind.UCE and not r.repairable:
+            # Its device cannot be cleaned in the process (CUDA: the context
+            # stays poisoned): end it and treat it as lost, so that a restart
+            # strategy replaces it or the others dump (its node keeps its own part).
+            self._end(r, EXIT_UNRECOVERABLE, f"{fault.describe()}: this rank's device cannot be repaired in the "
+                                             f"process, so the process ends (a restart strategy replaces it)")
             self._fault(fault)
             return
         # A watchdog report comes from the processor's thread while the
@@ -270,7 +275,7 @@ class ControllerCore:
                 if r.rank in self.roster.exiting:
                     continue
                 why = f"no heartbeat for {now - r.last_seen:.1f} s"
-                self._end_hung(r, why)  # should it wake up, it must not rejoin a job that went on without it
+                self._end(r, EXIT_HUNG, why)  # should it wake up, it must not rejoin a job that went on without it
                 self._fault(Fault(kind=FaultKind.HANG, rank=r.rank, detected_at=self._wall(), message=why))
         ep = self.episode
         if ep is None:
@@ -282,7 +287,7 @@ class ControllerCore:
             for rank in late:
                 # Stuck in a collective with a peer that left it, it still
                 # talks: tell it to go, or it waits for commands forever.
-                self._end_hung(self.ranks[rank], why)
+                self._end(self.ranks[rank], EXIT_HUNG, why)
                 ep.faults.append(Fault(kind=FaultKind.HANG, rank=rank, detected_at=self._wall(), message=why))
             self._check_prelock()
         phase = self.job.current_phase()
@@ -300,11 +305,11 @@ class ControllerCore:
         return status_view(self, self.roster.pids)
 
     # --------------------------------------------------------------- faults
-    def _end_hung(self, r: Rank, why: str) -> None:
+    def _end(self, r: Rank, code: int, why: str) -> None:
         """A rank that cannot take part any more: lost, and told to exit (its processor forces it)."""
         self.job.lose(r)
         self.roster.exiting.add(r.rank)
-        self._send(r.rank, self.job.command(Exit(code=EXIT_HUNG, reason=why)))
+        self._send(r.rank, self.job.command(Exit(code=code, reason=why)))
 
     def _fault(self, fault: Fault, stopped: Rank | None = None) -> None:
         if self.state in (ControllerState.EXITED, ControllerState.FINISHED):
@@ -348,11 +353,14 @@ class ControllerCore:
             self.restarts.give_up(ep.starts)
             ep.started, ep.starts, self.job.grow = set(), None, None
         view, layout = self.roster.view(), self.roster.layout()
-        plan, reason = next_plan(ep, plan, view, layout, self.config, self._wall, self.agents.view, self.roster.missing)
+        plan, reason = next_plan(ep, plan, view, layout, self.config, self._wall, self.agents.view, self.roster.missing,
+                                 self.roster.resumed_after)
         ep.plan = plan
         ep.reason = f"{ep.reason}; then {reason}" if ep.reason else reason  # keep what failed before
         log.info("decision: %s", reason)
         self._note("decision", strategy=plan.strategy.value, step=plan.step, reason=reason)
+        if plan.final:  # a relaunch would fail alike: no node agent restarts the job (--max-restarts)
+            self.restarts.no_more_restarts()
         ep.phases = self.phases.plan(plan, layout)
         self.job.to(STATE_OF.get(plan.strategy, ControllerState.EXITED))
         self.phases.start()

@@ -31,7 +31,7 @@ from ..api import (
 from ..config import ControllerConfig
 from ..replicas import Layout, choose_savers, choose_sources
 
-__all__ = ["Agents", "JobView", "PLANNERS", "decide", "lock_step"]
+__all__ = ["Agents", "JobView", "PLANNERS", "decide", "lock_step", "repeats"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,8 @@ class JobView:
     usable: frozenset[int] = frozenset()
     bad: frozenset[int] = field(default_factory=frozenset)
     agents: "Agents" = field(default_factory=lambda: Agents())
+    #: ``(step, cause)`` of the dying gasp this launch resumed from (``None``: it resumed from none).
+    previous: tuple[int, str] | None = None
 
     @property
     def live(self) -> tuple[int, ...]:
@@ -162,8 +164,27 @@ def _dump_step(view: JobView) -> tuple[int, frozenset[int]]:
     return view.lock, view.usable
 
 
+def repeats(view: JobView) -> str | None:
+    """Why this episode repeats the one before the relaunch, or ``None``.
+
+    The launch resumed from a dying gasp of step n caused by a fault of some class (its
+    kind and error type, whichever rank it struck); the same class failing the job again
+    with n as the step a dump would save means the relaunch made no progress and the
+    next one would fail alike. A dump then only loops (a scheduler relaunching on 75,
+    ``--max-restarts``): the job stops instead."""
+    if view.previous is None or view.lock is None or not view.faults:
+        return None
+    step, cause = view.previous
+    first = next((f for f in view.faults if f.kind is not FaultKind.COMM), view.faults[0])
+    if first.cause != cause or _dump_step(view)[0] != step:
+        return None
+    return (f"the same fault ({cause}) failed the launch before at the same step: this launch resumed from "
+            f"its dying gasp at step {step} and made no progress, so another dump and relaunch would fail "
+            f"alike; the job stops (fix the cause, then relaunch: it resumes from step {step})")
+
+
 def plan_dump(view: JobView) -> Plan | str:
-    why = _corrupted(view) or _nothing_to_recover(view, "save")
+    why = _corrupted(view) or _nothing_to_recover(view, "save") or repeats(view)
     if why:
         return why
     step, usable = _dump_step(view)
@@ -187,6 +208,7 @@ def plan_exit(view: JobView) -> Plan:
         step=-1 if view.lock is None else view.lock,
         participants=view.live,
         exit_code=EXIT_UNRECOVERABLE,
+        final=repeats(view) is not None,
     )
 
 
@@ -295,6 +317,7 @@ def decide(
     tried: Iterable = (),
     agents: Agents | None = None,
     missing: Iterable[int] = (),
+    previous: tuple[int, str] | None = None,
 ) -> tuple[Plan, str]:
     """Choose the plan for a fault episode.
 
@@ -311,6 +334,8 @@ def decide(
             started (a rank failed while it started or resumed), so nothing
             can be recovered -- the plan is ``exit``, and no rank saves a
             state that would not cover them.
+        previous: ``(step, cause)`` of the dying gasp the job resumed from
+            (see :func:`repeats`); ``None``: it resumed from none.
 
     Returns:
         ``(plan, reason)``; ``reason`` says why each earlier strategy was
@@ -328,6 +353,7 @@ def decide(
         usable=_usable(ranks, bad, lock),
         bad=bad,
         agents=agents or Agents(),
+        previous=previous,
     )
     missing = sorted(missing)
     if missing:

@@ -28,7 +28,8 @@ STATE_OF = {Strategy.RETRY: ControllerState.RECOVERING, Strategy.RECOVER_IN_PLAC
 
 def next_plan(ep: Episode, grow_plan: Plan | None, view: Mapping[int, RankState],
               layout: Layout, config: ControllerConfig, wall: Callable[[], float],
-              agents: Callable[[], Agents], missing: Callable[[], set[int]]) -> tuple[Plan, str]:
+              agents: Callable[[], Agents], missing: Callable[[], set[int]],
+              previous: tuple[int, str] | None = None) -> tuple[Plan, str]:
     """The plan for the episode, and why.
 
     Args:
@@ -40,6 +41,7 @@ def next_plan(ep: Episode, grow_plan: Plan | None, view: Mapping[int, RankState]
         wall: unix seconds.
         agents: the node agents' view (asked only when needed).
         missing: the ranks that never registered (asked only when needed).
+        previous: ``(step, cause)`` of the dying gasp the job resumed from, if any.
     """
     if grow_plan is not None:
         return grow_plan, f"scaling back up at step {grow_plan.step}: ranks {sorted(grow_plan.replacements)[:16]} rejoin"
@@ -48,4 +50,4 @@ def next_plan(ep: Episode, grow_plan: Plan | None, view: Mapping[int, RankState]
                               wall(), layout=layout, tried=ep.tried)
         return plan, f"scaling back up abandoned; {reason}"
     return decide(view, ep.faults, config, wall(), layout=layout, tried=ep.tried,
-                  agents=agents(), missing=missing())
+                  agents=agents(), missing=missing(), previous=previous)

@@ -68,6 +68,13 @@ class Restarts:
         self.agents.lost(node, done=set(range(self.world_size)) if over else roster.finished | roster.exiting,
                          starting=self.job.state is ControllerState.INIT)
 
+    def no_more_restarts(self) -> None:
+        """Spend the job's restart budget: every node agent is told none is left, so neither a
+        process restart nor torch's restart of the whole group follows (a fault no relaunch helps)."""
+        self.agents.restarts_left = 0
+        for node in self.agents.nodes():
+            self._send_agent(node, self.agents.order(RestartsLeft(0)))
+
     def survey_links(self, why: str) -> None:
         """Ask the node agents to measure their links (the job slowed down as a whole)."""
         self.links.start(self.agents.sinks(), why)
@@ -104,7 +111,7 @@ class Restarts:
         starts.store = starts.store or event.join_store
         for other in self.agents.started(event.rank, node):
             self._send_agent(other, self.agents.order(RestartsLeft(self.agents.restarts_left)))
-        log.warning("rank %d restarted as pid %d by %s (%d process restarts left)", event.rank, event.pid, node,
+        log.info("rank %d restarted as pid %d by %s (%d process restarts left)", event.rank, event.pid, node,
                     self.agents.restarts_left)
         self.order_starts(starts)
         if not starts.done:

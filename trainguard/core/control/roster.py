@@ -38,6 +38,8 @@ class Roster:
         self.finished: set[int] = set()  # said goodbye
         self.dropped: set[int] = set()  # ranks elastic-training went on without
         self.persist_failing: dict[int, dict] = {}  # rank -> its streak of saves that do not reach storage
+        #: ``(step, cause)`` of the dying gasp the job resumed from (``None``: none), as its ranks said.
+        self.resumed_after: tuple[int, str] | None = None
 
     def register(self, hello: Hello) -> Rank:
         """Add a rank from its first message (a new process replaces the lost one).
@@ -60,6 +62,9 @@ class Roster:
                   step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock())
         r.update(hello.status)
         self.ranks[rank] = r
+        if hello.resumed_after_dump and not hello.joining and self.resumed_after is None:
+            # Every rank resumed from the same checkpoint: the first to say so speaks for all.
+            self.resumed_after = (r.step, hello.resumed_after_dump)
         return r
 
     def known(self, rank: int) -> Rank:

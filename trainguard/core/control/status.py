@@ -97,7 +97,7 @@ def recovery_record(ep: Episode, now: float) -> RecoveryRecord:
     first = next((f for f in ep.faults if f.kind is not FaultKind.COMM), ep.faults[0])
     return RecoveryRecord(
         fault=first.kind.name.lower(), rank=first.rank, step=ep.plan.step,
-        strategy=ep.plan.strategy.value, reason=ep.reason,
+        strategy=ep.plan.strategy.value, reason=ep.reason, cause=first.cause,
         detect_s=(round(first.detected_at - first.occurred_at, 3) if first.occurred_at else None),
         recover_s=round(now - ep.detected_at, 3),
         lost_steps=max(0, ep.reached - ep.plan.step) if ep.plan.step >= 0 else -1,

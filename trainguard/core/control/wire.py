@@ -166,7 +166,8 @@ class Hellos:
         """
         replicas = tuple(self.group(g) for g in hello.replicas)
         return Hello(rank=hello.rank, pid=hello.pid, status=rank_status(hello.status), host=hello.host,
-                     replicas=replicas, joining=hello.joining, device_repairable=hello.device_repairable)
+                     replicas=replicas, joining=hello.joining, device_repairable=hello.device_repairable,
+                     resumed_after_dump=hello.resumed_after_dump[:200])
 
     def group(self, g: pb.ReplicaGroup) -> ReplicaGroup:
         """Parse a group, reusing the object when many ranks send the same one.

@@ -92,7 +92,7 @@ class Status(_message.Message):
     def __init__(self, step: _Optional[int] = ..., run: _Optional[_Union[RunStatus, str]] = ..., data: _Optional[_Union[DataStatus, str]] = ..., step_time_s: _Optional[float] = ..., silence_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "world_size", "pid", "host", "status", "replicas", "device", "device_repairable", "restart_count", "joining")
+    __slots__ = ("rank", "world_size", "pid", "host", "status", "replicas", "device", "device_repairable", "restart_count", "joining", "resumed_after_dump")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class Hello(_message.Message):
     DEVICE_REPAIRABLE_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     JOINING_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_AFTER_DUMP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     pid: int
@@ -113,7 +114,8 @@ class Hello(_message.Message):
     device_repairable: bool
     restart_count: int
     joining: bool
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., device: _Optional[str] = ..., device_repairable: _Optional[bool] = ..., restart_count: _Optional[int] = ..., joining: _Optional[bool] = ...) -> None: ...
+    resumed_after_dump: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., device: _Optional[str] = ..., device_repairable: _Optional[bool] = ..., restart_count: _Optional[int] = ..., joining: _Optional[bool] = ..., resumed_after_dump: _Optional[str] = ...) -> None: ...
 
 class FaultReport(_message.Message):
     __slots__ = ("kind", "severity", "phase", "message", "occurred_at", "status")

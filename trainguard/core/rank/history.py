@@ -39,6 +39,15 @@ class JobHistory:
         records = list(self.history.get("records", [])) + self.records + list(controller.get("records", []))
         return {"records": records, "pids": pids}
 
+    def resumed_after_dump(self, step: int) -> str:
+        """The cause of the dying gasp this rank resumed from at ``step`` (the history's last record
+        is a dump of that step), or "" (the controller stops a relaunch that fails alike)."""
+        records = self.history.get("records") or []
+        last = records[-1] if records and isinstance(records[-1], dict) else {}
+        if step > 0 and last.get("strategy") == "dump" and last.get("step") == step:
+            return str(last.get("cause") or last.get("fault") or "")[:200]
+        return ""
+
     def record_resume(self, record: dict, pids: Mapping[str, list] | None) -> None:
         """A recovery ended: keep its record and the PIDs the controller saw."""
         if record:

@@ -105,9 +105,11 @@ class Processor:
 
     # ---------------------------------------------------------- connection
     def connect(self, *, step: int = 0, replicas: Sequence[ReplicaGroup] = (), device: str = "cpu",
-                device_repairable: bool = True, restart_count: int = 0, joining: bool = False) -> None:
+                device_repairable: bool = True, restart_count: int = 0, joining: bool = False,
+                resumed_after_dump: str = "") -> None:
         """Register with the controller and start the background thread
-        (``joining``: this process replaces a lost one in a recovery).
+        (``joining``: this process replaces a lost one in a recovery;
+        ``resumed_after_dump``: the cause of the dying gasp it resumed from, or "").
 
         A session the controller's server cancels or cannot accept yet
         (thousands of ranks registering at once) is retried with jitter until
@@ -122,7 +124,7 @@ class Processor:
         self.step = step
         hello = messages.hello(self.rank, self.config.world_size, self._status(), replicas,
                                device=device, device_repairable=device_repairable, restart_count=restart_count,
-                               joining=joining)
+                               joining=joining, resumed_after_dump=resumed_after_dump)
         # A forked child (a DataLoader worker) keeping this connection open
         # would outlive the rank: its replacement would be refused as a rank
         # already connected (see :mod:`..forks`).

@@ -192,7 +192,9 @@ class RankRuntime(JobHistory, abc.ABC):
             processor.step = self._step
             return processor
         processor = Processor(config)
-        processor.connect(step=self._step, replicas=self.groups, joining=joining, **self._connect_details())
+        processor.connect(step=self._step, replicas=self.groups, joining=joining,
+                          resumed_after_dump="" if joining else self.resumed_after_dump(self._step),
+                          **self._connect_details())
         return processor
 
     def section(self, name: str) -> AbstractContextManager:

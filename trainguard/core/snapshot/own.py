@@ -36,7 +36,7 @@ import xxhash
 
 from ..api import CheckpointError
 
-__all__ = ["OwnRecords", "carry", "read_own"]
+__all__ = ["OwnRecords", "carry", "install_own", "own_steps", "read_own", "read_own_file"]
 
 log = logging.getLogger("trainguard.snapshot")
 F = TypeVar("F")
@@ -132,25 +132,53 @@ def _valid(m: mmap.mmap | bytes, capacity: int) -> list[tuple[int, bytes]]:
     return sorted(out)
 
 
-def read_own(directory: str | os.PathLike, rank: int, step: int) -> bytes | None:
-    """The own part ``rank`` recorded at ``step`` on this node, or ``None``
-    when there is none (no file, another step, a torn or foreign file)."""
+def read_own_file(path: str | os.PathLike) -> bytes | None:
+    """The whole record file at ``path`` (``None``: none, not a file)."""
     try:
-        fd = _open(_path(directory, rank), os.O_RDONLY | os.O_NONBLOCK)  # a planted FIFO must not block us
+        fd = _open(Path(path), os.O_RDONLY | os.O_NONBLOCK)  # a planted FIFO must not block us
     except OSError:
         return None
     try:
-        raw = os.read(fd, 64 << 20) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        return os.read(fd, 64 << 20) if stat.S_ISREG(os.fstat(fd).st_mode) else None
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(raw) < _FILE.size:
-        return None
+
+
+def _records_of(raw: bytes | None) -> list[tuple[int, bytes]]:
+    """The sound records of a whole file's bytes (none for a torn or foreign one)."""
+    if raw is None or len(raw) < _FILE.size:
+        return []
     magic, capacity = _FILE.unpack_from(raw, 0)
     if magic != _MAGIC or len(raw) != _FILE.size + 2 * (_HEAD.size + capacity):
-        return None
-    return next((data for s, data in _valid(raw, capacity) if s == step), None)
+        return []
+    return _valid(raw, capacity)
+
+
+def own_steps(raw: bytes | None) -> list[int]:
+    """The steps a record file's bytes hold a sound record of."""
+    return [step for step, _ in _records_of(raw)]
+
+
+def install_own(directory: str | os.PathLike, rank: int, raw: bytes) -> None:
+    """Put a record file (a copy from another host) in place as ``rank``'s
+    on this node, whole: a reader sees the old file or the new one."""
+    final = _path(directory, rank)
+    tmp = final.with_name(final.name + ".copy")
+    tmp.unlink(missing_ok=True)
+    fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        os.write(fd, raw)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+def read_own(directory: str | os.PathLike, rank: int, step: int) -> bytes | None:
+    """The own part ``rank`` recorded at ``step`` on this node, or ``None``
+    when there is none (no file, another step, a torn or foreign file)."""
+    return next((data for s, data in _records_of(read_own_file(_path(directory, rank))) if s == step), None)
 
 
 def carry(ranks: Iterable[int], step: int, *, by: int, recorded: Callable[[int, int], bytes | None],

@@ -47,6 +47,8 @@ import time
 from typing import Any, BinaryIO
 
 from ..api import CheckpointError
+from .own_peer import OPS as OWN_OPS
+from .own_peer import serve_own
 from .segment import Slot
 from .shm import SnapshotDir
 
@@ -346,6 +348,10 @@ class PeerServer:
     def receive(self, sock: socket.socket) -> None:
         meta = self._request(sock)
         sock.settimeout(60)  # authenticated: the payload may be large
+        if meta.get("op") in OWN_OPS:  # a rank's own-part record file (own_peer.py)
+            if serve_own(self.directory.path, sock, meta):
+                raise _Answered()
+            return
         rank = int(meta["rank"])
         if meta.get("op") == "fetch":
             self._send(sock, rank)
