@@ -61,6 +61,7 @@ def test_a_script_that_loses_its_data_position_is_caught_and_told_what_to_pass(t
     assert (tmp_path / "runs" / "crash-in-forward" / "launch-2.log").exists(), "a failed rehearsal keeps its runs"
 
 
+@pytest.mark.slow  # stands for it in CI: test_the_first_piece_that_parted_is_named_with_its_likely_cause
 def test_a_script_that_forgets_its_grad_scaler_is_caught_and_told_to_pass_it(tmp_path):
     """The tester's mixed-precision script without ``scaler=``: the relaunch
     starts the loss scale over. Before issue 37 the reason blamed kernels
