@@ -228,3 +228,36 @@ def test_a_signal_from_outside_lands_during_training_at_a_seeded_step(tmp_path, 
     target = random.Random(3).randint(1, 10)
     assert sent["step"] == target and sent["rank"] == 1
     assert target <= at <= target + 1, "sent within the step after the one drawn, while training went on"
+
+
+@pytest.mark.parametrize("exits,records,expect", [
+    ([0], [{"fault": "hang", "rank": 1, "step": 4, "strategy": "recover-in-place",
+            "message": "training loop hung: no progress for 2.16 s (limit 2.00 s)"}],
+     "it recovered (recover-in-place) from a hang on rank 1 at step 4: training loop hung"),
+    ([75, 0], [], "launch 1 of 2 exited 75"),
+])
+def test_a_fault_free_run_that_needed_a_recovery_is_refused_as_the_reference(tmp_path, monkeypatch, capsys,
+                                                                           exits, records, expect):
+    """A rehearsal on a busy machine once took a fault-free run whose rank
+    1 had been restarted for a hang (a step slower than the 2 s floor) as
+    its reference, and compared every case with it. It now stops before any
+    case runs (exit 2) and says why."""
+    import trainguard.rehearse as rehearsal
+
+    ran = []
+
+    def fake_run(directory, command, **kwargs):
+        ran.append(directory.name)
+        log = directory / "launch-1.log"
+        directory.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+        return runs.Run(directory, [runs.Launch(rc, 1.0, log) for rc in exits])
+
+    final = {r: {"steps_completed": 12, "recoveries": records} for r in (0, 1)}
+    monkeypatch.setattr(rehearsal, "run", fake_run)
+    monkeypatch.setattr(rehearsal, "read_final", lambda directory: final)
+    monkeypatch.setattr(rehearsal, "saved_steps", lambda directory: [4, 8])
+    assert rehearsal.main(["--dir", str(tmp_path / "runs"), "--quick", "train.py"]) == 2
+    assert ran == ["fault-free"], "no case ran"
+    err = capsys.readouterr().err
+    assert "the fault-free run was not free of faults" in err and expect in err, err

@@ -86,6 +86,12 @@ def main(argv: Sequence[str]) -> int:
         print(f"trainguard rehearse: the fault-free run failed (exit {reference.launches[-1].rc}); see "
               f"{reference.launches[-1].log}", file=sys.stderr)
         return 2
+    flaw = _not_fault_free(reference, final)
+    if flaw:  # every case would be compared with a run that went through a recovery itself
+        print(f"trainguard rehearse: the fault-free run was not free of faults: {flaw}; a rehearsal compares each "
+              f"case with a run that needed no recovery (on a busy machine a step slower than the hang limit reads "
+              f"as a hang: TRAINGUARD_HANG_MIN_S raises its floor); see {reference.launches[-1].log}", file=sys.stderr)
+        return 2
     world, steps = len(final), final[0]["steps_completed"]
     cases = plan_cases(world, steps, saved_steps(reference.directory), quick=opts["quick"])
     if opts.get("kinds"):
@@ -114,6 +120,21 @@ def main(argv: Sequence[str]) -> int:
     if not opts["keep"] and passed and not opts.get("dir"):
         shutil.rmtree(root, ignore_errors=True)
     return 0 if passed else 1
+
+
+def _not_fault_free(reference, final: dict) -> str:
+    """Why the fault-free run cannot stand as the reference ("" when it can):
+    it needed more than one launch, or recorded a recovery."""
+    if len(reference.launches) > 1:
+        first = reference.launches[0]
+        why = first_error(first.log)
+        return f"launch 1 of {len(reference.launches)} exited {first.rc}{': ' + why if why else ''}"
+    for rank in sorted(final):
+        for rec in final[rank].get("recoveries", []):
+            what = rec.get("message") or rec.get("reason") or ""
+            return (f"it recovered ({rec.get('strategy')}) from a {rec.get('fault')} on rank {rec.get('rank')} at "
+                    f"step {rec.get('step')}{': ' + what if what else ''}")
+    return ""
 
 
 def _one(case: Case, root: Path, command: list[str], strategies: str | None, steps: int, seed: int,
