@@ -161,6 +161,21 @@ def test_a_case_passes_only_when_every_launch_ended_as_planned(exits, launches, 
     assert verdict.identical == (not expect) and expect in verdict.reason, verdict
 
 
+def test_a_launch_that_ended_otherwise_names_a_scaler_found_but_not_given():
+    """The tester's script without scaler=: a retry inside the update left
+    the scaler's stage set, unscale_ raised on the next step and the launch
+    exited 1. The reason names the scaler the Guard found (before: only the
+    launch's error)."""
+    reference = {0: {**FINAL[0], "undeclared": {"scaler": "a GradScaler steps guard.optimizer but was not given "
+                                                           "to the Guard as scaler="}}}
+    verdict = judge(reference, FINAL, {0: {}}, {0: {}}, [1, 0],
+                    launches={0: [{"start": 0, "last": 6}, {"start": 4, "last": 8}]},
+                    errors=["rank 1 left step 5: RuntimeError: unscale_() has already been called", ""])
+    assert not verdict.identical and verdict.reason.startswith("launch 1 exited 1"), verdict
+    assert verdict.reason.endswith("likely cause: a GradScaler steps guard.optimizer but was not given to the Guard "
+                                   "as scaler= -- pass Guard(..., scaler=scaler)"), verdict
+
+
 def test_streams_a_script_does_not_seed_are_left_out_of_the_comparison():
     final = {0: {"steps_completed": 2, "final_state_sha256": "f", "rng": "r", "python": "p1", "data": None}}
     other = {0: {**final[0], "python": "p2"}}

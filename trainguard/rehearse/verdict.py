@@ -56,7 +56,7 @@ def judge(reference: Mapping[int, dict], final: Mapping[int, dict], traces: Mapp
         return Verdict(False, f"ranks {sorted(set(reference) - set(final))} did not finish")
     problem = launch_problem(exits, launches or {}, final, planned_exits, errors)
     if problem:
-        return Verdict(False, problem)
+        return Verdict(False, problem + _not_given(reference.get(0) or {}))
     for rank in sorted(reference):
         ref, got = reference[rank], final[rank]
         if ref["steps_completed"] != got["steps_completed"]:
@@ -90,6 +90,18 @@ def launch_problem(exits: Sequence[int], launches: Mapping[int, Sequence[dict]],
     if lost and not redo:
         problems.append(f"{lost} step{'s' if lost != 1 else ''} lost (the recoveries' records say so)")
     return "; ".join(problems)
+
+
+#: The argument to pass for state the Guard found in use but not given.
+_PASS = {"scaler": "Guard(..., scaler=scaler)", "data": "your loader as Guard(..., data=loader)"}
+
+
+def _not_given(final: Mapping) -> str:
+    """State the Guard found in use but not given (the fault-free run's
+    final report), as the likely cause of a launch that ended otherwise:
+    a scaler not given keeps its per-optimizer stage through a retry."""
+    found = final.get("undeclared") or {}
+    return "".join(f"; likely cause: {found[k]} -- pass {_PASS[k]}" for k in ("scaler", "data") if k in found)
 
 
 def _redo(launches: Mapping[int, Sequence[dict]]) -> str:
