@@ -20,7 +20,8 @@ import grpc
 from trainguard.core.rank.messages import replica_group
 from trainguard.core.replicas import ReplicaGroup
 from trainguard.core.protocol import trainguard_pb2 as pb
-from trainguard.core.rpc import SERVICE, auth_metadata
+from trainguard.core.handshake import alogin
+from trainguard.core.rpc import SERVICE
 from trainguard.core.secret import TLS
 
 STEP = 100
@@ -46,7 +47,7 @@ class Ranks:
 
     def __init__(self, ranks, world, address, token, interval, per_channel):
         self.ranks, self.world, self.interval = ranks, world, interval
-        self.md = auth_metadata(token)
+        self.address, self.token = address, token  # each session opens with the handshake (core.handshake)
         opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
         self.channels = [_channel(address, opts) for _ in range(-(-len(ranks) // per_channel))]
         self.status = {run: pb.Status(step=STEP, run=run, data=pb.UPDATED) for run in (pb.TRAINING, pb.STOPPED)}
@@ -73,21 +74,25 @@ class Ranks:
 
     async def connect(self, i: int):
         first = True
+        path, call = f"/{SERVICE}/Session", None
         while True:
-            call = self.calls[i] = self.channels[i % len(self.channels)].stream_stream(
-                f"/{SERVICE}/Session")(metadata=self.md)
+            channel = self.channels[i % len(self.channels)]
             try:
                 async with (contextlib.nullcontext() if first else self.retrying):
+                    md = await alogin(channel, self.token, self.address, path, timeout_s=120)
+                    call = self.calls[i] = channel.stream_stream(path)(metadata=md)
                     await call.write(pb.RankMessage(hello=pb.Hello(
                         rank=self.ranks[i], world_size=self.world, pid=os.getpid(), host="sim", device="sim",
                         device_repairable=True, status=self.status[pb.TRAINING])).SerializeToString() + self.group)
                     await call.read()  # Welcome
                 self.welcome[i] = time.time()
                 return call
-            except (grpc.RpcError, asyncio.InvalidStateError):
-                # refused: CANCELLED, or INTERNAL when the write raced the cancel
-                if await call.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
+            except (grpc.RpcError, asyncio.InvalidStateError) as e:
+                # refused: CANCELLED, or INTERNAL when the write raced the cancel (the handshake's or the session's)
+                code = e.code() if isinstance(e, grpc.RpcError) and call is None else await call.code()
+                if code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
                     raise
+                call = None
                 self.refused += 1
                 self.refused_first += first
                 first = False
@@ -153,7 +158,7 @@ class Nodes:
 
     def __init__(self, ranks, world, address, token, interval, per_channel, per_node):
         self.ranks, self.world, self.interval = ranks, world, interval
-        self.md = auth_metadata(token)
+        self.address, self.token = address, token  # each node's stream opens with the handshake (core.handshake)
         self.nodes = [ranks[j:j + per_node] for j in range(0, len(ranks), per_node)]
         self.index = {r: i for i, r in enumerate(ranks)}
         opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
@@ -182,9 +187,11 @@ class Nodes:
     async def node(self, j: int) -> None:
         ranks = self.nodes[j]
         try:
-            self.calls[j] = self.channels[j % len(self.channels)].stream_stream(
-                f"/{SERVICE}/NodeSession", request_serializer=pb.NodeMessage.SerializeToString,
-                response_deserializer=pb.NodeCommands.FromString)(metadata=self.md)
+            channel, path = self.channels[j % len(self.channels)], f"/{SERVICE}/NodeSession"
+            md = await alogin(channel, self.token, self.address, path, timeout_s=120)
+            self.calls[j] = channel.stream_stream(
+                path, request_serializer=pb.NodeMessage.SerializeToString,
+                response_deserializer=pb.NodeCommands.FromString)(metadata=md)
             await self.write(j, [self.envelope(r, hello=pb.Hello(
                 rank=r, world_size=self.world, pid=os.getpid(), host="sim", device="sim", device_repairable=True,
                 status=self.status[pb.TRAINING], replicas=[self.group])) for r in ranks])

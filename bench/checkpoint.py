@@ -42,8 +42,12 @@ synthetic ~1 GB state (fp32 params in 400 tensors + AdamW state; ~100 MB with
 6. **GPU** (CUDA only; ``--gpu-only`` runs this alone): the same two states on
    the GPU, blocked per checkpoint as in 1, and take()'s device-to-host
    bandwidth against one flat copy_ into pinned memory.
+7. **FSDP** (``--fsdp-only`` runs this alone): an HSDP model on 4 gloo ranks,
+   blocked per checkpoint: the Guard's ``save()`` (DCP, written in line)
+   against DCP ``async_save`` until it returns and ``dcp.save``, on the same
+   state (``_checkpoint_fsdp.py``).
 
-usage: python bench/checkpoint.py [--quick] [--gpu-only]
+usage: python bench/checkpoint.py [--quick] [--gpu-only | --fsdp-only]
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from trainguard.core.snapshot.ring import load_verified
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from _checkpoint_fsdp import fsdp  # noqa: E402
 from _checkpoint_gpu import NOTE_6, run_gpu  # noqa: E402
 from _checkpoint_states import (EXAMPLE, FINALIZE, NAME, clock, drop_caches, mean, med, on_disk,  # noqa: E402
                                 raw_write, resnet_state, synthetic_state, table_rows, torch_saves)
@@ -278,6 +283,7 @@ def train(tmp: Path, tag: str, steps: int, every: int, snapshot: bool,
 def main() -> None:
     ap = common.parser(__doc__.splitlines()[0])
     ap.add_argument("--gpu-only", action="store_true", help="measure 6 alone (bench/results/checkpoint-gpu.json)")
+    ap.add_argument("--fsdp-only", action="store_true", help="measure 7 alone (bench/results/checkpoint-fsdp.json)")
     args = ap.parse_args()
     load_avg = os.getloadavg()
     git = ["git", "-C", str(EXAMPLE.parent.parent)]  # the code measured: the tree may hold uncommitted changes
@@ -295,6 +301,13 @@ def main() -> None:
                       quick=args.quick, out=args.out, extra={"per_state": per_state, "note": NOTE_6,
                                                              "trainguard_tree": {"start": tree_at_start,
                                                                                  "end": tree()}})
+        return
+    if args.fsdp_only:
+        rows, goals = fsdp(args.quick, per_state)
+        common.report("checkpoint-fsdp", rows, ["measure", "state", "method", "seconds", "note"], goals,
+                      quick=args.quick, out=args.out, extra={"per_state": per_state, "trainguard_tree": {
+                          "start": tree_at_start, "end": tree()}, "load_avg": {"start": load_avg,
+                                                                                "end": os.getloadavg()}})
         return
     with tempfile.TemporaryDirectory(prefix="tg-bench-ckpt-") as d:
         tmp = Path(d)
@@ -355,6 +368,8 @@ def main() -> None:
     else:
         rows.append({"measure": "6 GPU", "state": "-", "method": "-", "note": "no GPU in this run: see "
                      "bench/results/checkpoint-gpu.json (--gpu-only on a GPU machine)"})
+    got, fsdp_goals = fsdp(args.quick, per_state)
+    rows, goals = rows + got, goals + fsdp_goals
 
     left = sorted(p.name for p in Path("/dev/shm").glob(f"trainguard-{job}-*"))  # only ours: tests may run beside
     extra = {"notes": {

@@ -26,7 +26,10 @@ How: the controller (``trainguard.core.control.server.Controller``, unchanged) r
 in its own process. Ranks are asyncio coroutines in ``--clients`` client
 processes (``bench/_scale_clients.py``), each rank one gRPC bidi stream;
 the streams of a process share channels (``--streams-per-channel``, one TCP
-connection each). A rank sends
+connection each). A rank (or a simulated relay) first makes the handshake of
+``trainguard.core.handshake`` (one unary call: the controller proves the
+secret, the client gets a proof good for its one session; since issue 41),
+then sends
 Hello (its rank, the world size, the full replica group in the compact range
 form the real processor sends, step 100 TRAINING UPDATED, device
 repairable), heartbeats every interval from a random offset,

@@ -128,6 +128,7 @@ def finish(job: HostJob, timeout: float = 200, skip: tuple = ()) -> HostJob:
 
 
 def run_clean(hosts: netns.Hosts, tmp: Path, name: str, **kwargs) -> HostJob:
+    kwargs.setdefault("spare", 1)  # recover (the default strategies) without a spare slot is refused at the start
     job = finish(start_job(hosts, tmp, name, **kwargs))
     assert job.codes == [0] * hosts.n, job.all_logs()
     return job

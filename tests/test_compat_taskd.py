@@ -219,6 +219,7 @@ def test_worker_reads_the_job_secret_from_a_mounted_file(monkeypatch, tmp_path):
     """As the manager does: a Kubernetes Secret mounted as a file; the worker's
     Guard then finds it in TRAINGUARD_TOKEN."""
     (tmp_path / "token").write_text(TOKEN + "\n")
+    (tmp_path / "token").chmod(0o400)  # as a Kubernetes Secret mounted defaultMode 0400 (others may not read it)
     monkeypatch.delenv("TRAINGUARD_TOKEN")
     monkeypatch.setenv("TRAINGUARD_TOKEN_FILE", str(tmp_path / "token"))
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
@@ -253,7 +254,7 @@ def test_manager_returns_when_every_rank_finished(monkeypatch):
             procs.append(p)
         intruder = ProcessorConfig(controller=f"127.0.0.1:{port}", token="f" * 64, rank=1, world_size=2,
                                    connect_timeout_s=5)
-        with pytest.raises(ProtocolError, match="wrong job token"):
+        with pytest.raises(ProtocolError, match="did not prove it knows the job secret"):  # nor does it prove its
             Processor(intruder, force_exit=lambda code: None).connect()
         assert thread.is_alive()  # waiting for the ranks to finish
         for p in procs:

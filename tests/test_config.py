@@ -165,7 +165,7 @@ def test_the_node_agent_takes_standby_spare_slots_and_the_snapshot_root_from_the
     clean_env.setenv("TRAINGUARD_SNAPSHOT_ROOT", "/nonexistent")  # not read: the agent was handed its root
     clean_env.setenv("TRAINGUARD_SNAPSHOT_DIR", "")  # the agent sets it for its workers: undone after the test
     agent = _agent(LaunchConfig(snapshot_root=str(tmp_path)))
-    agent._snapshots(SimpleNamespace(group_world_size=1, group_rank=0), store=None, token="s" * 20)
+    agent.node.snapshots(SimpleNamespace(group_world_size=1, group_rank=0), store=None, round_key="")
     try:
         assert agent.snapshot_dir.path.parent == tmp_path
         assert os.environ["TRAINGUARD_SNAPSHOT_DIR"] == str(agent.snapshot_dir.path)  # handed on to the workers

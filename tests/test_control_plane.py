@@ -27,7 +27,8 @@ from trainguard.core import (
 from trainguard.core.checkpoint import FileInfo
 from trainguard.core.control.client import ControllerClient
 from trainguard.core.protocol import trainguard_pb2 as pb
-from trainguard.core.rpc import SERVICE, auth_metadata
+from trainguard.core.handshake import login
+from trainguard.core.rpc import SERVICE
 
 FAST = dict(heartbeat_interval_s=0.2, prelock_timeout_s=3.0, handler_timeout_s=3.0)
 
@@ -119,11 +120,21 @@ def test_binds_loopback_by_default(controller):
 
 
 def test_wrong_token_is_refused_and_logged(controller, caplog):
-    with caplog.at_level(logging.WARNING, logger="trainguard.rpc"):
-        with pytest.raises(ProtocolError, match="UNAUTHENTICATED.*missing or wrong job token"):
-            connect(controller, 0, token="f" * 64)
-        with pytest.raises(ProtocolError, match="refused GetStatus"):
-            ControllerClient(controller.address, "nope").status()
+    """A client with another secret finds the server cannot prove its own
+    and sends nothing; a proof made with another secret is refused, logged."""
+    from attackers import forged
+
+    with pytest.raises(ProtocolError, match="did not prove it knows the job secret"):
+        connect(controller, 0, token="f" * 64)
+    with pytest.raises(ProtocolError, match="did not prove it knows the job secret"):
+        ControllerClient(controller.address, "nope").status()
+    channel = grpc.insecure_channel(controller.address)
+    with caplog.at_level(logging.WARNING, logger="trainguard.controller"):
+        with pytest.raises(grpc.RpcError) as e:
+            path = f"/{SERVICE}/GetStatus"
+            channel.unary_unary(path)(b"", metadata=forged(channel, controller.address, "f" * 64, path), timeout=10)
+    channel.close()
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "missing or wrong job token" in e.value.details()
     assert controller.snapshot()["ranks"] == {}
     assert "refused UNAUTHENTICATED from ipv4:127.0.0.1" in caplog.text
 
@@ -133,7 +144,8 @@ def _raw_session(c: Controller, payloads: list[bytes], token: str | None = None)
     call = channel.stream_stream(f"/{SERVICE}/Session", request_serializer=lambda b: b,
                                  response_deserializer=pb.ControllerMessage.FromString)
     try:
-        return list(call(iter(payloads), metadata=auth_metadata(token or c.token), timeout=10))
+        path = f"/{SERVICE}/Session"
+        return list(call(iter(payloads), metadata=login(channel, token or c.token, c.address, path), timeout=10))
     finally:
         channel.close()
 
@@ -306,7 +318,7 @@ def test_a_rank_lost_behind_a_relay_is_detected_and_dumped(controller, relay):
 def test_refusals_and_authentication_pass_through_the_relay(controller, relay):
     with pytest.raises(ProtocolError, match="world size 5, the job has 3"):
         connect_via(relay, controller, 0, world=5)
-    with pytest.raises(ProtocolError, match="UNAUTHENTICATED"):
+    with pytest.raises(ProtocolError, match="did not prove it knows the job secret"):  # nor proves its own
         connect_via(relay, controller, 0, token="0" * 64)
 
 
@@ -339,7 +351,8 @@ def test_a_node_gets_one_message_per_phase(controller):
         rank=r, world_size=3, pid=10 + r, status=status, device_repairable=True,
         replicas=[pb.ReplicaGroup(range_start=0, range_step=1, range_count=3, replica_cnt=3)]))) for r in range(3)]
     outbox.put(pb.NodeMessage(node="n0", items=hellos))
-    replies = call(requests(), metadata=auth_metadata(controller.token), timeout=20)
+    replies = call(requests(), metadata=login(channel, controller.token, controller.address, f"/{SERVICE}/NodeSession"),
+                   timeout=20)
     welcome = next(replies)
     assert sorted(welcome.items[0].ranks) == [0, 1, 2] and welcome.items[0].message.HasField("welcome")
     outbox.put(pb.NodeMessage(node="n0", items=[pb.RankEnvelope(rank=1, message=pb.RankMessage(

@@ -248,3 +248,38 @@ def test_a_dump_keeps_the_locked_step_when_the_rank_behind_is_not_consistent():
                                 3: {"alive": False}})
     plan, _ = decide(state, [lost(3)], CONFIG, 0.0, layout=FULL)
     assert plan.strategy is Strategy.DUMP and plan.step == 6 and plan.savers == {0: 1}
+
+
+# FSDP2 over 4 ranks: every rank its own shard; HSDP on a 2x2 mesh (replicate x shard): rows [0, 1] and [2, 3]
+# are the replica groups, so shard 0 is on ranks 0 and 2, shard 1 on ranks 1 and 3.
+FSDP2 = {r: (ReplicaGroup(tuple(range(WORLD)), 1),) for r in range(WORLD)}
+HSDP = {r: (ReplicaGroup((0, 1, 2, 3), 2),) for r in range(WORLD)}
+
+
+def test_hsdp_retries_a_uce_from_the_same_shard_of_the_other_replica_group():
+    plan, reason = decide(ranks(), [uce(1)], CONFIG, 0.0, layout=HSDP)
+    assert plan.strategy is Strategy.RETRY and plan.transfers == (Transfer(src=3, dst=1),), reason
+
+
+def test_hsdp_dumps_one_copy_of_each_shard_without_the_lost_rank():
+    plan, reason = decide(ranks(overrides={1: {"alive": False}}), [lost(1)], CONFIG, 0.0, layout=HSDP)
+    assert plan.strategy is Strategy.DUMP and sorted(plan.savers.values()) == [0, 3], reason
+
+
+def test_fsdp2_has_no_copy_of_a_lost_or_corrupted_shard():
+    plan, reason = decide(ranks(overrides={1: {"alive": False}}), [lost(1)], CONFIG, 0.0, layout=FSDP2)
+    assert plan.strategy is Strategy.EXIT and "no consistent copy of shard [1]" in reason
+    plan, reason = decide(ranks(), [uce(2)], CONFIG, 0.0, layout=FSDP2)
+    assert plan.strategy is Strategy.EXIT and "no consistent replica at step 5 to repair rank 2" in reason
+
+
+def test_no_process_is_restarted_into_a_job_that_says_none_can_join():
+    """An HSDP job's device mesh is built with collectives the running
+    ranks do not take part in: a new process would wait in them for good."""
+    why = "a new process cannot join an HSDP job"
+    view = ranks(overrides={r: {"join_refused": why} for r in range(WORLD)} | {1: {"alive": False,
+                                                                               "join_refused": why}})
+    plan, reason = decide(view, [lost(1)], ControllerConfig(strategies="recover-in-place,recover,dump"), 0.0,
+                          layout=HSDP, agents=TWO_NODES)
+    assert plan.strategy is Strategy.DUMP
+    assert f"recover-in-place: rank 0: {why}" in reason and f"recover: rank 0: {why}" in reason

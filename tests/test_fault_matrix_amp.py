@@ -72,8 +72,8 @@ def amp(job_runner, name: str, env: dict, **kwargs):
     return job_runner(name, nproc=2, steps=STEPS, script=AMP, env=env, **kwargs)
 
 
-def retried_in_place(job_runner, reference, fault: str, env: dict):
-    job = amp(job_runner, "job", env, fault=fault)
+def retried_in_place(job_runner, reference, fault: str, env: dict, timeout: float = 150):
+    job = amp(job_runner, "job", env, fault=fault, timeout=timeout)
     assert job.rc == 0, job
     assert finals(job) == reference(env), f"not bit-identical to the fault-free run:\n{job.log[-4000:]}"
     (record,) = job.report["recoveries"]
@@ -160,9 +160,12 @@ def test_a_lost_process_restarted_in_place_is_bit_identical(job_runner, referenc
 
 @pytest.mark.slow  # stands for it in CI: the workers' cases above (a fork per epoch and worker, every job)
 @pytest.mark.parametrize("start", ["spawn"])
+@pytest.mark.timeout(900)  # its reference and its job, each bounded at 400 s
 def test_spawned_loader_workers_are_retried_bit_identical(job_runner, reference, start):
     env = {**WORKER_CASE, "AMP_START": start}
-    retried_in_place(job_runner, reference, "uce:rank=1,step=5,phase=optimizer", env)
+    # spawned workers import torch and the script at every epoch (4 here, 2 per rank): under a load average
+    # near 17 on 2 cores a run made steady progress and was still going at 150 s
+    retried_in_place(job_runner, reference, "uce:rank=1,step=5,phase=optimizer", env, timeout=400)
 
 
 @pytest.mark.slow  # stands for it in CI: the worker cases above and tests/test_forks.py

@@ -32,7 +32,8 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from trainguard.core import Controller, ControllerConfig
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
-from trainguard.core.rpc import SERVICE, auth_metadata
+from trainguard.core.handshake import login
+from trainguard.core.rpc import SERVICE
 
 TOKEN = "fuzz-" + "ab" * 16
 WORLD = 64
@@ -223,6 +224,7 @@ def _serve():
     relay.start()
     channels = {"controller": grpc.insecure_channel(controller.address),
                 "relay": grpc.insecure_channel(relay.address)}
+    channels["controller"].dialed, channels["relay"].dialed = controller.address, relay.address
     try:
         yield channels, errors
     finally:
@@ -234,17 +236,22 @@ def _serve():
             logger.removeHandler(errors)
 
 
+def _proof(channel: grpc.Channel, path: str) -> tuple:
+    """The metadata of one call: the job's proof, made after the server proved the secret."""
+    return login(channel, TOKEN, channel.dialed, path, timeout_s=CALL_S)
+
+
 def _call(channel: grpc.Channel, method: str, requests: list[bytes], stream: bool) -> None:
     """One raw call (bytes in, bytes out); fails on a code that is no refusal."""
     path = f"/{SERVICE}/{method}"
     try:
         if stream:
             call = channel.stream_stream(path, request_serializer=None, response_deserializer=None)
-            for _ in call(iter(requests), metadata=auth_metadata(TOKEN), timeout=CALL_S):
+            for _ in call(iter(requests), metadata=_proof(channel, path), timeout=CALL_S):
                 pass
         else:
             call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
-            call(requests[0], metadata=auth_metadata(TOKEN), timeout=CALL_S)
+            call(requests[0], metadata=_proof(channel, path), timeout=CALL_S)
     except grpc.RpcError as e:
         assert e.code() in REFUSALS, f"{method} ended with {e.code().name}: {e.details()}"
 
@@ -267,7 +274,7 @@ def _welcomed(channel: grpc.Channel, rank: int) -> None:
 
     call = channel.stream_stream(f"/{SERVICE}/Session", request_serializer=pb.RankMessage.SerializeToString,
                                  response_deserializer=pb.ControllerMessage.FromString)
-    replies = call(requests(), metadata=auth_metadata(TOKEN), timeout=CALL_S)
+    replies = call(requests(), metadata=_proof(channel, f"/{SERVICE}/Session"), timeout=CALL_S)
     try:
         first = next(replies)
     except (grpc.RpcError, StopIteration) as e:
@@ -284,7 +291,8 @@ def _still_serving(plane) -> None:
     status = channels["controller"].unary_unary(f"/{SERVICE}/GetStatus",
                                                 request_serializer=pb.StatusRequest.SerializeToString,
                                                 response_deserializer=pb.JobStatus.FromString)
-    assert status(pb.StatusRequest(), metadata=auth_metadata(TOKEN), timeout=CALL_S).job_id
+    assert status(pb.StatusRequest(), metadata=_proof(channels["controller"], f"/{SERVICE}/GetStatus"),
+                  timeout=CALL_S).job_id
     _welcomed(channels["controller"], RESERVED[0])
     _welcomed(channels["relay"], RESERVED[1])
     _no_errors(errors)
@@ -295,7 +303,7 @@ def _bytes_of(items) -> list[bytes]:
 
 
 # Unary RPCs and the request type each parses.
-UNARY = {"ReportProcessExit": pb.ProcessExit, "GetStatus": pb.StatusRequest}
+UNARY = {"ReportProcessExit": pb.ProcessExit, "GetStatus": pb.StatusRequest, "Handshake": pb.Challenge}
 # Stream RPCs: (server, method, the request type each message parses as).
 STREAMS = [("controller", "Session", pb.RankMessage), ("controller", "NodeSession", pb.NodeMessage),
            ("relay", "Session", pb.RankMessage)]

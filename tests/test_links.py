@@ -12,8 +12,7 @@ import pytest
 
 from trainguard.core.agent_messages import AgentOrder, LinkProbe
 from trainguard.core.control.wire import agent_event, agent_event_to_pb, agent_order, agent_order_to_pb
-from trainguard.core.links import (MAX_BYTES, LinkSink, LinkSurvey, Surveyor, answer_probe, measure, probe_key,
-                                   probe_peers)
+from trainguard.core.links import MAX_BYTES, LinkSink, LinkSurvey, Surveyor, answer_probe, measure, probe_peers
 from trainguard.core.profiling.detect import Detector, DetectorConfig
 from trainguard.core.profiling.records import StepRow
 
@@ -47,23 +46,78 @@ def test_an_agent_answers_a_survey_order_as_it_came_over_the_wire(sink):
     assert b_rate > 0 and gone_error.startswith("ConnectionRefusedError"), answer
 
 
-@pytest.mark.parametrize("what", ["wrong key", "not a probe", "too many bytes"])
-def test_a_sink_refuses_and_logs_a_connection_that_is_no_probe_of_this_job(sink, caplog, what):
+def _opening(sink: str, secret: str, size: int, source: str = "127.0.0.1") -> tuple[socket.socket, bytes]:
+    """A probe's opening as a prober holding ``secret`` makes it, without checking the sink's proof: the
+    connection and every byte sent."""
+    from trainguard.core.proof import client_proof, derive, nonce
+
     host, _, port = sink.rpartition(":")
-    magic, key, size = b"TGLINK1\n", probe_key(SECRET), 1024
-    if what == "wrong key":
-        key = probe_key("another job")
-    elif what == "not a probe":
-        magic = b"GET / HT"
-    else:
-        size = MAX_BYTES + 1
+    conn = socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
+    cn = nonce()
+    first = b"TGLINK2\n" + cn + struct.pack("!H", len(sink)) + sink.encode()
+    conn.sendall(first)
+    sn = conn.recv(48)[:16]
+    rest = struct.pack("!Q", size)
+    rest += client_proof(derive(secret, "link"), sn, cn, sink, b"probe" + rest)
+    conn.sendall(rest)
+    return conn, first + rest
+
+
+@pytest.mark.parametrize("what", ["another job's secret", "not a probe", "too many bytes", "replayed"])
+def test_a_sink_refuses_and_logs_a_connection_that_is_no_probe_of_this_job(sink, caplog, what):
+    """Before, the probe's key was one HMAC of the secret, the same in every
+    probe: a captured probe could be sent again and again (256 MiB each)."""
+    host, _, port = sink.rpartition(":")
     with caplog.at_level(logging.WARNING, logger="trainguard.links"):
-        with socket.create_connection((host, int(port)), timeout=5) as conn:
-            conn.sendall(struct.pack("!8s32sQ", magic, key, size))
-            assert conn.recv(1) == b""  # closed without an answer
+        if what == "not a probe":
+            conn = socket.create_connection((host, int(port)), timeout=5)
+            conn.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(40))
+        elif what == "replayed":
+            first, sent = _opening(sink, SECRET, 1024)
+            first.sendall(bytes(1024))
+            first.shutdown(socket.SHUT_WR)
+            assert len(first.recv(64)) == 40  # the real probe was counted
+            first.close()
+            conn = socket.create_connection((host, int(port)), timeout=5)
+            conn.sendall(sent + bytes(1024))  # the same bytes again
+        else:
+            conn, _ = _opening(sink, "another job" if what.startswith("another") else SECRET,
+                               MAX_BYTES + 1 if what == "too many bytes" else 1024)
+        with conn:
+            got = b""
+            try:
+                while chunk := conn.recv(64):
+                    got += chunk
+            except ConnectionResetError:  # closed with our bytes unread
+                pass
+            assert len(got) <= 48, got  # at most the sink's opening: no count
     assert any("link probe from 127.0.0.1 refused" in r.getMessage() for r in caplog.records), caplog.text
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="did not prove it knows the job secret"):
         measure(sink, "another job", 1024)
+
+
+def _closed(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_silent_connections_do_not_keep_real_probes_out(sink, caplog):
+    """Before, 8 connections that never sent a byte held all of the sink's
+    places for 30 s each: no probe got in for 75 s and more. Now a stranger
+    holds at most two places for a few seconds, and never a probe's."""
+    host, _, port = sink.rpartition(":")
+    silent = [socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.2", 0))
+              for _ in range(12)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainguard.links"):
+            assert measure(sink, SECRET, 1 << 20) > 0  # at once, from another address
+        assert "too many connections still proving the secret" in caplog.text
+        assert sum(_closed(c) for c in silent[2:]) == 10  # the ones past two were closed unread
+    finally:
+        for c in silent:
+            c.close()
 
 
 def test_an_unreachable_sink_is_an_error_in_the_answer_not_a_crash():

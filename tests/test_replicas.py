@@ -97,3 +97,19 @@ def test_groups_travel_as_ranges_when_they_are_progressions():
     assert (wire.range_start, wire.range_step, wire.range_count, len(wire.rank_list)) == (3, 4, 1024, 0)
     odd = replica_group(ReplicaGroup((0, 1, 5), 3))
     assert list(odd.rank_list) == [0, 1, 5] and odd.range_count == 0
+
+
+def test_a_device_meshs_rows_are_replica_groups_and_its_columns_shards():
+    """HSDP over a 2x3 mesh (rows [0, 1, 2] and [3, 4, 5]): shard i is held by
+    column i; FSDP2 (one row) leaves every rank the only copy of its shard."""
+    hsdp = ReplicaGroup.mesh([[0, 1, 2], [3, 4, 5]])
+    assert hsdp.shard_sets == ((0, 3), (1, 4), (2, 5)) and not hsdp.is_full
+    layout = {r: (hsdp,) for r in range(6)}
+    assert choose_sources(layout, [4], usable=range(6)) == ([Transfer(1, 4, 0)], [])
+    savers, missing = choose_savers(layout, usable=[1, 2, 3, 5])
+    assert sorted(savers.values()) == [1, 2, 3] and missing == []
+    fsdp2 = ReplicaGroup.mesh([[0, 1, 2, 3]])
+    assert fsdp2.shard_sets == ((0,), (1,), (2,), (3,))
+    assert choose_sources({r: (fsdp2,) for r in range(4)}, [2], usable=[0, 1, 3]) == ([], [(2, 0)])
+    with pytest.raises(ConfigError, match="of one length"):
+        ReplicaGroup.mesh([[0, 1], [2]])

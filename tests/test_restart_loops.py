@@ -121,7 +121,8 @@ def launch(tmp_path, *args: str, env: dict | None = None) -> subprocess.Complete
 
 
 def test_a_strategy_the_flags_cannot_serve_is_refused_before_any_worker_starts(tmp_path):
-    out = launch(tmp_path, env={"TRAINGUARD_STRATEGIES": "recover-in-place,dump,exit"})
+    # No restart budget given explicitly (without the flag trainguard run's default budget serves it)
+    out = launch(tmp_path, "--max-restarts", "0", env={"TRAINGUARD_STRATEGIES": "recover-in-place,dump,exit"})
     assert out.returncode == 2, out.stderr
     assert "--max-restarts N" in out.stderr and "TRAINGUARD_STRATEGIES" in out.stderr, out.stderr
     assert "registered" not in out.stderr and not (tmp_path / "ckpt").exists(), out.stderr

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from attackers import forged
 from conftest import WORKERS
 
 from trainguard.core import Controller, ControllerConfig, Processor, ProcessorConfig, ProtocolError, ReplicaGroup
@@ -66,6 +67,7 @@ def test_a_job_of_several_nodes_without_a_shared_secret_is_refused_before_it_sta
 def test_secrets_from_a_file_or_the_environment_and_what_is_refused(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text(f"  {SECRET}\n")
+    secret.chmod(0o600)
     assert job_secret({"TRAINGUARD_TOKEN_FILE": str(secret), "TRAINGUARD_TOKEN": "x" * 40}, nodes=8) == SECRET
     assert job_secret({"TRAINGUARD_TOKEN": SECRET}, nodes=8) == SECRET
     assert len(job_secret({}, nodes=1)) == 64, "one node: a fresh secret"
@@ -103,9 +105,12 @@ def test_the_rendezvous_store_holds_nothing_that_lets_a_client_in(tmp_path):
             if not text or any(c.isspace() or not c.isprintable() for c in text):
                 continue
             client = ControllerClient(address, text, timeout_s=5)
-            with pytest.raises(ProtocolError, match="UNAUTHENTICATED|missing or wrong job token"):
-                client.status()
+            with pytest.raises(ProtocolError, match="did not prove it knows the job secret"):
+                client.status()  # the controller's proof fails under that value: nothing is sent
             client.close()
+            with pytest.raises(grpc.RpcError) as refused:  # and a proof made with it is refused
+                _unary_raw(address, "GetStatus", b"", text)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             tried += 1
         assert tried >= 3, values
         assert ControllerClient(address, SECRET).status()["world_size"] == 2, "the secret itself gets in"
@@ -175,10 +180,28 @@ def test_a_tls_controller_serves_its_nodes_and_no_one_else(pki):
             ControllerClient(c.address, SECRET, timeout_s=3).status()
         with pytest.raises(ControllerLostError):  # a certificate of another authority: the handshake fails
             ControllerClient(c.address, SECRET, tls=TLS.from_env(pki["stranger"]), timeout_s=3).status()
-        with pytest.raises(ProtocolError, match="missing or wrong job token"):  # a certificate, not the secret
+        with pytest.raises(ProtocolError, match="did not prove"):  # a certificate, not the secret
             ControllerClient(c.address, "not-the-secret-" + "0" * 20, tls=tls).status()
     with pytest.raises(ConfigError, match="TRAINGUARD_TLS_CA not set"):
         TLS.from_env({k: v for k, v in pki["node"].items() if k != "TRAINGUARD_TLS_CA"})
+
+
+def test_failed_tls_handshakes_do_not_fill_the_log(pki):
+    """Before, gRPC printed one line for every connection that failed the
+    TLS handshake: anyone who reached the port filled the log."""
+    code = (f"import socket, time, trainguard\n"
+            f"from trainguard.core import Controller, ControllerConfig\n"
+            f"from trainguard.core.secret import TLS\n"
+            f"c = Controller(ControllerConfig(), 2, token={SECRET!r}, tls=TLS.from_env({pki['node']!r}))\n"
+            f"host, port = c.start().rsplit(':', 1)\n"
+            f"for _ in range(20):\n"
+            f"    with socket.create_connection((host, int(port))) as s:\n"
+            f"        s.sendall(b'GET / HTTP/1.1\\r\\n\\r\\n')\n"
+            f"        s.recv(100)\n"
+            f"c.stop()\n")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Handshake failed" not in out.stderr, out.stderr[-3000:]
 
 
 def test_a_job_runs_over_mutual_tls(tmp_path, pki):
@@ -288,9 +311,10 @@ def test_a_hello_without_a_key_reserves_no_name():
 # ------------------------------------------------------------ refusals: cheap and quiet
 def _unary_raw(address: str, method: str, body: bytes, token: str):
     channel = grpc.insecure_channel(address)
-    call = channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None)
+    path = f"/{SERVICE}/{method}"
+    call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
     try:
-        return call(body, metadata=(("authorization", f"Bearer {token}"),), timeout=10)
+        return call(body, metadata=forged(channel, address, token, path), timeout=10)
     finally:
         channel.close()
 
@@ -332,7 +356,8 @@ def test_the_relay_logs_every_kind_of_refusal_as_the_controller_does(caplog):
                                     (b"\xff\xff\xff", SECRET), (b"", "wrong-" + "0" * 20),
                                     (b"\x0a" + b"\xff" * (5 << 20), SECRET)):  # over gRPC's own limit
                     with pytest.raises(grpc.RpcError):
-                        list(session(iter([body]), metadata=(("authorization", f"Bearer {token}"),), timeout=10))
+                        list(session(iter([body]), metadata=forged(channel, address, token, f"/{SERVICE}/Session"),
+                                     timeout=10))
             channel.close()
             text = caplog.text
             for kind in ("refused INVALID_ARGUMENT", "refused UNAUTHENTICATED"):

@@ -124,7 +124,7 @@ def test_fsdp_is_named_as_refused_where_users_look_and_the_guard_refuses_it():
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from trainguard.adapters.torch.guard import _refuse_unsupported
+    from trainguard.adapters.torch.sharding import refuse_unsupported
     from trainguard.core import ConfigError
 
     text = (DOCS / "torch.md").read_text()
@@ -135,7 +135,8 @@ def test_fsdp_is_named_as_refused_where_users_look_and_the_guard_refuses_it():
             torch.nn.Module.__init__(self)
 
     with pytest.raises(ConfigError, match="FSDP"):
-        _refuse_unsupported(torch.nn.Sequential(torch.nn.Linear(2, 2), Wrapped()))
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), Wrapped())
+        refuse_unsupported(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 @pytest.mark.parametrize("given, expected", [

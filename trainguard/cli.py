@@ -87,6 +87,7 @@ def _status(argv: Sequence[str]) -> int:
 
 
 def _report(argv: Sequence[str]) -> int:
+    from trainguard.core import ConfigError
     from trainguard.report.timeline import RunDirError, load, summary
 
     p = argparse.ArgumentParser(prog="trainguard report",
@@ -113,9 +114,9 @@ def _report(argv: Sequence[str]) -> int:
             print("trainguard report: the picture needs matplotlib (pip install 'trainguard[report]')",
                   file=sys.stderr)
             return 2
-        except OSError as e:
+        except (OSError, ConfigError) as e:
             print(summary(timeline))
-            print(f"trainguard report: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+            print(f"trainguard report: cannot write {out}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
             return 1
     print(summary(timeline, picture))
     return 0
@@ -145,7 +146,7 @@ def _naming(directory: Path, layout: str):
 
 
 def _ckpt(argv: Sequence[str]) -> int:
-    from trainguard.core import CheckpointError, CheckpointStore
+    from trainguard.core import TORCH, CheckpointError, CheckpointStore, ConfigError
 
     p = argparse.ArgumentParser(prog="trainguard ckpt")
     p.add_argument("action", choices=["list", "verify"])
@@ -154,7 +155,12 @@ def _ckpt(argv: Sequence[str]) -> int:
                    help="the directory's naming (default auto: the one whose tracker file or step directories "
                         "are there)")
     args = p.parse_args(argv)
-    store = CheckpointStore(args.directory, _naming(args.directory, args.layout))
+    naming = _naming(args.directory, args.layout)
+    try:  # only read: a directory of another user may be inspected (its unkeyed checkpoints are refused)
+        store = CheckpointStore(args.directory, naming, writer=False)
+    except ConfigError as e:  # a key file that cannot be used
+        print(f"trainguard ckpt: {e}", file=sys.stderr)
+        return 2
     try:
         steps = store.steps()
     except OSError as e:
@@ -169,12 +175,25 @@ def _ckpt(argv: Sequence[str]) -> int:
             print(store.final_path(step))
             continue
         try:
-            store.verify(store.final_path(step))
-            print(f"ok      {store.final_path(step)}")
+            found = store.verify(store.final_path(step))
         except CheckpointError as e:
             bad += 1
             print(f"BROKEN  {e}")
+            continue
+        why = _content_problem(found) if naming is TORCH else None
+        if why is not None:
+            bad += 1
+            print(f"BROKEN  {found.path.name}: {why}")
+        else:
+            print(f"ok      {store.final_path(step)}")
     return 1 if bad else 0
+
+
+def _content_problem(found) -> str | None:
+    """What the torch adapter finds wrong inside a checkpoint's files (the
+    coverage of sharded state), imported only when there is one to check."""
+    from trainguard.adapters.torch.coverage import content_problem
+    return content_problem(found)
 
 
 def _slow_nodes(argv: Sequence[str]) -> int:

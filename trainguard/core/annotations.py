@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -55,6 +56,8 @@ __all__ = [
 DEFAULT_PATH = "/etc/podinfo/annotations"
 #: The variable naming the annotations file (it must then exist).
 ENV_VAR = "TRAINGUARD_ANNOTATIONS"
+#: The largest annotations file read: Kubernetes' limit for all of a pod's annotations.
+MAX_BYTES = 256 << 10
 #: The annotation holding the strategies (MindCluster's job annotation).
 STRATEGY_KEY = "recover-strategy"
 
@@ -96,23 +99,23 @@ def _unquote(literal: str) -> str:
         elif e in _HEX:
             digits = body[i + 2:i + 2 + _HEX[e]]
             if len(digits) != _HEX[e] or not re.fullmatch(r"[0-9A-Fa-f]+", digits):
-                raise ValueError(f"\\{e} needs {_HEX[e]} hex digits, got {digits!r}")
+                raise ValueError(f"\\{e} needs {_HEX[e]} hex digits (at column {i + 2} of the value)")
             n = int(digits, 16)
             if e == "x":
                 out.append(n)  # one byte, as in Go
             elif 0xD800 <= n < 0xE000 or n > 0x10FFFF:
-                raise ValueError(f"\\{e}{digits} is not a Unicode code point Go accepts")
+                raise ValueError(f"the \\{e} escape at column {i + 2} of the value is not a Unicode code point Go accepts")
             else:
                 out += chr(n).encode("utf-8")
             i += 2 + _HEX[e]
         elif e in "01234567":
             digits = body[i + 1:i + 4]
             if len(digits) != 3 or not re.fullmatch(r"[0-7]{3}", digits) or int(digits, 8) > 255:
-                raise ValueError(f"an octal escape needs 3 digits up to \\377, got \\{digits}")
+                raise ValueError(f"an octal escape needs 3 digits up to \\377 (at column {i + 2} of the value)")
             out.append(int(digits, 8))
             i += 4
         else:
-            raise ValueError(f"unknown escape \\{e}")
+            raise ValueError(f"an escape Go does not know at column {i + 2} of the value")
     try:
         return out.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -136,16 +139,17 @@ def parse_annotations(text: str, source: str = "annotations") -> dict[str, str]:
             continue  # a final newline (the kubelet trims it; a hand-written copy may not)
         key, eq, literal = line.partition("=")
         where = f"{source} line {number}"
+        # No error quotes the file: pointed at another file (a secret, say), it must not print it.
         if not eq:
-            raise ConfigError(f"{where}: expected key=\"value\", got {line[:80]!r}")
+            raise ConfigError(f"{where}: expected key=\"value\" (the line has no '=')")
         if not _KEY.fullmatch(key) or len(key) > 317:
-            raise ConfigError(f"{where}: {key[:80]!r} is not an annotation key")
+            raise ConfigError(f"{where}: the text before '=' is not an annotation key")
         if key in out:
-            raise ConfigError(f"{where}: annotation {key!r} is given twice")
+            raise ConfigError(f"{where}: an annotation is given twice")
         try:
             out[key] = _unquote(literal)
         except ValueError as e:
-            raise ConfigError(f"{where} ({key}): {e}") from None
+            raise ConfigError(f"{where}: {e}") from None
     return out
 
 
@@ -156,10 +160,20 @@ def read_annotations(path: str | os.PathLike) -> dict[str, str]:
         ConfigError: the file cannot be read, is not UTF-8, or is malformed.
     """
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read the pod annotations file {path} ({ENV_VAR}): {e}") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"the pod annotations file {path} ({ENV_VAR}) is not a regular file")
+            data = f.read(MAX_BYTES + 1)
+        if len(data) > MAX_BYTES:
+            raise ConfigError(f"the pod annotations file {path} ({ENV_VAR}) is over {MAX_BYTES >> 10} KiB "
+                              "(Kubernetes' limit for all of a pod's annotations)")
+        text = data.decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read the pod annotations file {path} ({ENV_VAR}): {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read the pod annotations file {path} ({ENV_VAR}): not UTF-8 (byte {e.start})") \
+            from None
     return parse_annotations(text, str(path))
 
 

@@ -187,6 +187,7 @@ class RankState:
     alive: bool = True
     stopped: bool = False  # left its step and is waiting for commands
     device_repairable: bool = True
+    join_refused: str = ""  # why no new process can join its job (empty: one can)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,15 +31,16 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Collection, Iterator, Mapping, Sequence
 
 from .events import note
-from . import manifest as manifests
-from .api import CheckpointError
+from . import integrity, manifest as manifests
+from .api import CheckpointError, ConfigError
 from .checkpoint_parts import MEGATRON, MINDSPORE, TORCH, FileInfo, Naming, SavedShard, shard_file
 from .manifest import FORMAT, MANIFEST
+from .private import directory_problem, shared_allowed, write_replace
+from .verified import Verified, identity, trust_problem
 
 __all__ = [
     "FORMAT",
@@ -59,18 +60,9 @@ log = logging.getLogger("trainguard.checkpoint")
 
 TMP_SUFFIX = "_tmp"
 _CHUNK = 8 << 20
-
-
-@dataclass(frozen=True)
-class Verified:
-    """A checkpoint that passed verification."""
-
-    step: int
-    path: Path
-    manifest: dict
-
-    def file(self, name: str) -> Path:
-        return self.path / name
+_FROM_ENV = object()
+#: Files of a checkpoint: made new, never through a link, readable by this user only (its directory is 0700).
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class _HashingWriter:
@@ -117,15 +109,29 @@ class CheckpointStore:
     """One directory of checkpoints for one job.
 
     Args:
-        root: the checkpoint directory (created on first save).
+        root: the checkpoint directory (created 0700 on first save).
         naming: the framework's directory and tracker names.
         keep: how many complete checkpoints to keep (0: all).
+        key: the key of the manifests' HMAC (:mod:`.integrity`; default:
+            this process's, from the environment; ``None``: none).
+        writer: this store saves (a directory of another user, or one
+            others may rename in, is refused: unless
+            ``TRAINGUARD_ALLOW_SHARED_DIRS=1``); ``False`` only reads.
+
+    Raises:
+        ConfigError: a writer's directory of another user; a key file that cannot be used.
     """
 
-    def __init__(self, root: str | os.PathLike, naming: Naming = TORCH, *, keep: int = 0) -> None:
+    def __init__(self, root: str | os.PathLike, naming: Naming = TORCH, *, keep: int = 0, key=_FROM_ENV,
+                 writer: bool = True) -> None:
         self.root = Path(root)
         self.naming = naming
         self.keep = keep
+        self.key: bytes | None = integrity.key_from_env() if key is _FROM_ENV else key
+        self.shared = shared_allowed()
+        why = directory_problem(self.root, allow_shared=self.shared) if writer and self.root.exists() else None
+        if why is not None:
+            raise ConfigError(f"checkpoint directory {self.root} {why}")
 
     # ---------------------------------------------------------------- write
     def tmp_path(self, step: int) -> Path:
@@ -144,7 +150,7 @@ class CheckpointStore:
         """
         path = self._file(step, name)
         try:
-            with open(path, "wb") as raw:
+            with os.fdopen(os.open(path, _CREATE, 0o600), "wb") as raw:
                 writer = _HashingWriter(raw)
                 write(writer)
                 raw.flush()
@@ -165,7 +171,7 @@ class CheckpointStore:
         path = self._file(step, name)
         view, digest = memoryview(data).cast("B"), hashlib.sha256()
         try:
-            with ThreadPoolExecutor(1) as pool, open(path, "wb", buffering=0) as out:
+            with ThreadPoolExecutor(1) as pool, os.fdopen(os.open(path, _CREATE, 0o600), "wb", buffering=0) as out:
                 for pos in range(0, len(view), _CHUNK):
                     chunk = view[pos:pos + _CHUNK]
                     hashing = pool.submit(digest.update, chunk)
@@ -192,7 +198,7 @@ class CheckpointStore:
         path = self._file(step, name)
         view = memoryview(data).cast("B")
         try:
-            with open(path, "wb", buffering=0) as out:
+            with os.fdopen(os.open(path, _CREATE, 0o600), "wb", buffering=0) as out:
                 for pos in range(0, len(view), _CHUNK):
                     chunk = view[pos:pos + _CHUNK]
                     while chunk:
@@ -225,7 +231,9 @@ class CheckpointStore:
             raise CheckpointError(f"invalid checkpoint file name {name!r}: it {why}")
         path = self.tmp_path(step) / name
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.tmp_path(step).mkdir(mode=0o700, exist_ok=True)
+            path.parent.mkdir(mode=0o700, exist_ok=True)
         except OSError as e:
             raise io_error(f"creating {path.parent}", e) from None
         return path
@@ -258,6 +266,8 @@ class CheckpointStore:
             "meta": dict(meta or {}),
         }
         try:
+            if self.key is not None:  # over the manifest as a reader parses it back
+                manifest["mac"] = integrity.seal(self.key, json.loads(json.dumps(manifest)), "checkpoint")
             data = json.dumps(manifest, indent=1, sort_keys=True).encode()
             why = manifests.problem(manifests.parse(data), step)  # exactly what verify() will read
         except (TypeError, ValueError) as e:  # meta that JSON cannot hold
@@ -271,7 +281,7 @@ class CheckpointStore:
         if why is not None:
             raise CheckpointError(f"cannot finalise {tmp}: {why}")
         try:
-            with open(tmp / MANIFEST, "wb") as out:
+            with os.fdopen(os.open(tmp / MANIFEST, _CREATE, 0o600), "wb") as out:
                 out.write(data)
                 out.flush()
                 os.fsync(out.fileno())
@@ -294,13 +304,7 @@ class CheckpointStore:
         return final
 
     def _write_tracker(self, step: int) -> None:
-        tracker = self.root / self.naming.tracker
-        tmp = tracker.with_name(tracker.name + TMP_SUFFIX)
-        with open(tmp, "w") as out:
-            out.write(f"{step}\n")
-            out.flush()
-            os.fsync(out.fileno())
-        tmp.replace(tracker)
+        write_replace(self.root / self.naming.tracker, f"{step}\n".encode())  # a link at its name is replaced
         _fsync_dir(self.root)
 
     def _prune(self, newest: int) -> None:
@@ -346,11 +350,12 @@ class CheckpointStore:
         Raises:
             CheckpointError: naming the directory and what is wrong.
         """
-        step = self.naming.step_of(path.name)
-        manifest, why = manifests.check(path, step)
+        step, seen = self.naming.step_of(path.name), {}
+        manifest, why = manifests.check(path, step, seen)
+        why = why or trust_problem(self.key, self.shared, self.root, path, manifest, seen)
         if why is not None:
             raise CheckpointError(f"{path.name}: {why}")
-        return Verified(step, path, manifest)
+        return Verified(step, path, manifest, {name: identity(st) for name, st in seen.items()})
 
     def latest(self, exclude: Collection[int] = ()) -> Verified | None:
         """The newest checkpoint that verifies, or ``None`` when there is none.

@@ -19,7 +19,17 @@ model code and shapes, configuration), given by the adapter
 the same key parts and every file has the size and checksum the manifest
 gives, checked while it is copied (:mod:`.compile_cache_files`); otherwise
 it is ignored with one warning and rebuilt: the process compiles afresh and
-publishes a new entry. An entry appears by one ``rename`` of a complete
+publishes a new entry.
+
+An entry is code the process will run, and anyone who may write the
+checkpoint directory may rewrite both a file and its checksum. So, with a
+key (:mod:`.integrity`: a project key file or a configured job secret), the
+manifest carries an HMAC, and an entry whose HMAC does not hold is refused
+(logged); without a key, or for an entry written without one, the entry
+is used only when no other user may write it: its root and directory
+this user's (or root's) and writable by no one else, every file too. The
+framework runs the private copy (0700, in the system's temp directory),
+never the shared files. An entry appears by one ``rename`` of a complete
 directory, so readers never see half of one, and when several ranks publish
 at once the first rename wins and the others discard their copy.
 """
@@ -39,10 +49,12 @@ import uuid
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Mapping
 
+from . import integrity
 from .api import ConfigError
 from .compile_cache_files import (InvalidEntry, copy_checked, copy_hashed, empty_dir, file_size, fsync_dir, identity,
                                   write_synced)
 from .compile_cache_key import cache_key, code_hash, cpu_model, script_hash
+from .private import directory_problem, shared_allowed
 
 __all__ = ["CompileCache", "LocalCache", "Lookup", "cache_key", "code_hash", "cpu_model", "resolve_root",
            "script_hash"]
@@ -55,6 +67,7 @@ FILES = "files"
 #: Publications in progress older than this are left-overs of a process that died.
 STALE_TMP_S = 3600.0
 _OFF = {"off", "0", "false", "no", "none"}
+_FROM_ENV = object()
 
 
 class Lookup(enum.Enum):
@@ -94,7 +107,7 @@ def resolve_root(setting: str | os.PathLike | bool | None, checkpoint_dir: str |
     if root.exists() and not root.is_dir():
         raise ConfigError(f"compile cache {root} is not a directory")
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"compile cache directory {root} cannot be created ({e.strerror}); set "
                           f"TRAINGUARD_COMPILE_CACHE to a writable directory, or to 'off'") from None
@@ -116,8 +129,9 @@ class CompileCache:
     """
 
     def __init__(self, root: str | os.PathLike, parts: Mapping[str, Any], *, warn: bool = True,
-                 owner: str = "") -> None:
+                 owner: str = "", key: bytes | None | object = _FROM_ENV) -> None:
         self.root = Path(root)
+        self.mac_key: bytes | None = integrity.key_from_env() if key is _FROM_ENV else key  # see the module doc
         self.key = cache_key(parts)
         self.parts = json.loads(json.dumps(dict(parts), sort_keys=True))  # a plain, comparable copy
         self.entry = self.root / self.key
@@ -128,6 +142,7 @@ class CompileCache:
         self.counters = {"hits": 0, "misses": 0, "invalid": 0, "published": 0, "publish_lost": 0}
         self.restored = {"files": 0, "bytes": 0, "seconds": 0.0}
         self._bad: tuple[int, int] | None = None  # identity of the entry found unusable
+        self._keyed = False  # the entry read last carries a keyed checksum that holds
 
     # ------------------------------------------------------------- reading
     def restore(self, dest: str | os.PathLike) -> Lookup:
@@ -144,10 +159,10 @@ class CompileCache:
         if not self.entry.exists():
             return self._found(Lookup.MISS, f"no entry for key {self.key} yet")
         try:
-            files = self._read_manifest()
+            files, private = self._read_manifest(), self._private()
             total = 0
             for rel, meta in files.items():
-                total += copy_checked(self.entry / FILES / rel, dest / rel, meta)
+                total += copy_checked(self.entry / FILES / rel, dest / rel, meta, private=private)
         except InvalidEntry as e:
             empty_dir(dest)
             self._bad = identity(self.entry)
@@ -155,16 +170,39 @@ class CompileCache:
         self.restored = {"files": len(files), "bytes": total, "seconds": round(time.perf_counter() - started, 3)}
         return self._found(Lookup.HIT, f"restored {len(files)} files ({total / 1e6:.1f} MB) from {self.entry}")
 
+    def _private(self) -> bool:
+        """Whether the entry must be private to be used (no keyed checksum vouches for it).
+
+        Raises:
+            InvalidEntry: it must be, and its root or directory is not.
+        """
+        if self._keyed or shared_allowed():
+            return False
+        for what, path in (("its cache directory", self.root), ("the entry", self.entry)):
+            why = directory_problem(path)
+            if why is not None:
+                raise InvalidEntry(f"{self.entry} carries no keyed checksum (set TRAINGUARD_KEY_FILE, or a shared "
+                                   f"secret), and {what} {path} {why}")
+        return True
+
     def _read_manifest(self) -> dict[str, dict]:
         path = self.entry / MANIFEST
+        self._keyed = False
         try:
-            manifest = json.loads(path.read_text())
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                manifest = json.loads(f.read(64 << 20))
         except FileNotFoundError:
             raise InvalidEntry(f"{self.entry} has no {MANIFEST} (a partial entry)") from None
         except (OSError, ValueError) as e:
             raise InvalidEntry(f"{path} is unreadable ({e})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise InvalidEntry(f"{path} is not a format-{FORMAT} manifest")
+        if self.mac_key is not None and "mac" in manifest:
+            why = integrity.check(self.mac_key, manifest, "compile-cache")
+            if why is not None:  # refused, whatever else it holds: never run
+                raise InvalidEntry(f"{path} refused: {why}")
+            self._keyed = True
         if manifest.get("parts") != self.parts:
             theirs = manifest.get("parts") if isinstance(manifest.get("parts"), dict) else {}
             diff = [f"{k}={theirs.get(k)!r} (this process: {self.parts.get(k)!r})"
@@ -212,7 +250,7 @@ class CompileCache:
         """
         source, skip = Path(source), set(skip)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             log.warning("compile cache: cannot create %s (%s); the next restart compiles afresh", self.root, e)
             return False
@@ -236,6 +274,8 @@ class CompileCache:
             manifest = {"format": FORMAT, "key": self.key, "parts": self.parts, "files": files,
                         "created": {"by": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
                                     "unix_time": round(time.time(), 3)}}
+            if self.mac_key is not None:
+                manifest["mac"] = integrity.seal(self.mac_key, json.loads(json.dumps(manifest)), "compile-cache")
             write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
             fsync_dir(tmp)
             if self.entry.exists() and (self._bad == identity(self.entry) or not self._entry_ok()):

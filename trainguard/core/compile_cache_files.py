@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -43,16 +44,20 @@ def file_size(path: Path) -> int:
         return -1
 
 
-def copy_checked(src: Path, dst: Path, meta: Mapping[str, Any]) -> int:
+def copy_checked(src: Path, dst: Path, meta: Mapping[str, Any], *, private: bool = False) -> int:
     """Copy one file of an entry, refusing it unless its size and checksum
-    are the manifest's."""
+    are the manifest's; ``private``: and unless it is a file of this user
+    (or root) that no one else may write (an entry whose manifest carries
+    no keyed checksum is trusted only so)."""
     size = file_size(src)
     if size < 0:
         raise InvalidEntry(f"{src} is missing")
     if size != meta["size"]:
         raise InvalidEntry(f"{src} has {size} bytes, its manifest says {meta['size']} (truncated or changed)")
     try:
-        got = copy_hashed(src, dst, synced=False)
+        got = copy_hashed(src, dst, synced=False, private=private)
+    except PermissionError as e:
+        raise InvalidEntry(str(e)) from None
     except OSError as e:
         raise InvalidEntry(f"{src} could not be read ({e})") from None
     if got["sha256"] != meta["sha256"] or got["size"] != meta["size"]:
@@ -60,26 +65,40 @@ def copy_checked(src: Path, dst: Path, meta: Mapping[str, Any]) -> int:
     return got["size"]
 
 
-def copy_hashed(src: Path, dst: Path, *, synced: bool = True) -> dict:
-    """Copy ``src`` to ``dst`` (its directory created), hashing it on the
-    way; its ``size`` and ``sha256``. ``synced``: on storage before it returns."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
+def copy_hashed(src: Path, dst: Path, *, synced: bool = True, private: bool = False) -> dict:
+    """Copy ``src`` (never through a link) to ``dst`` (made new, 0700 at
+    most: its directory too), hashing it on the way; its ``size`` and
+    ``sha256``. ``synced``: on storage before it returns; ``private``: see
+    :func:`copy_checked`.
+
+    Raises:
+        OSError: ``PermissionError`` for a file ``private`` refuses, ``ELOOP`` for a link, ...
+    """
+    dst.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     digest, size = hashlib.sha256(), 0
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        while chunk := fin.read(_CHUNK):
-            digest.update(chunk)
-            fout.write(chunk)
-            size += len(chunk)
-        if synced:
-            fout.flush()
-            os.fsync(fout.fileno())
-    shutil.copymode(src, dst)  # compiled libraries stay loadable
+    with os.fdopen(os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fin:
+        st = os.fstat(fin.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{src} is not a regular file")
+        if private and (st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022):
+            raise PermissionError(f"{src} may be written by another user (uid {st.st_uid}, mode "
+                                  f"{stat.S_IMODE(st.st_mode):o})")
+        with os.fdopen(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                               st.st_mode & 0o700 | 0o600), "wb") as fout:  # compiled libraries stay loadable
+            while chunk := fin.read(_CHUNK):
+                digest.update(chunk)
+                fout.write(chunk)
+                size += len(chunk)
+            if synced:
+                fout.flush()
+                os.fsync(fout.fileno())
     return {"size": size, "sha256": digest.hexdigest()}
 
 
 def write_synced(path: Path, data: bytes) -> None:
-    """Write ``data`` as the file ``path``, on storage before it returns."""
-    with open(path, "wb") as f:
+    """Write ``data`` as the new file ``path`` (0600, never through a link), on storage before it returns."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                   "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -152,6 +152,9 @@ class ControllerConfig:
             raise ConfigError(f"max_message_bytes must be in [1 KiB, 64 MiB], got {self.max_message_bytes}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if not (0 < len(self.job_id) <= 200 and self.job_id.isprintable() and not any(
+                c.isspace() or c in "/\\" for c in self.job_id)):  # it names files, and every log line has it
+            raise ConfigError(f"job id {self.job_id[:80]!r}: 1 to 200 printable characters, no blank, / or \\")
 
     def heartbeat_interval_for(self, world_size: int) -> float:
         """The heartbeat interval for a job of ``world_size`` ranks: the

@@ -36,6 +36,17 @@ ENV: Mapping[str, Setting] = {
         "a file holding the job secret, mounted on every node (a Kubernetes Secret); read before "
         "TRAINGUARD_TOKEN",
         default="unset", read_by="launcher, rank, `trainguard status`"),
+    "TRAINGUARD_KEY_FILE": Setting(
+        "a project key file: checkpoint manifests and compile-cache entries carry an HMAC under it; it may stay "
+        "the same while job secrets change (checked as the token file is)",
+        default="the configured job secret, if any", read_by="launcher, rank, `trainguard ckpt`"),
+    "TRAINGUARD_CHECKPOINT_KEY": Setting(
+        "the integrity key the launcher found, in hex, or none, for its workers (do not set by hand)",
+        default="set by the launcher", read_by="rank, persist worker"),
+    "TRAINGUARD_ALLOW_SHARED_DIRS": Setting(
+        "1: use directories (run dir, snapshot root, checkpoint dir, compile cache) of other users, or that "
+        "others may write in",
+        default="off", read_by="launcher, rank, `trainguard report`, `trainguard ckpt`"),
     "TRAINGUARD_TLS_CERT": Setting(
         "PEM certificate of this node for mutual TLS on the control plane (with _KEY and _CA)",
         default="off", read_by="launcher (controller, relay), `trainguard status`"),

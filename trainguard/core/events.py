@@ -19,7 +19,12 @@ flag sets and the workers inherit) makes the job append to
 Writing never disturbs training: each line is one ``write`` to a file
 opened for appending (lines from several processes do not interleave on a
 local file system), and a failing write is logged once and then skipped.
-Only the standard library: the controller and every adapter import this.
+The directory is made 0700 and the file 0600 (argv, the job id and pids
+are no one else's business); a directory of another user, or one others
+may rename entries in, is refused, and the file is opened without following
+a link and only when it is a regular file of this user
+(:mod:`.private`). Only the standard library: the controller and every
+adapter import this.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from .api import ConfigError
+from .private import make_directory, open_append
 
 __all__ = ["ENV_VAR", "EVENTS", "EventLog", "note"]
 
@@ -49,6 +57,7 @@ class EventLog:
         self.directory = Path(directory)
         self.path = self.directory / EVENTS
         self._failed = False
+        self._checked = False
 
     @classmethod
     def from_env(cls) -> "EventLog | None":
@@ -64,13 +73,15 @@ class EventLog:
             record[key] = value[:MAX_TEXT] if isinstance(value, str) else value
         line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if not self._checked:
+                make_directory(self.directory, "run directory")
+                self._checked = True
+            fd = open_append(self.directory, EVENTS)
             try:
                 os.write(fd, line)
             finally:
                 os.close(fd)
-        except OSError as e:
+        except (OSError, ConfigError) as e:
             self._failed = True
             log.warning("cannot write the run's events to %s (%s); no more are recorded", self.path, e)
 

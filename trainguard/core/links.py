@@ -5,11 +5,18 @@ the same all-reduce -- so the step records (:mod:`.profiling`) can say only
 that the whole job slowed down. When they do, the controller asks the node
 agents to measure their links to each other:
 
-* every agent serves a :class:`LinkSink` on its own address: it takes a
-  connection that proves the job's secret (an HMAC of it; anything else is
-  refused, logged, and closed before a byte more is read), reads what comes
+* every agent serves a :class:`LinkSink` on its own address. A probe opens
+  with the mutual proof of :mod:`.proof`: the prober sends a fresh nonce
+  and the address it dialed, the sink answers its own nonce and its proof
+  of the job's secret, the prober answers with its proof bound to both
+  nonces and the size it will send (good for this one probe: a captured
+  probe cannot be sent again). Anything else is refused, logged, and closed
+  before a byte more is read; a connection that has not proved the secret
+  holds one of a few places (two per address) for at most
+  :data:`HANDSHAKE_S`, never a real probe's. The sink then reads what comes
   until the sender closes its side (at most the size announced, itself at
-  most :data:`MAX_BYTES`) and answers how many bytes arrived;
+  most :data:`MAX_BYTES`, within :data:`_TIMEOUT_S`) and answers how many
+  bytes arrived, with its proof of that count;
 * a :class:`LinkSurvey` orders each agent to probe the next two agents (all
   pairs of three hosts, a ring beyond); :func:`measure` sends for
   :data:`PROBE_S` (or :data:`PROBE_BYTES`, whichever comes first: a slow
@@ -37,9 +44,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .agent_messages import AgentEvent, AgentOrder, LinkProbe, LinkRate
+from .proof import Admission, Names, client_proof, derive, nonce, server_proof, split_address
 
 __all__ = ["LinkSink", "LinkSurvey", "Surveyor", "answer_probe", "measure", "probe_peers", "PROBE_BYTES",
-           "MAX_BYTES"]
+           "MAX_BYTES", "HANDSHAKE_S"]
 
 log = logging.getLogger("trainguard.links")
 
@@ -48,10 +56,10 @@ PROBE_BYTES = 64 << 20  # ... or this much: 6 ms at 10 GB/s
 MAX_BYTES = 256 << 20  # a sink reads no more than this from one connection
 _SEND_BUFFER = 64 << 10  # small: what sits in the sender's buffer when it stops must drain within the timing
 SLOWER = 4.0  # a host's best link this many times slower than the others' median best is named
-_MAGIC = b"TGLINK1\n"
-_HEADER = struct.Struct("!8s32sQ")
-_TIMEOUT_S = 30.0
-_MAX_CONNECTIONS = 8
+_MAGIC = b"TGLINK2\n"
+_TIMEOUT_S = 30.0  # an authenticated probe's bytes, at most this long
+HANDSHAKE_S = 3.0  # a connection that has not proved the secret, at most this long
+_MAX_CONNECTIONS = 8  # authenticated probes at once
 _CHUNK = 1 << 16
 
 
@@ -63,9 +71,8 @@ def sink_address(text: str) -> str:
     return text if len(text) <= 300 and _ADDRESS.match(text) else ""
 
 
-def probe_key(secret: str) -> bytes:
-    """What a prober shows a sink: derived from the job's secret, never the secret itself."""
-    return hmac.new(secret.encode(), b"trainguard link probe", hashlib.sha256).digest()
+def _count_proof(key: bytes, sn: bytes, cn: bytes, count: int) -> bytes:
+    return hmac.new(key, b"count\0" + sn + cn + struct.pack("!Q", count), hashlib.sha256).digest()
 
 
 class LinkSink:
@@ -77,10 +84,12 @@ class LinkSink:
     """
 
     def __init__(self, host: str, secret: str) -> None:
-        self._key = probe_key(secret)
+        self._key = derive(secret, "link")
         self._sock = socket.create_server((host, 0))
         self._host = host
+        self._names = Names(host, self._sock.getsockname()[1])
         self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        self._unproven = Admission(per_host=2, total=16)
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="trainguard-link-sink", daemon=True)
 
@@ -103,26 +112,57 @@ class LinkSink:
                 conn, peer = self._sock.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                log.warning("link probe from %s refused: %d probes already running", peer[0], _MAX_CONNECTIONS)
+            if not self._unproven.enter(peer[0]):
+                log.warning("link probe from %s refused: too many connections still proving the secret", peer[0])
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, peer), name="trainguard-link-probe",
                              daemon=True).start()
 
+    def _prove(self, conn: socket.socket, peer: tuple) -> tuple[bytes, bytes, int] | None:
+        """The exchange of proofs, by :data:`HANDSHAKE_S`: ``(sn, cn, size)`` of a probe of this job, else ``None``
+        (logged)."""
+        deadline = time.monotonic() + HANDSHAKE_S
+        head = _read(conn, len(_MAGIC) + 16 + 2, deadline)
+        why = "not a link probe (or another trainguard version's)"
+        if head is not None and head[:len(_MAGIC)] == _MAGIC:
+            cn, (n,) = head[len(_MAGIC):-2], struct.unpack("!H", head[-2:])
+            dialed = (_read(conn, n, deadline) or b"").decode(errors="replace") if n <= 300 else ""
+            why = self._names.problem(dialed) or ""
+            if not why:
+                sn = nonce()
+                conn.sendall(sn + server_proof(self._key, cn, sn, dialed))
+                answer = _read(conn, 8 + 32, deadline)
+                size = struct.unpack("!Q", answer[:8])[0] if answer is not None else 0
+                if answer is None or not hmac.compare_digest(
+                        answer[8:], client_proof(self._key, sn, cn, dialed, b"probe" + answer[:8])):
+                    why = "no proof of this job's secret for this probe (another job's, or replayed)"
+                elif size > MAX_BYTES:
+                    why = f"{size} bytes is over {MAX_BYTES}"
+                else:
+                    return sn, cn, size
+        log.warning("link probe from %s refused: %s", peer[0], why)
+        return None
+
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
-        try:
-            with conn:
+        proved = None
+        with conn:
+            try:
+                proved = self._prove(conn, peer)
+            except (OSError, ValueError) as e:
+                log.debug("link probe from %s ended: %s", peer[0], e)
+            finally:
+                self._unproven.leave(peer[0])
+            if proved is None:
+                return
+            if not self._slots.acquire(blocking=False):
+                log.warning("link probe from %s refused: %d probes already running", peer[0], _MAX_CONNECTIONS)
+                return
+            try:
+                sn, cn, size = proved
                 conn.settimeout(_TIMEOUT_S)
-                header = _read(conn, _HEADER.size)
-                magic, key, size = _HEADER.unpack(header) if header is not None else (b"", b"", 0)
-                if magic != _MAGIC or not hmac.compare_digest(key, self._key) or size > MAX_BYTES:
-                    why = ("not a link probe" if magic != _MAGIC else "wrong job key"
-                           if not hmac.compare_digest(key, self._key) else f"{size} bytes is over {MAX_BYTES}")
-                    log.warning("link probe from %s refused: %s", peer[0], why)
-                    return
-                got = 0
-                while True:
+                got, deadline = 0, time.monotonic() + _TIMEOUT_S
+                while time.monotonic() < deadline:
                     chunk = conn.recv(_CHUNK)
                     if not chunk:
                         break
@@ -130,16 +170,22 @@ class LinkSink:
                     if got > size:
                         log.warning("link probe from %s refused: more than the %d bytes announced", peer[0], size)
                         return
-                conn.sendall(struct.pack("!Q", got))
-        except OSError as e:
-            log.debug("link probe from %s ended: %s", peer[0], e)
-        finally:
-            self._slots.release()
+                conn.sendall(struct.pack("!Q", got) + _count_proof(self._key, sn, cn, got))
+            except OSError as e:
+                log.debug("link probe from %s ended: %s", peer[0], e)
+            finally:
+                self._slots.release()
 
 
-def _read(conn: socket.socket, n: int) -> bytes | None:
+def _read(conn: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
+    """``n`` bytes, ``None`` when the peer closes first; by ``deadline`` (monotonic) when given."""
     data = b""
     while len(data) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"not complete within {HANDSHAKE_S:g} s")
+            conn.settimeout(left)
         chunk = conn.recv(n - len(data))
         if not chunk:
             return None
@@ -150,29 +196,43 @@ def _read(conn: socket.socket, n: int) -> bytes | None:
 def measure(addr: str, secret: str, nbytes: int = PROBE_BYTES, seconds: float = PROBE_S,
             timeout: float = _TIMEOUT_S) -> float:
     """Send to the sink at ``addr`` (``host:port``) for ``seconds`` or
-    ``nbytes``, whichever comes first; returns the bytes that arrived per
-    second, from connecting to the sink's count.
+    ``nbytes``, whichever comes first, once the sink proved the job's
+    secret; returns the bytes that arrived per second, from the first byte
+    sent to the sink's count.
 
     Raises:
-        OSError: the sink cannot be reached, refused, or timed out.
+        OSError: the sink cannot be reached, refused, timed out, or could not prove the secret.
     """
-    host, _, port = addr.rpartition(":")
-    nbytes = min(nbytes, MAX_BYTES)
+    parsed = split_address(addr)
+    if parsed is None:
+        raise ConnectionError(f"{addr[:80]!r} is not a host:port address")
+    nbytes, key, cn = min(nbytes, MAX_BYTES), derive(secret, "link"), nonce()
     payload = bytes(_CHUNK)
-    start = time.perf_counter()
-    with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+    with socket.create_connection(parsed, timeout=timeout) as conn:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
-        conn.sendall(_HEADER.pack(_MAGIC, probe_key(secret), nbytes))
+        conn.sendall(_MAGIC + cn + struct.pack("!H", len(addr.encode())) + addr.encode())
+        answer = _read(conn, 16 + 32)
+        if answer is None:
+            raise ConnectionError(f"the link-probe sink at {addr} refused the probe")
+        sn = answer[:16]
+        if not hmac.compare_digest(answer[16:], server_proof(key, cn, sn, addr)):
+            raise ConnectionError(f"the link-probe sink at {addr} did not prove it knows the job secret")
+        size = struct.pack("!Q", nbytes)
+        conn.sendall(size + client_proof(key, sn, cn, addr, b"probe" + size))
+        start = time.perf_counter()
         left = nbytes
         while left and time.perf_counter() - start < seconds:
             n = min(left, _CHUNK)
             conn.sendall(payload[:n])
             left -= n
         conn.shutdown(socket.SHUT_WR)
-        answer = _read(conn, 8)
+        answer = _read(conn, 8 + 32)
         if answer is None:
             raise ConnectionError(f"the link-probe sink at {addr} refused the probe")
-    return struct.unpack("!Q", answer)[0] / max(time.perf_counter() - start, 1e-9)
+        got = struct.unpack("!Q", answer[:8])[0]
+        if not hmac.compare_digest(answer[8:], _count_proof(key, sn, cn, got)):
+            raise ConnectionError(f"the link-probe sink at {addr} answered a count it did not prove")
+    return got / max(time.perf_counter() - start, 1e-9)
 
 
 @dataclass

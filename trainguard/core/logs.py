@@ -13,9 +13,16 @@ import logging
 import os
 import sys
 
-__all__ = ["exit_now", "setup"]
+__all__ = ["LEVELS", "exit_now", "level", "setup"]
 
 _MARK = "_trainguard_handler"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def level(value: str | None) -> str:
+    """``value`` as a level name when it is one (any case), else ``INFO``."""
+    name = (value or "INFO").strip().upper()
+    return name if name in LEVELS else "INFO"
 
 
 def setup(who: str = "") -> None:
@@ -34,8 +41,11 @@ def setup(who: str = "") -> None:
     tag = f" {who}" if who else ""
     handler.setFormatter(logging.Formatter(f"[trainguard{tag} %(levelname)s %(asctime)s] %(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO").upper())
+    asked = os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO")
+    logger.setLevel(level(asked))
     logger.propagate = False
+    if level(asked) != asked.strip().upper():  # no traceback for a typo: one line, and INFO
+        logger.warning("TRAINGUARD_LOG_LEVEL=%r is no log level (%s): using INFO", asked[:40], ", ".join(LEVELS))
 
 
 def exit_now(code: int) -> None:

@@ -38,8 +38,8 @@ import xxhash
 
 from .api import CheckpointError
 
-__all__ = ["FORMAT", "MANIFEST", "MAX_BYTES", "MAX_DEPTH", "check", "file_problem", "name_problem", "parse",
-           "problem"]
+__all__ = ["FORMAT", "MANIFEST", "MAX_BYTES", "MAX_DEPTH", "check", "file_problem", "matches", "name_problem",
+           "open_inside", "parse", "problem", "unreadable"]
 
 FORMAT = "trainguard-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -218,58 +218,69 @@ def problem(manifest: object, step: int | None) -> str | None:
 
 
 # ------------------------------------------------------------------ reading
-def check(directory: Path, step: int | None) -> tuple[dict, None] | tuple[None, str]:
+def check(directory: Path, step: int | None, seen: dict | None = None) -> tuple[dict, None] | tuple[None, str]:
     """``(manifest, None)`` when ``directory`` is a sound checkpoint of
     ``step``: its manifest passes :func:`problem` and every file it lists
-    has its size and checksum; else ``(None, the first reason)``."""
+    has its size and checksum; else ``(None, the first reason)``. ``seen``
+    is given each file's ``fstat`` as it was checked (the manifest's under
+    its name)."""
+    if os.path.islink(directory):
+        return None, "the step directory is a symbolic link (refused: a checkpoint is read only where it lies)"
     try:
-        with _open_inside(directory, MANIFEST) as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        with open_inside(directory, MANIFEST) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
                 return None, f"{MANIFEST} is not a regular file"
+            if seen is not None:
+                seen[MANIFEST] = st
             data = f.read(MAX_BYTES + 1)  # one byte more tells an oversized one, unread beyond
         manifest = parse(data)
     except FileNotFoundError:
         return None, f"no {MANIFEST}"
     except OSError as e:
-        return None, _unreadable(MANIFEST, e)
+        return None, unreadable(MANIFEST, e)
     except CheckpointError as e:
         return None, str(e)
     why = problem(manifest, step)
     for name, record in manifest["files"].items() if why is None else ():
-        why = file_problem(directory, name, record)
+        why = file_problem(directory, name, record, seen=seen)
         if why is not None:
             break
     return (manifest, None) if why is None else (None, why)
 
 
-def file_problem(directory: Path, name: str, record: Mapping, *, checksum: bool = True) -> str | None:
+def file_problem(directory: Path, name: str, record: Mapping, *, checksum: bool = True,
+                 seen: dict | None = None) -> str | None:
     """What is wrong with file ``name`` of ``directory`` against its record
     (one that passed :func:`problem`); ``None``: nothing."""
     try:
-        with _open_inside(directory, name) as f:
+        with open_inside(directory, name) as f:
             st = os.fstat(f.fileno())
+            if seen is not None:
+                seen[name] = st
             if not stat.S_ISREG(st.st_mode):
                 return f"{name} is not a regular file"
             if st.st_size != record["bytes"]:
                 return f"{name} has {st.st_size} bytes, expected {record['bytes']} (truncated or overwritten)"
-            if checksum and not _matches(f, record):
+            if checksum and not matches(f, record):
                 return f"{name} fails its checksum (corrupted)"
     except OSError as e:
-        return _unreadable(name, e)
+        return unreadable(name, e)
     return None
 
 
-def _open_inside(directory: Path, name: str) -> BinaryIO:
+def open_inside(directory: Path, name: str) -> BinaryIO:
     """``name`` (``file`` or ``subdir/file``) opened for reading where it
-    lies in ``directory``. Each part is opened with ``O_NOFOLLOW`` from its
-    parent's descriptor, so no symbolic link is followed and none can be
-    swapped in between; ``O_NONBLOCK`` keeps a FIFO from blocking the open.
+    lies in ``directory`` (a checkpoint's step directory, itself no link).
+    Each part is opened with ``O_NOFOLLOW`` from its parent's descriptor, so
+    no symbolic link is followed and none can be swapped in between;
+    ``O_NONBLOCK`` keeps a FIFO from blocking the open.
 
     Raises:
         OSError: ``ELOOP`` or ``ENOTDIR`` for a link on the way, ``ENOENT``, ...
     """
     *dirs, leaf = name.split("/")
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for part in dirs:
             sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
@@ -281,7 +292,8 @@ def _open_inside(directory: Path, name: str) -> BinaryIO:
     return os.fdopen(leaf_fd, "rb")
 
 
-def _unreadable(name: str, e: OSError) -> str:
+def unreadable(name: str, e: OSError) -> str:
+    """Why ``name`` could not be opened inside its checkpoint, in words."""
     if e.errno == errno.ENOENT:
         return f"{name} is missing"
     if e.errno == errno.ELOOP:
@@ -296,7 +308,8 @@ def _chunks(f: BinaryIO) -> Iterator[bytes]:
         yield chunk
 
 
-def _matches(f: BinaryIO, record: Mapping) -> bool:
+def matches(f: BinaryIO, record: Mapping) -> bool:
+    """Whether what ``f`` reads has ``record``'s checksum."""
     if "sha256" in record:
         h = hashlib.sha256()
         for chunk in _chunks(f):

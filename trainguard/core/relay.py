@@ -14,8 +14,9 @@ node as one message listing its ranks.
 * A rank whose session ends without Goodbye is reported ``disconnected``.
 * If the controller stream ends, every local session ends: the ranks learn
   at once that no recovery can be coordinated.
-* Ranks authenticate to the relay with the job token; the relay
-  authenticates to the controller with it.
+* Ranks prove the job secret to the relay, and the relay to the
+  controller, each after the server proved it (:mod:`.handshake`): the
+  secret itself never travels.
 * A relay run by a node agent also carries the agent's side: it announces
   the ranks the agent runs (``AgentHello``), hands the controller's orders
   (start a replacement process, kill one, the restart budget) to
@@ -34,9 +35,11 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from .api import TrainguardError
+from .handshake import Authenticate, Impostor, ServerAuth, alogin, method_path
 from .loop import LoopThread
+from .proof import Names
 from .protocol import trainguard_pb2 as pb
-from .rpc import SERVICE, Authenticate, Refusals, Refused, auth_metadata, check_token, decoder, empty_stream
+from .rpc import SERVICE, Refusals, Refused, decoder, empty_stream
 from .secret import TLS
 
 __all__ = ["Relay"]
@@ -108,25 +111,33 @@ class Relay(LoopThread):
             if self.tls is not None else grpc.aio.insecure_channel(self.controller, options=options)
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout=30)
+            metadata = await alogin(self._channel, self.token, self.controller, method_path("NodeSession"))
         except asyncio.TimeoutError:
             raise TrainguardError(f"relay cannot reach the controller at {self.controller}") from None
+        except Impostor as e:
+            raise TrainguardError(f"relay refused the controller at {self.controller}: {e}") from None
+        except grpc.RpcError as e:
+            raise TrainguardError(f"the controller at {self.controller} refused the relay: {e.code().name} "
+                                  f"{e.details()}") from None
         self._upstream = self._channel.stream_stream(
             f"/{SERVICE}/NodeSession", request_serializer=pb.NodeMessage.SerializeToString,
-            response_deserializer=pb.NodeCommands.FromString)(metadata=auth_metadata(self.token))
+            response_deserializer=pb.NodeCommands.FromString)(metadata=metadata)
         self._upstream_alive = True
         self._sends: asyncio.Queue = asyncio.Queue()
         if self._agent is not None:
             self._sends.put_nowait(pb.NodeMessage(node=self.node, agent=self._agent))
         self._tasks = [asyncio.ensure_future(self._read_upstream()), asyncio.ensure_future(self._write_upstream())]
+        auth = ServerAuth(self.token, None, self.refusals, cap=1024)
         self._server = grpc.aio.server(
-            interceptors=[Authenticate(self.token, self.refusals, frozenset({"Session"}))],
+            interceptors=[Authenticate(auth, frozenset({"Session"}))],
             options=[("grpc.max_receive_message_length", 4 * self.limit), ("grpc.so_reuseport", 0),
                      ("grpc.http2.bdp_probe", 0)])  # as the controller's: see server.py
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Session": grpc.stream_stream_rpc_method_handler(
                 self._session, request_deserializer=decoder(pb.RankMessage, self.limit),
-                response_serializer=pb.ControllerMessage.SerializeToString)}),))
+                response_serializer=pb.ControllerMessage.SerializeToString), "Handshake": auth.handler()}),))
         port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        auth.names = Names(self.host, port)
         await self._server.start()
         ready.set_result(port)
         self._done = asyncio.Event()
@@ -228,9 +239,6 @@ class Relay(LoopThread):
         await context.abort(code, f"trainguard: {reason}")
 
     async def _session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.ControllerMessage]:
-        if not check_token(context.invocation_metadata(), self.token):  # Authenticate refused it already
-            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED,
-                               "missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)")
         stream = requests.__aiter__()
         try:
             first = await stream.__anext__()

@@ -8,6 +8,8 @@ data-parallel group for plain DDP), how many copies of each shard exist
 (``replica_shift``).
 
 * ``replica_cnt == len(rank_list)``: every rank holds the whole state (DDP).
+* ``replica_cnt == 1``: every rank holds a shard of its own (FSDP2); a
+  device mesh of replica groups x shards (HSDP) is :meth:`ReplicaGroup.mesh`.
 * otherwise the state is sharded into ``len(rank_list) / replica_cnt``
   shards; copies of one shard sit ``replica_shift`` positions apart
   (default ``len / replica_cnt``, MindIO's ``offset``: shard ``i`` lives on
@@ -56,6 +58,21 @@ class ReplicaGroup:
         """Every rank holds the whole state (plain data parallel)."""
         ranks = tuple(ranks)
         return cls(ranks, len(ranks), 0)
+
+    @classmethod
+    def mesh(cls, rows: Sequence[Sequence[int]]) -> "ReplicaGroup":
+        """The layout of a device mesh whose rows are replica groups and
+        whose columns are shards (torch's HSDP: ``fully_shard`` over a
+        ``(replicate, shard)`` mesh; one row: FSDP2, every rank its own
+        shard): the rank in column ``i`` of every row holds shard ``i``.
+
+        Raises:
+            ConfigError: the rows are not all of one length.
+        """
+        rows = [tuple(int(r) for r in row) for row in rows]
+        if not rows or len({len(row) for row in rows}) != 1 or not rows[0]:
+            raise ConfigError(f"a mesh's rows must be non-empty and of one length, got {[len(r) for r in rows]}")
+        return cls(tuple(r for row in rows for r in row), len(rows))
 
     @property
     def key(self) -> tuple:

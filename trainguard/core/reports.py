@@ -32,6 +32,7 @@ class Hello:
     joining: bool = False
     device_repairable: bool = False  # in-process repair after a device memory error
     resumed_after_dump: str = ""  # the cause of the dying gasp it resumed from ("": none)
+    join_refused: str = ""  # why no new process can join this rank's job (recover-in-place, recover)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,9 +1,9 @@
 """gRPC plumbing shared by the controller and the processors.
 
-* Authentication: every call carries ``authorization: Bearer <token>``; the
-  server compares it in constant time (:class:`Authenticate`, an
-  interceptor: before the request's bytes are decoded) and refuses anything
-  else with ``UNAUTHENTICATED``.
+* Authentication: every call carries a proof of the job secret made for
+  it, never the secret (:mod:`.handshake`); the server checks it before the
+  request's bytes are decoded and refuses anything else with
+  ``UNAUTHENTICATED``.
 * Logging: every refusal is logged with the peer, at most one line per peer
   host and kind of refusal a few seconds (:class:`Refusals`; the next line
   counts the ones left out), so a flood of bad calls cannot flood the log.
@@ -17,7 +17,6 @@ The message classes come from ``protocol/trainguard.proto``.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 import time
@@ -33,11 +32,8 @@ from .secret import TLS, new_token
 
 __all__ = [
     "SERVICE",
-    "Authenticate",
     "Refusals",
     "Refused",
-    "auth_metadata",
-    "check_token",
     "client_channel",
     "decoder",
     "empty_stream",
@@ -53,19 +49,6 @@ __all__ = [
 log = logging.getLogger("trainguard.rpc")
 
 SERVICE = "trainguard.v1.Control"
-_AUTH_KEY = "authorization"
-
-
-def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    return ((_AUTH_KEY, f"Bearer {token}"),)
-
-
-def check_token(metadata: Any, token: str) -> bool:
-    """Whether call metadata carries ``token`` (constant-time compare)."""
-    for key, value in metadata or ():
-        if key == _AUTH_KEY and isinstance(value, str) and value.startswith("Bearer "):
-            return hmac.compare_digest(value[7:].encode(), token.encode())
-    return False
 
 
 class Refusals:
@@ -97,34 +80,6 @@ def empty_stream(limit: int) -> str:
     gRPC drops a message over its own size limit before any handler sees
     it, and the stream then looks empty."""
     return f"a session that ended before its first message (empty, or over gRPC's {limit}-byte limit)"
-
-
-def _ignore(data: bytes) -> None:  # the body of a refused call is never decoded
-    return None
-
-
-class Authenticate(grpc.aio.ServerInterceptor):
-    """Refuse a call without the job secret before its request is read: the
-    refusal is served as a streaming handler that never asks for a message
-    (a unary call's body is one message on the same wire), so no refused
-    body is received into Python, let alone parsed."""
-
-    def __init__(self, token: str, refusals: Refusals, streams: frozenset[str]) -> None:
-        self.token, self.refusals, self.streams = token, refusals, streams
-
-    async def intercept_service(self, continuation, details):
-        if check_token(details.invocation_metadata, self.token):
-            return await continuation(details)
-        method = details.method.rsplit("/", 1)[-1]
-        reason = "missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)"
-
-        async def refuse(_requests, context):
-            self.refusals(context.peer(), grpc.StatusCode.UNAUTHENTICATED, f"{method}: {reason}")
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"trainguard: {reason}")
-
-        if method in self.streams:
-            return grpc.stream_stream_rpc_method_handler(refuse, request_deserializer=_ignore)
-        return grpc.stream_unary_rpc_method_handler(refuse, request_deserializer=_ignore)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
 """The job secret and the control plane's TLS settings.
 
-Every control message carries the job secret. Where it comes from, first
-found wins:
+Every control call carries a proof of the job secret, never the secret
+itself (:mod:`.handshake`). Where the secret comes from, first found wins:
 
 1. ``TRAINGUARD_TOKEN_FILE``: a file every node mounts (a Kubernetes
-   ``Secret``, say); the whole file, surrounding blanks dropped;
+   ``Secret``, say); the whole file, surrounding blanks dropped. Checked
+   as ssh checks a private key: this user's or root's, writable by no one
+   else and readable by no one outside its group (a group-readable one is
+   allowed with a warning);
 2. ``TRAINGUARD_TOKEN``: the same value set on every node;
 3. a single-node job only: a fresh secret made by the launcher, handed to
    its own workers through their environment and nowhere else (its
@@ -18,21 +21,26 @@ With ``TRAINGUARD_TLS_CERT``, ``TRAINGUARD_TLS_KEY`` and ``TRAINGUARD_TLS_CA``
 (PEM files: this node's certificate and key, and the authority that signed
 every node's) the controller serves TLS and asks each client for a
 certificate signed by that authority (mutual TLS); relays and clients
-present theirs. The secret is still checked on every call: TLS keeps it
-off the wire and proves the endpoints, the secret proves the job.
+present theirs. The secret is still proved on every call: TLS proves the
+endpoints and keeps the traffic private, the secret proves the job.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from dataclasses import dataclass
-from typing import Mapping
-
-import grpc
+from typing import TYPE_CHECKING, Mapping
 
 from .api import ConfigError
 
+if TYPE_CHECKING:  # imported when used: checkpoints read the secret without the control plane
+    import grpc
+
 __all__ = ["MIN_SECRET_CHARS", "TLS", "configured_secret", "job_secret", "new_token", "shared_secret"]
+
+log = logging.getLogger("trainguard.secret")
 
 #: The shortest secret accepted from a file or the environment.
 MIN_SECRET_CHARS = 16
@@ -59,11 +67,7 @@ def configured_secret(environ: Mapping[str, str] | None = None) -> str | None:
     environ = os.environ if environ is None else environ
     path = environ.get("TRAINGUARD_TOKEN_FILE")
     if path:
-        try:  # a Kubernetes Secret is a link into the volume's current data: links are followed here
-            with open(path, encoding="utf-8") as f:
-                value, where = f.read().strip(), f"TRAINGUARD_TOKEN_FILE={path}"
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read the job secret from TRAINGUARD_TOKEN_FILE={path}: {e}") from None
+        value, where = _read_token_file(path), f"TRAINGUARD_TOKEN_FILE={path}"
     else:
         value, where = environ.get("TRAINGUARD_TOKEN", "").strip(), "TRAINGUARD_TOKEN"
     if not value:
@@ -72,6 +76,40 @@ def configured_secret(environ: Mapping[str, str] | None = None) -> str | None:
         raise ConfigError(f"the job secret in {where} must be at least {MIN_SECRET_CHARS} printable characters "
                           "without blanks")
     return value
+
+
+def _read_token_file(path: str, variable: str = "TRAINGUARD_TOKEN_FILE") -> str:
+    """The secret in ``path``, checked as ssh checks a private key: a regular
+    file of this user or root, that no one else may write, nor read unless
+    in its group (a Kubernetes Secret mounted ``defaultMode: 0400``, or 0440
+    with an ``fsGroup``: its path is a link into the volume's data, which is
+    followed).
+
+    Raises:
+        ConfigError: unreadable, not a regular file, too large, another user's, or open to others.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"cannot read the job secret from {variable}={path}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        where = f"the {'job secret' if variable == 'TRAINGUARD_TOKEN_FILE' else 'key'} in {variable}={path}"
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
+            raise ConfigError(f"{where} is not a regular file of at most 4096 bytes")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ConfigError(f"{where} belongs to uid {st.st_uid}: it must be this user's (uid {os.geteuid()}) "
+                              "or root's")
+        if st.st_mode & 0o026:
+            raise ConfigError(f"{where} has mode {stat.S_IMODE(st.st_mode):o}, open to other users: chmod 600 it "
+                              "(a Kubernetes Secret: defaultMode 0400)")
+        if st.st_mode & 0o040:
+            log.warning("%s is readable by its group (mode %o): every member can join the job", where,
+                        stat.S_IMODE(st.st_mode))
+        try:
+            return f.read(4097).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where} is not UTF-8 text") from None
 
 
 def shared_secret(environ: Mapping[str, str] | None = None, *, needed_by: str) -> str:
@@ -138,10 +176,14 @@ class TLS:
 
     def server(self) -> grpc.ServerCredentials:
         """Credentials of a server that asks every client for a certificate."""
+        import grpc
+
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=True)
 
     def channel(self) -> grpc.ChannelCredentials:
         """Credentials of a client that checks the server and shows its own."""
+        import grpc
+
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)

@@ -38,7 +38,6 @@ import logging
 import os
 import queue
 import secrets
-import socket
 import threading
 import time
 from typing import Any
@@ -50,15 +49,15 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.config_launch import LaunchConfig
-from trainguard.core.control.client import ControllerClient
+from trainguard.core.control.client import ControllerClient, find_controller
 from trainguard.core.control.wire import agent_event_to_pb, agent_order
-from trainguard.core.links import LinkSink, answer_probe
+from trainguard.core.links import answer_probe
 from trainguard.core.protocol import trainguard_pb2 as pb
 from trainguard.core.relay import Relay
 from trainguard.core.secret import TLS
-from trainguard.core.snapshot import PeerServer, SnapshotDir
-from trainguard.core.snapshot.own_peer import OwnMirror
+from trainguard.core.snapshot import SnapshotDir
 
+from .node_servers import NodeServers
 from .watch import FrozenWatch, report_exit, stop_controller
 from .restart import Replacements
 from .own_copies import ROUND_KEY, fetch_into
@@ -84,6 +83,8 @@ STARTING_GRACE_S = 3.0
 ENDED_GRACE_S = 15.0
 #: How long the agent waits for the others at exit once a node agent was lost.
 EXIT_BARRIER_AFTER_LOSS_S = 10
+#: How often node 0 writes the controller's address to the store again.
+REPUBLISH_S = 1.0
 
 
 class TrainguardAgent(LocalElasticAgent):
@@ -92,6 +93,8 @@ class TrainguardAgent(LocalElasticAgent):
     nodes' ranks under ``recover``, warm standby, where snapshots go), the
     job secret and the control plane's TLS settings (see
     :mod:`trainguard.core.secret`)."""
+
+    _published: tuple[Any, str, float] | None = None  # node 0 of several: (store, the controller's address, when)
 
     def __init__(self, *args: Any, controller_config: ControllerConfig, launch: LaunchConfig = LaunchConfig(),
                  secret: str, tls: TLS | None = None, **kwargs: Any) -> None:
@@ -113,10 +116,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._frozen = FrozenWatch()
         self._warm = WarmGroup()
         self.last_status: dict | None = None
-        self.snapshot_dir: SnapshotDir | None = None
-        self.peer_server: PeerServer | None = None
-        self.own_mirror: OwnMirror | None = None
-        self.link_sink: LinkSink | None = None
+        self.node = NodeServers(self._config.job_id, launch, secret, self._config.host, self._mirrored_ranks)
 
     # ----------------------------------------------------------- controller
     def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec) -> list:
@@ -140,6 +140,11 @@ class TrainguardAgent(LocalElasticAgent):
         store = worker_group.store
         self._fresh_worker_store(worker_group)
         world_size = worker_group.workers[0].world_size
+        # First what every node publishes for the others (its peer server), so no node waits for another
+        # that is still looking for the controller.
+        if worker_group.group_rank == 0:
+            store.set(_ROUND_KEY, secrets.token_hex(8))
+        self.node.snapshots(worker_group, store, _ROUND_KEY)
         if worker_group.group_rank == 0:
             # The round is over (every worker here exited): the streams still open are
             # relays' that will be replaced, so no call needs the default second to finish.
@@ -151,9 +156,12 @@ class TrainguardAgent(LocalElasticAgent):
             # restarts of the whole group draw on --max-restarts alike.
             config = dataclasses.replace(self._config, max_restarts=self._remaining_restarts)
             self.controller = Controller(config, world_size, token=self._secret, tls=self._tls)
-            store.set(_ROUND_KEY, secrets.token_hex(8))
-            store.set(_ADDRESS_KEY, self.controller.start())
-        address = store.get(_ADDRESS_KEY).decode()
+            address = self.controller.start()  # its own, never read back: anyone may write the store meanwhile
+            store.set(_ADDRESS_KEY, address)
+            self._published = (store, address, time.monotonic()) if worker_group.group_world_size > 1 else None
+        else:  # the store's value is a hint: taken once the server there proved the secret
+            self._published = None
+            address = find_controller(lambda: store.get(_ADDRESS_KEY).decode(), self._secret, tls=self._tls)
         token = self._secret
         if self.relay is not None:
             self.relay.stop()
@@ -164,43 +172,18 @@ class TrainguardAgent(LocalElasticAgent):
         # one stream per node instead of one per rank; it carries the
         # agent's orders too.
         hello = pb.AgentHello(ranks=[w.global_rank for w in worker_group.workers], spare=self._spare,
-                              key=self._key, probe=self._link_sink(worker_group))
+                              key=self._key, probe=self.node.sink(worker_group))
         self.relay = Relay(address, token, max_message_bytes=self._config.max_message_bytes, agent=hello,
                            on_order=self._orders.put, tls=self._tls)
         os.environ.update(TRAINGUARD_CONTROLLER=self.relay.start(), TRAINGUARD_TOKEN=token,
                           TRAINGUARD_JOB_ID=self._config.job_id)
-        self._snapshots(worker_group, store, token)
         if self._client is not None:
             self._client.close()
         self._client = ControllerClient(address, token, tls=self._tls)
 
-    def _snapshots(self, worker_group: WorkerGroup, store: Any, token: str) -> None:
-        """The node's snapshot directory (kept across rounds, so restarted
-        workers find their snapshots) and, with several nodes, the server
-        keeping the previous node's copies; the workers learn both from the
-        environment."""
-        if self.snapshot_dir is None:  # one per agent: a replacement node may share a host with another
-            self.snapshot_dir = SnapshotDir.create(f"{self._config.job_id}-{os.getpid()}", self._launch.snapshot_root)
-        os.environ["TRAINGUARD_SNAPSHOT_DIR"] = str(self.snapshot_dir.path)
-        nodes, me = worker_group.group_world_size, worker_group.group_rank
-        if nodes < 2:
-            os.environ.pop("TRAINGUARD_SNAPSHOT_PEER", None)
-            return
-        bind, here = self._addresses(worker_group)
-        if self.peer_server is None:
-            self.peer_server = PeerServer(self.snapshot_dir, token, bind)
-            self.peer_server.start()
-        self.peer_server.token = token
-        port = self.peer_server.address.rsplit(":", 1)[1]
-        # Keyed by this round's id, so a value left by a node of an earlier
-        # round (one that was lost) is never read.
-        key = f"trainguard/peer/{store.get(_ROUND_KEY).decode()}"
-        store.set(f"{key}/{me}", f"{here}:{port}")
-        os.environ["TRAINGUARD_SNAPSHOT_PEER"] = store.get(f"{key}/{(me + 1) % nodes}").decode()
-        if self.own_mirror is None:  # this node's ranks' own-part records, copied to the next node (own_peer.py)
-            self.own_mirror = OwnMirror(self.snapshot_dir.path, self._mirrored_ranks,
-                                        lambda: os.environ.get("TRAINGUARD_SNAPSHOT_PEER"), lambda: self._secret)
-            self.own_mirror.start()
+    @property
+    def snapshot_dir(self) -> SnapshotDir | None:
+        return self.node.snapshot_dir
 
     def _mirrored_ranks(self) -> list[int]:
         replacements = self.replacements
@@ -209,23 +192,6 @@ class TrainguardAgent(LocalElasticAgent):
     def _own_copy(self, rank: int, step: int) -> str | None:
         """``rank``'s own part of ``step`` brought here from another host (see :func:`.own_copies.fetch_into`)."""
         return fetch_into(self._worker_group, self.snapshot_dir, self._secret, rank, step)
-
-    def _link_sink(self, worker_group: WorkerGroup) -> str:
-        """With several nodes, this node's link-probe sink (:mod:`trainguard.core.links`): its address, or ""."""
-        if worker_group.group_world_size < 2:
-            return ""
-        bind, here = self._addresses(worker_group)
-        if self.link_sink is None:
-            self.link_sink = LinkSink(bind, self._secret)
-            self._sink_port = self.link_sink.start().rsplit(":", 1)[1]
-        return f"{here}:{self._sink_port}"
-
-    def _addresses(self, worker_group: WorkerGroup) -> tuple[str, str]:
-        """Where this node's servers listen, and the address the others
-        reach this host at (torchrun's --local-addr, when given)."""
-        if self._config.host in ("127.0.0.1", "localhost", "::1"):
-            return "127.0.0.1", "127.0.0.1"
-        return "0.0.0.0", worker_group.spec.local_addr or socket.getfqdn()
 
     def _probe_links(self, order: pb.AgentOrder) -> None:
         """A link survey's order, on a thread of its own: measure, answer."""
@@ -265,18 +231,7 @@ class TrainguardAgent(LocalElasticAgent):
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self.own_mirror is not None:
-            self.own_mirror.stop()
-            self.own_mirror = None
-        if self.peer_server is not None:
-            self.peer_server.stop()
-            self.peer_server = None
-        if self.link_sink is not None:
-            self.link_sink.stop()
-            self.link_sink = None
-        if self.snapshot_dir is not None:
-            self.snapshot_dir.remove()
-            self.snapshot_dir = None
+        self.node.close()
         self._warm.close()
 
     # ----------------------------------------------------------- group restarts
@@ -294,7 +249,21 @@ class TrainguardAgent(LocalElasticAgent):
         return super()._start_workers(worker_group)
 
     # ----------------------------------------------------------- monitoring
+    def _republish(self) -> None:
+        """Node 0: write the controller's address again every
+        ``REPUBLISH_S``, so a node that found another value there (anyone
+        may write the store) finds the true one on its next read."""
+        if self._published is None or time.monotonic() - self._published[2] < REPUBLISH_S:
+            return
+        store, address, _ = self._published
+        try:
+            store.set(_ADDRESS_KEY, address)
+        except Exception as e:  # noqa: BLE001 - torch's store raises many kinds; the job goes on without it
+            log.debug("could not write the controller's address to the store again: %s", e)
+        self._published = (store, address, time.monotonic())
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._republish()
         handlers = getattr(self._pcontext, "subprocess_handlers", None)
         if not handlers:
             return super()._monitor_workers(worker_group)

@@ -40,6 +40,7 @@ from trainguard.core.control.client import ControllerClient
 from trainguard.core.config import parse_strategies
 from trainguard.core.config_launch import LaunchConfig
 from trainguard.core.faults import check_ranks
+from trainguard.core import integrity
 from trainguard.core.secret import TLS, job_secret
 from trainguard.core.snapshot import SnapshotDir
 
@@ -178,6 +179,7 @@ class MsrunPlugin:
     def _start_controller(self) -> None:
         m = self.manager
         token, tls = job_secret(nodes=self.nodes), TLS.from_env()  # several nodes: a shared secret, or refused
+        os.environ[integrity.KEY_ENV] = integrity.key_for_workers()  # before TRAINGUARD_TOKEN is this job's (below)
         if self.nodes > 1 and not self.config.port:
             raise TrainguardError("a multi-node msrun job needs the same TRAINGUARD_PORT on every node (and "
                                   "TRAINGUARD_HOST on the master: an address the others reach)")

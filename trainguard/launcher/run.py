@@ -30,6 +30,8 @@ from trainguard.core.config import launch_defaults
 from trainguard.core.config_launch import LaunchConfig, unrunnable
 from trainguard.core.events import note
 from trainguard.core.faults import check_ranks
+from trainguard.core import integrity
+from trainguard.core.private import make_directory
 from trainguard.core.secret import TLS, job_secret
 
 __all__ = ["main", "parser"]
@@ -132,8 +134,13 @@ def launch(argv: Sequence[str]) -> int:
             os.environ[f"TRAINGUARD_{name.upper()}"] = getattr(args, name)
     if args.run_dir:  # the controller and the workers read it (trainguard.core.events)
         os.environ["TRAINGUARD_RUN_DIR"] = os.path.abspath(args.run_dir)
+    if os.environ.get("TRAINGUARD_RUN_DIR"):  # another user's, or one others may rename in: refused before the start
+        make_directory(os.environ["TRAINGUARD_RUN_DIR"], "run directory (--run-dir, TRAINGUARD_RUN_DIR)")
     # Before anything starts: a job of several nodes without a shared secret is refused (see core.secret).
     secret, tls = job_secret(nodes=config.max_nodes), TLS.from_env()
+    # The workers' key for checkpoints and compile caches: a key file or a configured secret, never this
+    # launch's fresh one (read now, before the agent puts that in TRAINGUARD_TOKEN; core.integrity).
+    os.environ[integrity.KEY_ENV] = integrity.key_for_workers()
     for name in ("TRAINGUARD_TLS_CERT", "TRAINGUARD_TLS_KEY", "TRAINGUARD_TLS_CA"):
         os.environ.pop(name, None)  # the workers reach their node's relay on loopback, with the secret
     controller_config = ControllerConfig.from_env(

@@ -10,8 +10,11 @@ faults -- and lanes for checkpoints and snapshots.
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
+
+from trainguard.core.private import check_directory, write_replace
 
 from .timeline import Timeline
 
@@ -116,7 +119,7 @@ def draw(tl: Timeline, out: Path, *, title: str | None = None) -> Path:
             ax.axvspan(start, max(end, start + min_w), color=colour, alpha=0.35, lw=0)
         if strategy and strategy not in seen_strategies:
             seen_strategies.append(strategy)
-        tried = [f.get("strategy") for f in ep.fallbacks]
+        tried = [f.get("strategy", "?") for f in ep.fallbacks]
         label = " -> ".join([*tried, strategy or "?"])
         top.annotate(label, (max(end, start + min_w), 1.0), xycoords=("data", "axes fraction"), xytext=(2, -4),
                      textcoords="offset points", rotation=90, va="top", ha="left", fontsize=9, color="#333333")
@@ -232,7 +235,9 @@ def draw(tl: Timeline, out: Path, *, title: str | None = None) -> Path:
                   fontsize=11)
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
+    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_directory(out.parent, "the picture's directory")  # another user's could swap the file for a link
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
-    return out
+    return write_replace(out, png.getvalue())  # a link at its name is replaced, never written through

@@ -1,9 +1,9 @@
 """A run directory's events read back into a timeline, and its text summary.
 
-:func:`load` reads ``RUN_DIR/events.jsonl`` (see :mod:`.events`) without
-trusting it: a line that is not a JSON object with a time and a name is
-skipped and counted; a directory without the file, or a file with no
-readable event, is a :class:`RunDirError` naming the problem.
+:func:`load` reads ``RUN_DIR/events.jsonl`` (see :mod:`.events`) through
+:mod:`.read`, which trusts nothing in it, into a :class:`Timeline`; past
+:data:`MAX_POINTS` step points the curves are thinned, so memory stays
+bounded whatever the file holds.
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ from pathlib import Path
 
 from trainguard.core.events import EVENTS
 
+from .read import RunDirError, read_events
+
 __all__ = ["Episode", "RunDirError", "Timeline", "load", "summary"]
 
-#: The largest events file read (a month of a 4096-rank job's samples is far below).
-MAX_BYTES = 512 << 20
-
-
-class RunDirError(Exception):
-    """The run directory is missing, unreadable or holds no events."""
+#: Step points kept in all; past it every rank's curve keeps every other point, and so on.
+MAX_POINTS = 1 << 19
 
 
 @dataclass
@@ -85,42 +83,6 @@ class Timeline:
         return statistics.median(rates) if rates else None
 
 
-def _read(directory: Path) -> tuple[list[dict], int]:
-    if not directory.exists():
-        raise RunDirError(f"no run directory {directory}")
-    if not directory.is_dir():
-        raise RunDirError(f"{directory} is not a directory (give the run directory, the one --run-dir named)")
-    path = directory / EVENTS
-    if not path.is_file():
-        raise RunDirError(f"no {EVENTS} in {directory}: was the job started with `trainguard run --run-dir "
-                          f"{directory}` (or TRAINGUARD_RUN_DIR={directory})?")
-    try:
-        if path.stat().st_size > MAX_BYTES:
-            raise RunDirError(f"{path} is over {MAX_BYTES >> 20} MiB: not an events file trainguard wrote")
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except OSError as e:
-        raise RunDirError(f"cannot read {path}: {e.strerror or e}") from None
-    events, skipped = [], 0
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            skipped += 1
-            continue
-        if (not isinstance(ev, dict) or not isinstance(ev.get("ev"), str) or not isinstance(ev.get("t"), (int, float))
-                or isinstance(ev.get("t"), bool) or ev["t"] != ev["t"]):
-            skipped += 1
-            continue
-        events.append(ev)
-    if not events:
-        raise RunDirError(f"{path} holds no readable event ({skipped} lines, none a trainguard event): "
-                          f"corrupt, or not written by trainguard")
-    events.sort(key=lambda e: e["t"])  # stable: one writer's order is kept
-    return events, skipped
-
-
 def _int(value, default: int = -1) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
@@ -132,7 +94,7 @@ def load(directory: str | Path) -> Timeline:
         RunDirError: no such directory, no events file, nothing readable in it.
     """
     directory = Path(directory)
-    events, skipped = _read(directory)
+    events, skipped = read_events(directory)
     tl = Timeline(directory, events, skipped)
     # Steps come from the ranks' heartbeats, which arrive up to a heartbeat late; between rollbacks a
     # rank's curve never goes down (a late heartbeat after a newer exact step, say at a fault, is not news).
@@ -140,12 +102,23 @@ def load(directory: str | Path) -> Timeline:
     starting: float | None = None  # when the current launch or controller started, until training runs
     floor: dict[int, float] = {}  # rank -> its highest step since the last rollback (heartbeats arrive late)
 
+    kept, stride, seen = [0], [1], {}  # points held; every stride-th point of a rank is kept; points per rank
+
     def point(rank: int, t: float, step, reset: bool = False) -> None:
-        if not isinstance(step, (int, float)) or isinstance(step, bool) or step < 0:
+        if not isinstance(step, (int, float)) or isinstance(step, bool) or step < 0 or rank < 0:
             return
         step = float(step) if reset else max(float(step), floor.get(rank, 0.0))
         floor[rank] = step
+        seen[rank] = seen.get(rank, -1) + 1
+        if seen[rank] % stride[0]:
+            return
         tl.steps.setdefault(rank, []).append((t, step))
+        kept[0] += 1
+        if kept[0] > MAX_POINTS:  # every other point of every curve goes, and of what comes; gaps (nan) stay
+            stride[0] *= 2
+            for r, points in tl.steps.items():
+                tl.steps[r] = [p for i, p in enumerate(points) if i % 2 == 0 or p[1] != p[1] or i == len(points) - 1]
+            kept[0] = sum(map(len, tl.steps.values()))
 
     def gap(t: float) -> None:  # the ranks' processes are gone (the launch ended, or a new round starts)
         for rank in list(tl.steps):
@@ -182,17 +155,20 @@ def load(directory: str | Path) -> Timeline:
         elif kind == "rank" and not ev.get("joining"):  # a replacement takes its step from a replica later
             point(_int(ev.get("rank")), t, ev.get("step"), reset=True)
         elif kind == "steps" and isinstance(ev.get("steps"), list):
-            for rank, step in enumerate(ev["steps"]):
+            for rank, step in enumerate(ev["steps"][:tl.world_size or None]):  # no rank past the job's world
                 point(rank, t, step)
-            if isinstance(ev.get("down"), list):
-                tl.down.append((t, [r for r in ev["down"] if isinstance(r, int)]))
+            if "down" in ev and (not tl.down or set(tl.down[-1][1]) != set(ev["down"])):  # changes only
+                tl.down.append((t, ev["down"]))
+                if len(tl.down) > 4096:  # the picture's bands: at most a few thousand
+                    tl.down = tl.down[::2]
         elif kind == "finished":
             tl.finished[_int(ev.get("rank"))] = _int(ev.get("step"), 0)
             point(_int(ev.get("rank")), t, ev.get("step"))
         elif kind == "snapshot":
             tl.snapshots.append(ev)
         elif kind == "checkpoint":
-            tl.checkpoints.append({**ev, "dump": open_ep is not None})
+            if "step" in ev:  # a checkpoint is its step
+                tl.checkpoints.append({**ev, "dump": open_ep is not None})
         elif kind == "state":
             state = ev.get("state")
             if state == "NORMAL" and starting is not None:

@@ -224,11 +224,12 @@ def load_found(found: Verified, model: Any, optimizer: Any, scheduler: Any, *,
                                   f"a distributed optimizer?)")
         where = found.file(name)
         if name not in read:
-            if name.endswith(".safetensors"):
-                read[name] = read_file(where, device)
-            else:
-                pt = _read_pt(where, device)
-                read[name] = (pt, {}) if kind is None else (None, {kind: pt})
+            with found.open(name) as verified:  # the bytes verified, whatever is at the name now
+                if name.endswith(".safetensors"):
+                    read[name] = read_file(verified, device)
+                else:
+                    pt = _read_pt(verified, device)
+                    read[name] = (pt, {}) if kind is None else (None, {kind: pt})
         got = read[name][0] if kind is None else read[name][1].get(kind)
         if got is None:
             raise CheckpointError(f"{where} holds no {what}")

@@ -159,7 +159,8 @@ class Checkpoints(JobHistory):
         ``step`` on storage; say so when it holds none of this rank's."""
         name = own_file(self.rank)
         if found is not None and found.step == step and name in found.manifest.get("files", {}):
-            set_streams(unpack(found.file(name).read_bytes(), str(found.file(name))))
+            with found.open(name) as path:
+                set_streams(unpack(path.read_bytes(), str(path)))
             return
         log.warning("rank %d: the checkpoint of step %d holds no random streams of this rank (written before "
                     "trainguard saved them, or by a dying gasp that could not carry them: its log says why): they "
@@ -307,8 +308,8 @@ class Checkpoints(JobHistory):
         shards = found.manifest.get("layout", {}).get("shards", [])
         mine = next((s for s in shards if s["kind"] == 0 and (s["full"] or self.rank in s["copies"])), None)
         if mine is not None and mine["files"][0].endswith(".safetensors"):
-            path = found.file(mine["files"][0])
-            self._load_arrays(read_arrays(path.read_bytes(), copy=False)[1], str(path))
+            with found.open(mine["files"][0]) as path:  # the bytes verified, whatever is at the name now
+                self._load_arrays(read_arrays(path.read_bytes(), copy=False)[1], str(path))
             self.history = found.manifest.get("meta", {}).get("history", {"records": [], "pids": {}})
         else:
             self.history = load_checkpoint(found, self.rank, self.state)

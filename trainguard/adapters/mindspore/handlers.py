@@ -307,11 +307,12 @@ def load_checkpoint(found: Verified, rank: int, state: ModelState) -> dict:
     if mine is None:
         raise CheckpointError(f"{found.path} holds no shard for rank {rank} (saved with world size "
                               f"{found.manifest.get('layout', {}).get('world_size')})")
-    path = found.file(mine["files"][0])
-    try:
-        loaded = ms.load_checkpoint(str(path))
-    except Exception as e:
-        raise CheckpointError(f"{path} could not be loaded: {e}") from None
+    # The bytes verified, whatever is at the name now (MindSpore wants a .ckpt name: a link to the descriptor).
+    with found.open(mine["files"][0]) as path, path.named() as name:
+        try:
+            loaded = ms.load_checkpoint(name)
+        except Exception as e:
+            raise CheckpointError(f"{path} could not be loaded: {e}") from None
     arrays = {k: v.asnumpy() for k, v in loaded.items() if k in state.params}
     try:
         state.load_arrays(arrays, source=str(path))

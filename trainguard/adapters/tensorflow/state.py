@@ -104,7 +104,8 @@ class Checkpointer:
         w.send("save", step)
         tmp = self.store.tmp_path(step)
         mine = Path(tmp, f"worker_{w.index}")
-        mine.mkdir(parents=True, exist_ok=True)
+        for directory in (self.root, tmp, mine, self.root / ".trainguard"):  # 0700: TensorFlow's files are 0644
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         (mine / LISTING).unlink(missing_ok=True)  # a crashed attempt's, at the same step
         if w.chief:
             self.model_state.write(str(tmp / MODEL))
@@ -191,13 +192,19 @@ class Checkpointer:
                               f"each worker's data position and random streams are its own; run {world} workers "
                               f"or start from another directory")
         w.strike("resume", found.step)
+        mine = f"worker_{w.index}"
+        # TensorFlow reads a checkpoint by its prefix: it gets a private directory of links to the files as
+        # they were verified (whatever is at their names by now: see trainguard.core.verified).
+        names = [n for n in found.manifest["files"] if n.startswith((f"{MODEL}.", f"{mine}/"))]
         try:
-            self.model_state.read(str(found.path / MODEL)).assert_existing_objects_matched()
-            mine = found.path / f"worker_{w.index}"
-            self.local_state.read(str(mine / "state")).assert_existing_objects_matched()
-            rng = json.loads((mine / HOST_RNG).read_text())
+            with found.linked(names) as verified:
+                self.model_state.read(str(verified / MODEL)).assert_existing_objects_matched()
+                self.local_state.read(str(verified / mine / "state")).assert_existing_objects_matched()
+                rng = json.loads((verified / mine / HOST_RNG).read_text())
             set_python_state(rng["python"])
             set_numpy_state(rng["numpy"])
+        except CheckpointError as e:
+            raise ResumeError(f"worker {w.index}: checkpoint {found.path}: {e}; nothing was loaded") from None
         except (tf.errors.OpError, AssertionError, ValueError, KeyError, TypeError, OSError) as e:
             raise ResumeError(f"worker {w.index}: checkpoint {found.path} passed its checksums but does not load "
                               f"into this program ({type(e).__name__}: {e}); nothing was written") from None

@@ -45,6 +45,7 @@ from trainguard.core.snapshot.shared import Sharing, local_ranks
 from .handlers import read_shard, shard_name
 from .own import own_file, pack, unpack
 from .comm import job_namespace
+from . import fsdp
 from .snapshot import Snapshots, destinations, filled, on_device, read_payload_into
 
 __all__ = ["Checkpoints"]
@@ -180,10 +181,13 @@ class Checkpoints(JobHistory):
         return self.store.write(step, own_file(rank), lambda f: f.write(data))
 
     # ------------------------------------------------------------ saves
-    def write_shard(self, step: int):
+    def write_shard(self, step: int) -> list[FileInfo]:
         """Write this rank's committed dense state at ``step`` (temporary
         name); with snapshots, the payload of the snapshot of ``step`` (taken
-        now unless memory already holds it)."""
+        now unless memory already holds it); a sharded model's, its part in
+        DCP's format (:mod:`.fsdp`)."""
+        if self.sharding is not None:
+            return fsdp.write_part(self.store, step, self.state, self.rank)
         copies = self.groups[0].copies(self.rank)
         if self.snapshots is not None:
             index = self.snapshots.holding(step) if self.sharing.whole(step) else None
@@ -197,15 +201,18 @@ class Checkpoints(JobHistory):
             slot = self.snapshots.slots[index]
             slot.lock(False, block=True)
             try:
-                return self.store.write_buffer(step, shard_file(0, copies, ".safetensors"), slot.payload())
+                return [self.store.write_buffer(step, shard_file(0, copies, ".safetensors"), slot.payload())]
             finally:
                 slot.unlock()
         state = self.state.committed_state_dict()
         state["step"] = step
-        return self.store.write(step, shard_name(copies), lambda f: torch.save(state, f))
+        return [self.store.write(step, shard_name(copies), lambda f: torch.save(state, f))]
 
     def finalize_checkpoint(self, step: int, shards: Sequence[SavedShard], history: dict,
                             extra: Sequence[FileInfo] = ()) -> None:
+        if self.sharding is not None:
+            return fsdp.finalize(self.store, step, shards, extra, world_size=self.world_size,
+                                 meta={"history": history, "finalised_by": self.rank})
         self.store.finalize(
             step, [f for s in shards for f in s.files] + list(extra),
             layout={"world_size": self.world_size, "shards": [s.describe() for s in shards]},
@@ -226,7 +233,7 @@ class Checkpoints(JobHistory):
             self.rehearsal.saved(self._step)
         with self.section("checkpoint"):
             self.injector.strike("save", self._step)
-            if self.snapshots is not None:
+            if self.snapshots is not None and self.sharding is None:  # a sharded model's: DCP, now
                 self._save_async()
             else:
                 self._save(health)
@@ -273,16 +280,15 @@ class Checkpoints(JobHistory):
             own = self.write_own(step, self.rank, pack(self.state.committed_own()))
             mine = {"own": [own.name, own.bytes, own.sha256]}
             if self.rank == min(c for c in copies if c in members):
-                info = self.write_shard(step)
                 mine.update(copies=copies, full=group.replica_cnt == len(group.rank_list), saver=self.rank,
-                            file=[info.name, info.bytes, info.sha256])
+                            files=[[i.name, i.bytes, i.sha256] for i in self.write_shard(step)])
         except CheckpointError as e:  # into the all-gather: a rank that left it would stall the others
             mine = {"failed": str(e)}
         every = self.process_group.all_gather_json(mine, self.device.torch_device)
         failed = [s["failed"] for s in every if "failed" in s]
         if self.rank == members[0] and not failed:
             saved = [SavedShard(kind=0, copies=tuple(s["copies"]), full=s["full"], rank=s["saver"],
-                                files=(FileInfo(*s["file"]),)) for s in every if "file" in s]
+                                files=tuple(FileInfo(*f) for f in s["files"])) for s in every if "files" in s]
             try:
                 self.finalize_checkpoint(step, saved, self.merged_history({}),
                                          extra=[FileInfo(*s["own"]) for s in every])
@@ -324,23 +330,38 @@ class Checkpoints(JobHistory):
                  f" and {holder.path.name}" if holder else "")
 
     def _load_stored(self, found: Verified) -> int:
+        if fsdp.is_dcp(found):  # a sharded model's checkpoint: loads into any layout
+            fsdp.load(found, self.state)
+            return self._resumed_from_storage(found)
+        if self.sharding is not None:
+            raise CheckpointError(f"{found.path} is not in DCP's format (a checkpoint of a data-parallel job): this "
+                                  f"{self.sharding.kind} model cannot load it")
         shards = found.manifest.get("layout", {}).get("shards", [])
         mine = next((s for s in shards if s["kind"] == 0 and (s["full"] or self.rank in s["copies"])), None)
         if mine is None:
             raise CheckpointError(f"{found.path} holds no dense shard for rank {self.rank} "
                                   f"(saved with world size {found.manifest.get('layout', {}).get('world_size')})")
-        path = found.file(mine["files"][0])
-        state = read_stored_snapshot(path, self.device.torch_device) if path.suffix == ".safetensors" else \
-            read_shard(path)
+        with found.open(mine["files"][0]) as path:  # the bytes verified, whatever is at the name now
+            state = read_stored_snapshot(path, self.device.torch_device) if path.suffix == ".safetensors" else \
+                read_shard(path)
         files, own = found.manifest.get("files", {}), None
         if own_file(self.rank) in files:  # this rank's streams and data position (the shard holds its saver's)
-            own = unpack(found.file(own_file(self.rank)).read_bytes(), str(found.file(own_file(self.rank))))
+            with found.open(own_file(self.rank)) as path:
+                own = unpack(path.read_bytes(), str(path))
         elif str(self.rank) not in state.get("rng", {}) and rng_file(self.rank) in files:  # before own files
-            try:
-                state.setdefault("rng", {}).update(torch.load(found.file(rng_file(self.rank)), weights_only=True))
-            except Exception as e:  # noqa: BLE001 - torch.load raises many kinds; the file passed its checksum
-                raise CheckpointError(f"{found.file(rng_file(self.rank))} is not a readable RNG file: {e}") from None
+            with found.open(rng_file(self.rank)) as path:
+                try:
+                    state.setdefault("rng", {}).update(torch.load(path, weights_only=True))
+                except Exception as e:  # noqa: BLE001 - torch.load raises many kinds; the file passed its checksum
+                    raise CheckpointError(f"{path} is not a readable RNG file: {e}") from None
         self.state.load_state_dict(state)
+        return self._resumed_from_storage(found, own)
+
+    def _resumed_from_storage(self, found: Verified, own: dict | None = None) -> int:
+        """This rank's own part from ``found`` (unless ``own`` holds it), its history; returns its step."""
+        files = found.manifest.get("files", {})
+        if own is None and own_file(self.rank) in files:
+            own = unpack(found.file(own_file(self.rank)).read_bytes(), str(found.file(own_file(self.rank))))
         if own is not None:
             self.state.load_own(own)
         self.history = found.manifest.get("meta", {}).get("history", self.history)
@@ -363,7 +384,7 @@ def read_stored_snapshot(path, device: torch.device) -> dict:
     """The state in a persisted snapshot, read with the safetensors library."""
     from safetensors import safe_open
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:  # a verified file: its descriptor
             meta = json.loads(f.metadata()["trainguard"])
             tensors = [f.get_tensor(name).to(device) if on_device(name) else f.get_tensor(name)
                        for name in meta["names"]]

@@ -62,6 +62,7 @@ from .checkpoints import Checkpoints
 from .comm import TorchComm, job_namespace
 from .compile_cache import TorchCompileCache, key_parts
 from .device import for_module
+from .fsdp import MeshGroups, backward_hook
 from .handlers import TorchHandlers
 from .join import joining
 from .markers import TorchMarkers
@@ -69,6 +70,7 @@ from .optimizer import GuardedOptimizer
 from .own import fingerprints
 from .probes import ThreadProbes
 from .process_group import AbortableProcessGroup
+from .sharding import refuse_different_models, sharding_of, structure
 from .state import state_sha256
 from .trainstate import TrainState
 from .undeclared import Undeclared
@@ -129,6 +131,10 @@ class Guard(Checkpoints, RankRuntime):
         compile_cache_key: more that the compiled graphs depend on (input
             shapes, compile options), as JSON values; see
             :mod:`trainguard.adapters.torch.compile_cache`.
+        start_step: the step the model and optimizer are at when the Guard
+            finds no checkpoint of its own at or after it (the script
+            loaded a checkpoint of its own, e.g. with DCP); the same on
+            every rank.
     """
 
     def __init__(
@@ -156,6 +162,7 @@ class Guard(Checkpoints, RankRuntime):
         profiling_dir: str | os.PathLike | None = None,
         compile_cache: str | os.PathLike | bool | None = None,
         compile_cache_key: Mapping[str, Any] | None = None,
+        start_step: int = 0,
     ) -> None:
         if not dist.is_initialized():
             raise ConfigError("call torch.distributed.init_process_group() before creating a Guard")
@@ -165,20 +172,28 @@ class Guard(Checkpoints, RankRuntime):
             raise ConfigError(f"elastic_lr must be 'keep' or 'linear', got {elastic_lr!r}")
         if save_every < 0 or (save_every and checkpoint_dir is None):
             raise ConfigError("save_every needs a checkpoint_dir and must be >= 0")
-        _refuse_unsupported(model)
+        if start_step < 0:
+            raise ConfigError(f"start_step must be >= 0, got {start_step}")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.sharding = sharding_of(model, optimizer, self.world_size)  # FSDP2/HSDP, or None; the rest refused
         logs.setup(f"rank {self.rank}")
         self.settings = RankConfig.from_env()
         self.device = for_module(model)
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.state = TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, data=data, extra=extra,
-                                rank=self.rank)
+                                rank=self.rank, sharded=self.sharding is not None)
         self.optimizer = GuardedOptimizer(optimizer, self._start_update, self._end_update)
         optimizers = {"optimizer": optimizer, "guarded": self.optimizer}  # what a scaler may step, by name
         if self.state.scaler is not None:
             self.state.scaler.optimizers.update(optimizers)
         self.undeclared = Undeclared(scaler, self.state.host.get("data"), optimizers, warn=self.rank == 0)
         self.groups = tuple(replicas) if replicas else (ReplicaGroup.full(range(self.world_size)),)
+        if self.sharding is not None:
+            if replicas and tuple(replicas) != (self.sharding.replicas,):
+                raise ConfigError(f"replicas= does not describe this {self.sharding.kind} model's device mesh; leave it "
+                                  "out (the Guard reads the layout from the mesh)")
+            self.groups = (self.sharding.replicas,)
+        self.start_step = start_step
         self.rehearsal = Rehearsal.from_env(self.rank)
         if self.rehearsal is not None and checkpoint_dir is not None:
             checkpoint_dir = self.rehearsal.checkpoint_dir(checkpoint_dir)
@@ -215,6 +230,9 @@ class Guard(Checkpoints, RankRuntime):
                               namespace=job_namespace(self.settings),
                               generation=join["generation"] if join else 0,
                               first_bucket=self.record_own_before_sending)
+        self.mesh_groups = MeshGroups(self.sharding, self.rank, self.world_size, self.device, timeout=comm_timeout,
+                                      namespace=job_namespace(self.settings), generation=join["generation"] if join
+                                      else 0, first_reduce=self.record_own_before_sending) if self.sharding else None
         self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer, snapshot_shared)
         self.setup_own_records()
         started_at = time.time()
@@ -223,8 +241,13 @@ class Guard(Checkpoints, RankRuntime):
             # the state, the step and the history come from a replica.
             self.pids = {self.rank: os.getpid()}
         else:
-            ids = self.process_group.all_gather_json([os.getpid(), started_at], self.device.torch_device)
-            self.pids = {r: pid for r, (pid, _) in enumerate(ids)}
+            ids = self.process_group.all_gather_json([os.getpid(), started_at, start_step, structure(model)],
+                                                     self.device.torch_device)
+            if len({s for _, _, s, _ in ids}) > 1:
+                raise ConfigError(f"the ranks were given different start_step values: {[i[2] for i in ids][:16]}")
+            if not replicas:  # replicas= says which ranks hold the same state
+                refuse_different_models([i[3] for i in ids])
+            self.pids = {r: pid for r, (pid, _, _, _) in enumerate(ids)}
             started_at = ids[0][1]  # one default profiling job id for every rank
             self._step = self._load()
         self.state.commit(self._step)
@@ -232,11 +255,14 @@ class Guard(Checkpoints, RankRuntime):
         self._markers = TorchMarkers(self.recorder, [self.state.module], lambda: self._step,
                                      lambda: self.process_group) if self.recorder else None
 
-        self.injector.on_stall = lambda: self.process_group.black_hole()  # the group in use then
+        self.injector.on_stall = self._black_hole
         self._install_fault_hooks()
         self.processor = processor or self._connect(joining=join is not None)
         self.processor.add_stop_listener(lambda: self.process_group.stop())
-        probes = ThreadProbes(threading.get_ident(), lambda: self.process_group)
+        if self.mesh_groups is not None:
+            self.processor.add_stop_listener(self.mesh_groups.stop)
+        probes = ThreadProbes(threading.get_ident(), lambda: self.process_group.busy or (
+            self.mesh_groups is not None and self.mesh_groups.busy))
         self.processor.watchdog.in_collective = probes.blocked_on_comm
         self.processor.watchdog.in_pause = probes.waiting_for_loader
         self.processor.watchdog.where = probes.where
@@ -258,7 +284,8 @@ class Guard(Checkpoints, RankRuntime):
     # --------------------------------------------------------------- setup
     def _connect_details(self) -> dict:
         return {"device": self.device.name, "device_repairable": self.device.repairable,
-                "restart_count": self.settings.restart_count}
+                "restart_count": self.settings.restart_count,
+                **({"join_refused": self.sharding.join_refused} if self.sharding is not None else {})}
 
     @property
     def process_group(self) -> AbortableProcessGroup:
@@ -270,7 +297,9 @@ class Guard(Checkpoints, RankRuntime):
         if self.injector.wants("forward"):
             self._hooks.append(module.register_forward_pre_hook(
                 lambda mod, args: self.injector.strike("forward", self._step)))
-        if self.injector.wants("backward"):
+        if self.injector.wants("backward") and self.sharding is not None:
+            self._hooks.append(backward_hook(self.sharding, lambda: self.injector.strike("backward", self._step)))
+        elif self.injector.wants("backward"):
             params = [p for p in module.parameters() if p.requires_grad]
             middle = params[len(params) // 2]  # mid-backward: some buckets already reduced
 
@@ -280,6 +309,11 @@ class Guard(Checkpoints, RankRuntime):
 
             self._hooks.append(middle.register_hook(hook))
 
+    def _black_hole(self) -> None:
+        """Fault injection (``stall``): the groups in use then stop sending."""
+        for group in [self.process_group, *(self.mesh_groups.groups if self.mesh_groups is not None else ())]:
+            group.black_hole()
+
     # ----------------------------------------------------------- the loop
     def _begin(self) -> None:
         self.injector.strike("gc", self._step)
@@ -287,6 +321,8 @@ class Guard(Checkpoints, RankRuntime):
         self._updated = False
         self._step_started = time.perf_counter()
         self.comm.arm()
+        if self.mesh_groups is not None:
+            self.mesh_groups.arm()
 
     def _start_update(self) -> None:
         self.undeclared.update_starts(sys._getframe(1))  # a GradScaler not given to the Guard steps?
@@ -381,13 +417,3 @@ class Guard(Checkpoints, RankRuntime):
             self.own_records.close()
 
 
-
-
-def _refuse_unsupported(model: torch.nn.Module) -> None:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return
-    if isinstance(model, FullyShardedDataParallel) or any(
-            isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise ConfigError("FSDP models are not supported by trainguard's torch adapter yet")

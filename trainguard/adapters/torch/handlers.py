@@ -16,6 +16,7 @@ from trainguard.core.rank.recovery import Handlers
 from trainguard.core.snapshot.own import carry as carry_records
 
 from .comm import TorchComm
+from .fsdp import reset
 from .device import Device
 from .join import meet
 from .own import pack, unpack
@@ -37,6 +38,8 @@ class TorchRank(Protocol):
     device: Device
     comm: TorchComm
     ddp: Any
+    sharding: Any  # a .sharding.Sharding, or None
+    mesh_groups: Any  # the .fsdp.MeshGroups of a sharded model, or None
     processor: Processor
     store: Any  # a CheckpointStore, or None
     history: dict
@@ -51,7 +54,7 @@ class TorchRank(Protocol):
 
     def recorded_own(self, rank: int, step: int) -> bytes | None: ...
 
-    def write_shard(self, step: int) -> FileInfo: ...
+    def write_shard(self, step: int) -> list[FileInfo]: ...
 
     def write_own(self, step: int, rank: int, data: bytes) -> FileInfo: ...
 
@@ -73,6 +76,8 @@ class TorchHandlers(Handlers):
     def clean(self, uce: bool) -> int:
         g = self.guard
         g.optimizer.zero_grad(set_to_none=True)
+        if g.sharding is not None:  # FSDP's state of the abandoned step
+            reset(g.sharding)
         g.state.restore_buffers()
         self._repaired = False
         return g.device.clean(uce)
@@ -87,6 +92,8 @@ class TorchHandlers(Handlers):
             g.comm.regroup(sorted(ranks), generation, cancelled)  # elastic: the job goes on with these ranks
         else:
             g.process_group.rebuild(generation, cancelled=cancelled)
+        if g.mesh_groups is not None:
+            g.mesh_groups.rebuild(generation, cancelled, store=g.process_group._store if join_store else None)
         if g.ddp is not None:
             g.comm.attach_ddp()  # resets the reducer after the abandoned step
 
@@ -149,7 +156,7 @@ class TorchHandlers(Handlers):
             raise CheckpointError("no checkpoint_dir was given to the Guard, so there is nowhere to save")
         if g.state.snapshot_step != step:
             raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}")
-        return [g.write_shard(step)]
+        return g.write_shard(step)
 
     def save_own(self, step: int, carry: Sequence[int]) -> Sequence[FileInfo]:
         g = self.guard

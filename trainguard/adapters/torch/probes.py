@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -23,17 +23,18 @@ _LOADER_DIRS = (os.path.dirname(torch.utils.data.__file__),
 
 
 class ThreadProbes:
-    """Args: the training thread's ident; the process group its collectives run on now."""
+    """Args: the training thread's ident; whether collectives are in flight
+    on the groups it uses now (the data-parallel group, a device mesh's)."""
 
-    def __init__(self, thread: int, group: Callable[[], Any]) -> None:
-        self._thread, self._group = thread, group
+    def __init__(self, thread: int, busy: Callable[[], bool]) -> None:
+        self._thread, self._busy = thread, busy
 
     def blocked_on_comm(self) -> bool:
         """Is the training thread waiting on communication? Collectives are
         in flight and its innermost Python frame is in torch or in our
         group's wait (``backward`` waiting for DDP's buckets, ``Work.wait``),
         not in the training script."""
-        if not self._group().busy:
+        if not self._busy():
             return False
         frame = sys._current_frames().get(self._thread)
         return frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS)

@@ -108,6 +108,11 @@ class _Work(dist._Work):
             if self._future.done():
                 return
             self._group._pending.discard(self)
+            # The backend's work is not needed past here, and it holds the backend's connections: kept from
+            # this handle (a handle a framework still holds: FSDP's reduce-scatter in an abandoned backward
+            # pass, the frames of its error), a retired backend stays open, and its peers' retiring threads
+            # wait on it into the interpreter's exit ("terminate called without an active exception").
+            self._inner = None
             if error is None:
                 self._future.set_result(self._result)
             else:

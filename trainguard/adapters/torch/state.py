@@ -119,8 +119,9 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def _raw(t: torch.Tensor):
-    """The tensor's bytes as a buffer hashlib can read without a copy (CPU)."""
-    t = t.detach().contiguous().cpu().reshape(-1)
+    """The tensor's bytes as a buffer hashlib can read without a copy (CPU);
+    a DTensor's are its local shard's."""
+    t = getattr(t, "_local_tensor", t).detach().contiguous().cpu().reshape(-1)
     return t.view(torch.uint8).numpy() if t.numel() else b""
 
 

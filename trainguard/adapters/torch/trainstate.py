@@ -87,12 +87,16 @@ class TrainState:
             ``torch.amp`` GradScaler is carried with its per-optimizer
             state (:class:`.scaler.ScalerState`).
         extra: more named stateful objects to save and repair.
+        sharded: the model is sharded (``fully_shard``): the state dicts
+            hold each DTensor's local shard, put back into DTensors on load
+            (:mod:`.fsdp`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
                  scaler: Any = None, data: Any = None, extra: Mapping[str, Any] | None = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, sharded: bool = False) -> None:
         self.module = unwrap(model)
+        self.sharded = sharded
         self.rank = rank
         self.optimizer = optimizer
         data = resumable(data)  # a StatefulDataLoader: with its sampler's epoch; a plain DataLoader: refused
@@ -157,10 +161,9 @@ class TrainState:
 
     # ------------------------------------------------------------ state dicts
     def state_dict(self) -> dict:
-        """The state as it is now."""
+        """The state as it is now (sharded: this rank's shards)."""
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **self.model_and_optimizer(),
             "host": {k: v.state_dict() for k, v in self.host.items()},
         }
 
@@ -237,9 +240,14 @@ class TrainState:
         Raises:
             KeyError/RuntimeError: the state does not fit these objects.
         """
+        model, optimizer = state["model"], state["optimizer"]
+        if self.sharded:
+            from .fsdp import optimizer_with_specs, with_specs
+            model, optimizer = with_specs(model, self.module.state_dict()), optimizer_with_specs(optimizer,
+                                                                                               self.optimizer)
         with torch.no_grad():
-            self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            self.module.load_state_dict(model)
+        self.optimizer.load_state_dict(optimizer)
         missing = set(self.host) - set(state.get("host", {}))
         if missing:
             raise KeyError(f"state lacks {sorted(missing)}")
@@ -262,4 +270,8 @@ class TrainState:
         return out
 
     def model_and_optimizer(self) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.sharded:
+            from .fsdp import local
+            return local(state)
+        return state

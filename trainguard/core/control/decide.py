@@ -219,6 +219,9 @@ def _restart(view: JobView, strategy: Strategy) -> Plan | str:
     lost = sorted(r for r, s in view.ranks.items() if not s.alive)
     if not lost:
         return "no process was lost (in-process faults are for retry)"
+    refused = next((s for s in view.ranks.values() if s.join_refused), None)
+    if refused is not None:
+        return f"rank {refused.rank}: {refused.join_refused}"
     if view.lock is None:
         return "no healthy rank is consistent (UPDATED) at any step, so no replica can serve a new process"
     why = _corrupted(view)

@@ -35,6 +35,7 @@ class Rank:
     reached: int = 0  # highest step this rank ever reported
     step_time_s: float = 0.0  # median of its recent steps, as it reported
     silence_s: float = 0.0  # the limit of a section open on it (0: none)
+    join_refused: str = ""  # why no new process can join its job (empty: one can)
 
     def update(self, status: RankStatus) -> None:
         self.step, self.run, self.data = status.step, status.run, status.data

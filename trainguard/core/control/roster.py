@@ -59,7 +59,8 @@ class Roster:
         self.pids.setdefault(rank, []).append(hello.pid)
         self.exiting.discard(rank)
         r = Rank(rank=rank, pid=hello.pid, host=hello.host, repairable=hello.device_repairable, groups=groups,
-                  step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock())
+                  step=0, run=RunStatus.STARTING, data=DataStatus.UPDATED, last_seen=self._clock(),
+                  join_refused=hello.join_refused)
         r.update(hello.status)
         self.ranks[rank] = r
         if hello.resumed_after_dump and not hello.joining and self.resumed_after is None:
@@ -102,7 +103,7 @@ class Roster:
         """What :func:`~trainguard.core.control.decide.decide` knows of each rank."""
         return {
             r.rank: RankState(rank=r.rank, step=r.step, data=r.data, run=r.run, alive=r.alive,
-                              stopped=r.stopped, device_repairable=r.repairable)
+                              stopped=r.stopped, device_repairable=r.repairable, join_refused=r.join_refused)
             for r in self.ranks.values()
         }
 

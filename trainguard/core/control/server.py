@@ -27,7 +27,9 @@ from .controller import ControllerCore
 from ..profiling.live import LiveDetector
 from ..protocol import trainguard_pb2 as pb
 from .routing import END, Abort, NodeLink, call_exit_refusal, check_agent, dispatch, exit_refusal
-from ..rpc import SERVICE, Authenticate, Refusals, Refused, check_token, decoder, empty_stream, validate_rank_message
+from ..handshake import Authenticate, ServerAuth
+from ..proof import Names
+from ..rpc import SERVICE, Refusals, Refused, decoder, empty_stream, validate_rank_message
 from ..secret import TLS, new_token
 from .wire import Hellos, Wired, agent_event, agent_hello, agent_order_to_pb
 
@@ -45,12 +47,13 @@ class _Service:
     """
 
     def __init__(self, core: ControllerCore, token: str) -> None:
-        self.core, self.token = core, token
+        self.core = core
         self.routes: dict[int, Callable[[pb.Command], None]] = {}
         self.agents: dict[str, NodeLink] = {}  # node agents, by the node name of their relay
         self.agent_keys: dict[str, bytes] = {}  # the key each name was first announced with
         self.stopping = False  # set while the server shuts down: ended sessions are not lost ranks
         self.refusals = Refusals(log, "controller")
+        self.auth = ServerAuth(token, None, self.refusals, cap=max(4096, 2 * core.world_size))
         self.grpc_limit = max(4 * core.config.max_message_bytes, 4 << 20)  # gRPC's own, on the server (_serve)
         self.welcome = pb.ControllerMessage(welcome=pb.Welcome(
             job_id=core.config.job_id, heartbeat_interval_s=core.heartbeat_interval_s))
@@ -87,14 +90,8 @@ class _Service:
         self.refusals(context.peer(), code, reason)
         await context.abort(code, f"trainguard: {reason}")
 
-    async def _authorize(self, context) -> None:
-        if not check_token(context.invocation_metadata(), self.token):
-            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED,
-                               "missing or wrong job token (authorization: Bearer <TRAINGUARD_TOKEN>)")
-
     # ------------------------------------------------------- one rank, one stream
     async def session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.ControllerMessage]:
-        await self._authorize(context)
         stream = requests.__aiter__()
         try:
             first = await stream.__anext__()
@@ -161,7 +158,6 @@ class _Service:
 
     # ------------------------------------------------------- a node's ranks, one stream
     async def node_session(self, requests: AsyncIterator, context) -> AsyncIterator[pb.NodeCommands]:
-        await self._authorize(context)
         link, local, seen = NodeLink(), {}, {}
         reader = asyncio.ensure_future(self._read_node(requests, link, local, context.peer(), seen))
         try:
@@ -255,7 +251,6 @@ class _Service:
                                   report.last_running)
 
     async def report_process_exit(self, request, context) -> pb.Ack:
-        await self._authorize(context)
         if isinstance(request, Refused):
             await self._refuse(context, request.code, request.reason)
         refusal = call_exit_refusal(self.core, request)
@@ -266,7 +261,6 @@ class _Service:
         return pb.Ack()
 
     async def get_status(self, request, context) -> pb.JobStatus:
-        await self._authorize(context)
         snap = self.core.snapshot()
         return pb.JobStatus(job_id=snap["job_id"], state=snap["state"], json=json.dumps(snap))
 
@@ -342,12 +336,13 @@ class Controller(LoopThread):
             "NodeSession": grpc.stream_stream_rpc_method_handler(
                 self._service.node_session, request_deserializer=decoder(pb.NodeMessage, limit),
                 response_serializer=pb.NodeCommands.SerializeToString),
+            "Handshake": self._service.auth.handler(),
         }
         # Every rank opens its session at about the same moment; gRPC's default
         # cap on calls waiting to be accepted (1000) would cancel the rest.
         pending = max(4096, 2 * self.world_size)
         self._server = grpc.aio.server(interceptors=[
-            Authenticate(self.token, self._service.refusals, frozenset({"Session", "NodeSession"}))], options=[
+            Authenticate(self._service.auth, frozenset({"Session", "NodeSession"}))], options=[
             ("grpc.max_receive_message_length", self._service.grpc_limit),
             ("grpc.so_reuseport", 0),
             # No growing receive windows (gRPC's BDP probe): a call is received, up to its window, before its
@@ -365,6 +360,9 @@ class Controller(LoopThread):
                 self._server.add_insecure_port(bind)
         except RuntimeError as e:
             raise TrainguardError(f"controller could not bind {bind}: {e}") from None
+        # A client proves the secret for the address it dialed: only this server's own are accepted (under TLS
+        # the certificates prove the server).
+        self._service.auth.names = Names(host, port) if self.tls is None else None
         await self._server.start()
         ready.set_result(port)
         while True:

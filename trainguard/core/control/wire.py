@@ -167,6 +167,7 @@ class Hellos:
         replicas = tuple(self.group(g) for g in hello.replicas)
         return Hello(rank=hello.rank, pid=hello.pid, status=rank_status(hello.status), host=hello.host,
                      replicas=replicas, joining=hello.joining, device_repairable=hello.device_repairable,
+                     join_refused=hello.join_refused[:500],
                      resumed_after_dump=hello.resumed_after_dump[:200])
 
     def group(self, g: pb.ReplicaGroup) -> ReplicaGroup:

@@ -61,6 +61,22 @@ LOW: Severity
 HIGH: Severity
 CORRUPTED: Severity
 
+class Challenge(_message.Message):
+    __slots__ = ("nonce", "dialed")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    DIALED_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    dialed: str
+    def __init__(self, nonce: _Optional[bytes] = ..., dialed: _Optional[str] = ...) -> None: ...
+
+class ChallengeAnswer(_message.Message):
+    __slots__ = ("nonce", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
 class ReplicaGroup(_message.Message):
     __slots__ = ("rank_list", "replica_cnt", "replica_shift", "range_start", "range_step", "range_count")
     RANK_LIST_FIELD_NUMBER: _ClassVar[int]
@@ -92,7 +108,7 @@ class Status(_message.Message):
     def __init__(self, step: _Optional[int] = ..., run: _Optional[_Union[RunStatus, str]] = ..., data: _Optional[_Union[DataStatus, str]] = ..., step_time_s: _Optional[float] = ..., silence_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "world_size", "pid", "host", "status", "replicas", "device", "device_repairable", "restart_count", "joining", "resumed_after_dump")
+    __slots__ = ("rank", "world_size", "pid", "host", "status", "replicas", "device", "device_repairable", "restart_count", "joining", "resumed_after_dump", "join_refused")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +120,7 @@ class Hello(_message.Message):
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     JOINING_FIELD_NUMBER: _ClassVar[int]
     RESUMED_AFTER_DUMP_FIELD_NUMBER: _ClassVar[int]
+    JOIN_REFUSED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     pid: int
@@ -115,7 +132,8 @@ class Hello(_message.Message):
     restart_count: int
     joining: bool
     resumed_after_dump: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., device: _Optional[str] = ..., device_repairable: _Optional[bool] = ..., restart_count: _Optional[int] = ..., joining: _Optional[bool] = ..., resumed_after_dump: _Optional[str] = ...) -> None: ...
+    join_refused: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., device: _Optional[str] = ..., device_repairable: _Optional[bool] = ..., restart_count: _Optional[int] = ..., joining: _Optional[bool] = ..., resumed_after_dump: _Optional[str] = ..., join_refused: _Optional[str] = ...) -> None: ...
 
 class FaultReport(_message.Message):
     __slots__ = ("kind", "severity", "phase", "message", "occurred_at", "status")

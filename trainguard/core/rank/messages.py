@@ -34,13 +34,15 @@ def replica_group(group: ReplicaGroup) -> pb.ReplicaGroup:
 
 
 def hello(rank: int, world_size: int, status: pb.Status, replicas: Sequence[ReplicaGroup], *, device: str,
-          device_repairable: bool, restart_count: int, joining: bool, resumed_after_dump: str = "") -> pb.RankMessage:
-    """A rank's registration: who and where it is, what it holds, its device, and the cause of the
-    dying gasp it resumed from (if it did)."""
+          device_repairable: bool, restart_count: int, joining: bool, resumed_after_dump: str = "",
+          join_refused: str = "") -> pb.RankMessage:
+    """A rank's registration: who and where it is, what it holds, its device, the cause of the
+    dying gasp it resumed from (if it did) and why no new process can join its job (if so)."""
     return pb.RankMessage(hello=pb.Hello(
         rank=rank, world_size=world_size, pid=os.getpid(), host=socket.gethostname(), status=status,
         device=device, device_repairable=device_repairable, restart_count=restart_count, joining=joining,
-        replicas=[replica_group(g) for g in replicas], resumed_after_dump=resumed_after_dump))
+        replicas=[replica_group(g) for g in replicas], resumed_after_dump=resumed_after_dump,
+        join_refused=join_refused))
 
 
 def fault_report(kind: FaultKind, severity: Severity, message: str, *, phase: str, occurred_at: float,

@@ -37,7 +37,8 @@ from ..config import ProcessorConfig
 from ..control import wire
 from ..protocol import trainguard_pb2 as pb
 from ..replicas import ReplicaGroup
-from ..rpc import SERVICE, auth_metadata, client_channel, status_to_pb
+from ..handshake import Impostor, login
+from ..rpc import SERVICE, client_channel, status_to_pb
 from ..transitions import Locked, advance
 from . import messages
 from .watchdog import ProgressWatchdog, WatchdogConfig
@@ -69,14 +70,8 @@ class Processor:
         clock: unix seconds, for fault timestamps.
     """
 
-    def __init__(
-        self,
-        config: ProcessorConfig | None,
-        *,
-        rank: int = 0,
-        force_exit: Callable[[int], None] = os._exit,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, config: ProcessorConfig | None, *, rank: int = 0,
+                 force_exit: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.rank = config.rank if config is not None else rank
         self.world_size = config.world_size if config is not None else 1
@@ -106,10 +101,11 @@ class Processor:
     # ---------------------------------------------------------- connection
     def connect(self, *, step: int = 0, replicas: Sequence[ReplicaGroup] = (), device: str = "cpu",
                 device_repairable: bool = True, restart_count: int = 0, joining: bool = False,
-                resumed_after_dump: str = "") -> None:
+                resumed_after_dump: str = "", join_refused: str = "") -> None:
         """Register with the controller and start the background thread
         (``joining``: this process replaces a lost one in a recovery;
-        ``resumed_after_dump``: the cause of the dying gasp it resumed from, or "").
+        ``resumed_after_dump``: the cause of the dying gasp it resumed from, or "";
+        ``join_refused``: why no new process can join this job, if so).
 
         A session the controller's server cancels or cannot accept yet
         (thousands of ranks registering at once) is retried with jitter until
@@ -124,7 +120,8 @@ class Processor:
         self.step = step
         hello = messages.hello(self.rank, self.config.world_size, self._status(), replicas,
                                device=device, device_repairable=device_repairable, restart_count=restart_count,
-                               joining=joining, resumed_after_dump=resumed_after_dump)
+                               joining=joining, resumed_after_dump=resumed_after_dump,
+                               join_refused=join_refused)
         # A forked child (a DataLoader worker) keeping this connection open
         # would outlive the rank: its replacement would be refused as a rank
         # already connected (see :mod:`..forks`).
@@ -140,10 +137,12 @@ class Processor:
             self._lost.clear()
             self._outbox = queue.Queue()
             self._commands = queue.Queue()  # a refused attempt leaves its end-of-session marker behind
-            self._call = session(self._requests(hello), metadata=auth_metadata(self.config.token))
-            self._reader = threading.Thread(target=self._receive, name=f"trainguard-processor-{self.rank}",
-                                            daemon=True)
-            self._reader.start()
+            metadata = self._login()
+            if metadata is not None:
+                self._call = session(self._requests(hello), metadata=metadata)
+                self._reader = threading.Thread(target=self._receive, name=f"trainguard-processor-{self.rank}",
+                                                daemon=True)
+                self._reader.start()
             while not self._welcome.wait(0.05) and not self._lost.is_set() and time.monotonic() < deadline:
                 pass
             if self._welcome.is_set():
@@ -155,13 +154,26 @@ class Processor:
                 raise ControllerLostError(
                     f"no answer from the controller at {self.config.controller} "
                     f"within {self.config.connect_timeout_s:g} s ({self._error or 'no reply'})")
-            self._reader.join(timeout=5)
+            if self._reader is not None:
+                self._reader.join(timeout=5)
             time.sleep(random.uniform(0.1, 1.0))
         if not joining:
             # A replacement has not trained: it stays STARTING until its
             # recovery's first command (recover), and trains after the resume.
             self.set_run(RunStatus.TRAINING, "registered")
         self.watchdog.arm()
+
+    def _login(self) -> tuple | None:
+        """The session's proof, made once the controller proved the secret (nothing is sent that could open an
+        impostor); ``None``, the error kept, when the handshake failed."""
+        try:
+            return login(self._channel, self.config.token, self.config.controller, f"/{SERVICE}/Session")
+        except Impostor as e:
+            raise ProtocolError(f"rank {self.rank}: {e}") from None
+        except grpc.RpcError as e:
+            self._error = f"{e.code().name}: {e.details()}"
+            self._lost.set()
+            return None
 
     def _requests(self, hello: pb.RankMessage) -> Iterable[pb.RankMessage]:
         yield hello
@@ -256,10 +268,7 @@ class Processor:
         if finished and self.connected:
             try:
                 self.set_run(RunStatus.FINISHED, "close")
-            except TransitionError as e:
-                # Not a rank that finished (it is mid-recovery, say): no
-                # Goodbye claims it did; the session still ends, then the
-                # error is raised.
+            except TransitionError as e:  # mid-recovery, say: no Goodbye claims it finished; raised at the end
                 illegal = e
             else:
                 self._outbox.put(pb.RankMessage(goodbye=pb.Goodbye(status=self._status())))
@@ -287,10 +296,8 @@ class Processor:
         return self._run.value
 
     def set_run(self, new: RunStatus, what: str) -> None:
-        """Change the run status to ``new`` (``what``: the cause, for the
-        error), checked and set under one lock: reports come from other
-        threads than the training thread's own changes (stop listeners, the
-        watchdog, a background saver).
+        """Change the run status to ``new`` (``what``: the cause, for the error), checked and set under one
+        lock: reports come from other threads (stop listeners, the watchdog, a background saver).
 
         Raises:
             TransitionError: ``run -> new`` is not in :data:`~.transitions.RUN`.
@@ -298,10 +305,8 @@ class Processor:
         self._run.set(new, what)
 
     def _set_run_reporting(self, new: RunStatus, what: str) -> None:
-        """:meth:`set_run` for a report that must go out whatever the state:
-        made on another thread, a raised error would lose the report and
-        leave the controller to a timeout. An illegal change is logged at
-        ERROR instead, the state stays, and the report goes out with it."""
+        """:meth:`set_run` for a report that must go out whatever the state (raised on another thread, an error
+        would lose it): an illegal change is logged at ERROR instead, the state stays, the report goes out."""
         try:
             self.set_run(new, what)
         except TransitionError as e:

@@ -154,8 +154,11 @@ class RankRuntime(JobHistory, abc.ABC):
     def _load(self) -> int:
         """Load the newest step every rank can load -- from this node's
         memory where a sealed snapshot holds it, else the newest complete
-        checkpoint on storage -- and return it (0: nothing to load)."""
+        checkpoint on storage -- and return it (nothing to load: the
+        ``start_step`` the script gave, else 0)."""
+        floor = getattr(self, "start_step", 0)  # the script loaded this step itself: older copies are not used
         memory = self.snapshots.available(verify=False) if self.snapshots is not None else {}
+        memory = {step: slot for step, slot in memory.items() if step >= floor}
         holders: dict = {}  # step -> the holder's slot, for a snapshot that only names it
         if memory and self.sharing.enabled:
             memory, holders = with_holders(memory, self.snapshots.replica_slots)
@@ -163,12 +166,17 @@ class RankRuntime(JobHistory, abc.ABC):
 
         def newest(dropped: set[int]):
             found[0] = self.store.latest(exclude=dropped) if self.store is not None else None
+            if found[0] is not None and found[0].step < floor:
+                log.warning("rank %d: the newest checkpoint, step %d, is older than the start_step %d the script "
+                            "gave: the script's state is kept", self.rank, found[0].step, floor)
+                found[0] = None
             return found[0]
         try:
             step = resume(memory, newest, gather=self._gather_steps, outcomes=self._gather_outcomes, rank=self.rank,
                           load_memory=lambda step, slot, source: self._load_memory(
                               step, slot, source, found[0], holders.get(step)),
-                          load_stored=self._load_stored, before=lambda step: self.injector.strike("resume", step))
+                          load_stored=self._load_stored,
+                          before=lambda step: self.injector.strike("resume", step)) or floor
         finally:  # a read closes its slots; these were not all read
             for slot in holders.values():
                 slot.close()

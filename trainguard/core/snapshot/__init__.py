@@ -3,7 +3,8 @@ directory and its owner (:mod:`.shm`), the persist worker (:mod:`.persist`)
 and copies on a peer node (:mod:`.peer`). Framework-free: adapters fill the
 slots (see ``trainguard.adapters.torch.snapshot``)."""
 
-from .peer import PeerServer, fetch, push
+from .peer import fetch, push
+from .peer_server import PeerServer
 from .persist import PersistWorker
 from .ring import SnapshotRing
 from .segment import Entry, Layout, Slot, State, payload_header

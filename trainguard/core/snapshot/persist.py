@@ -46,6 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from .. import logs
 from ..api import CheckpointError
 from ..checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo, io_error
 from ..config import PersistConfig
@@ -303,7 +304,7 @@ def main() -> None:
     # the persist done as soon (bench/checkpoint.py's synthetic state).
     os.nice(NICE)
     config = PersistConfig.from_env()
-    logging.basicConfig(level=config.log_level, format=f"[persist {config.rank}] %(levelname)s %(message)s")
+    logging.basicConfig(level=logs.level(config.log_level), format=f"[persist {config.rank}] %(levelname)s %(message)s")
     _serve(sys.stdin, sys.stdout, config)
 
 

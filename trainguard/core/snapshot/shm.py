@@ -16,7 +16,9 @@ the directory is made 0700 under a name no one can guess in advance (a
 name that is taken anyway is stepped around, never used), every file in it
 is opened without following a link, a directory is only attached, reused
 or swept when it is a real directory of our uid (:func:`_refusal`), and a
-root anyone may rename entries in (world-writable, not sticky) is refused.
+root anyone may rename entries in (world-writable, not sticky), or whose
+owner is another user (the owner of a sticky directory may rename in it),
+is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 from pathlib import Path
 
 from ..api import ConfigError
+from ..private import ALLOW_ENV, shared_allowed
 from .segment import Slot
 
 __all__ = ["SnapshotDir", "sweep"]
@@ -123,6 +126,11 @@ def _check_root(root: Path) -> None:
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         raise ConfigError(f"snapshot memory root {root} is writable by other users and not sticky (they could "
                           "swap the snapshot directory for a link): use one like /dev/shm (mode 1777)")
+    if st.st_uid not in (os.geteuid(), 0) and not shared_allowed():
+        # The owner of a sticky directory may rename anything in it: the job's directory, for a link of theirs.
+        raise ConfigError(f"snapshot memory root {root} belongs to uid {st.st_uid}, not to this process's uid "
+                          f"{os.geteuid()} (nor root): its owner could swap the snapshot directory for a link of "
+                          f"theirs; use one of yours or root's like /dev/shm (or set {ALLOW_ENV}=1 if intended)")
 
 
 def _make_private(root: Path, base: str) -> Path:
