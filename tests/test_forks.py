@@ -133,9 +133,9 @@ def test_a_forked_child_keeps_no_connection_to_the_relay_open():
     finally:
         conn.close()
         server.close()
-        rank.join(30)
-        if worker is not None:
+        if worker is not None:  # first: it holds the end of the rank's sentinel pipe, which join() waits on
             os.kill(worker, 9)
+        rank.join(30)
 
 
 def _rank_with_a_loader_worker(port: int) -> None:
