@@ -174,6 +174,16 @@ def _job(tmp, name: str, mode: str, **kwargs):
     return run_job(tmp, name, nproc=2, steps=STEPS, script=SCRIPT, env=env, **kwargs)
 
 
+def test_a_plain_data_loader_given_as_data_stops_the_job_with_the_way_out_and_nothing_else(tmp_path):
+    """Refused on every rank before step 0; the round ends without the
+    warning that a node agent is gone (it left because of that refusal;
+    before issue 37 the warning followed the refusal)."""
+    job = _job(tmp_path, "raw", "raw")
+    assert job.rc not in (0, 75), job
+    assert "wrap it in trainguard.torch.ResumableLoader" in job.log
+    assert "is gone" not in job.log, job
+
+
 def batches(job) -> dict[int, dict[int, tuple]]:
     """Per rank: step -> (epoch, sample indices) it trained on (the last entry of a redone step)."""
     out: dict[int, dict[int, tuple]] = {}

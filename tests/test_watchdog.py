@@ -46,6 +46,34 @@ def test_limit_is_three_median_steps_but_at_least_two_seconds():
     assert fast.check().limit_s == pytest.approx(2.0)
 
 
+def test_a_pause_the_adapter_recognises_is_held_to_a_first_sections_limit():
+    """Spawned DataLoader workers starting at an epoch: seconds against
+    0.1 s steps (issue 37: a hang was declared at 2 s and the job dumped)."""
+    wd, clock = trained(step_s=0.1, first_section_s=60)
+    pause = ["waiting for a DataLoader"]
+    wd.in_pause = lambda: pause[0]
+    clock.t += 30
+    assert wd.check() is None
+    clock.t += 1.5  # still waiting: every check looks again while the pause lasts
+    assert wd.check() is None
+    pause[0] = ""  # the workers are up: the step goes on, its own limit counted from the pause's last sighting
+    clock.t += 0.5
+    assert wd.check() is None
+    clock.t += 1.4
+    assert wd.check() is None
+    clock.t += 0.2
+    assert wd.check().idle_s == pytest.approx(2.1)
+
+    wd.step_done()
+    pause[0] = "waiting for a DataLoader"
+    clock.t += 30
+    assert wd.check() is None
+    clock.t += 31
+    alarm = wd.check()
+    assert alarm is not None and alarm.idle_s == pytest.approx(61), "a loader that never answers is still a hang"
+    assert "waiting for a DataLoader, at least 60 s" in alarm.describe()
+
+
 def test_progress_restarts_the_clock_and_rearms_the_alarm():
     wd, clock = trained()
     clock.t += 3.5

@@ -15,6 +15,7 @@ DATA_MODE picks the loader:
                 it understood StatefulDataLoader)
   bare          a plain DataLoader, not given to the Guard (the Guard refused
                 one before: it has no state_dict)
+  raw           a plain DataLoader given as ``data=`` (refused before step 0)
 DATA_WORKERS=N loads in N worker processes (default 0); DATA_SNAPSHOT_EVERY=N
 snapshots into memory every N steps; DATA_STEP_SLEEP=S stretches each step.
 """
@@ -74,6 +75,8 @@ def main() -> None:
         source = data = ResumableLoader(DataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers))
     elif mode == "bare":
         source, data = DataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers), None
+    elif mode == "raw":
+        source = data = DataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers)
     else:
         raise SystemExit(f"unknown DATA_MODE {mode!r}")
     guard = Guard(model, opt, data=data, checkpoint_dir=ckpt, save_every=save_every,

@@ -4,6 +4,10 @@ Nothing under :mod:`trainguard.core` imports torch, MindSpore or Megatron;
 adapters build on the names exported here.
 """
 
+from . import forks
+
+forks.install()  # before gRPC is imported: it reads GRPC_ENABLE_FORK_SUPPORT then
+
 from .api import (
     EXIT_AFTER_DUMP,
     EXIT_UNRECOVERABLE,

@@ -8,12 +8,16 @@ once per fault case, each run in a directory of its own named by
   ``checkpoint_dir`` (so the cases do not resume from one another, and a
   dump's relaunch resumes from its own run);
 * appends, at every commit, one line to ``<dir>/trace/r<rank>.jsonl``: the
-  step and fingerprints of what the step left -- the model, this rank's
+  step and fingerprints of what the step left -- the model, the optimizer,
+  the learning rates, the scheduler, the scaler, each extra, this rank's
   random streams, its data position (XXH3-64, hex). A recovery rolls steps
   back and they are traced again: the last line of a step is the one that
-  counts (a periodic save adds ``"saved": true`` to its step). Rehearse
-  compares the traces of a case and the fault-free run to say *why* a case
-  went wrong (the streams differed first, or the batch);
+  counts (a periodic save adds ``"saved": true`` to its step). Each launch
+  that loaded its state (or started afresh) first appends ``{"start": step}``
+  (:func:`read_launches`: where each launch started and how far it got).
+  Rehearse compares the traces of a case and the fault-free run to say
+  *why* a case went wrong (the streams differed first, or the batch, or the
+  scaler...), and whether a relaunch trained steps again from an older save;
 * writes, when training finished, ``<dir>/final/r<rank>.json``: the guard's
   report (steps, state hash, recoveries, PIDs) and the final fingerprints.
 
@@ -29,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["ENV", "Rehearsal", "read_final", "read_trace"]
+__all__ = ["ENV", "Rehearsal", "read_final", "read_launches", "read_trace"]
 
 log = logging.getLogger("trainguard.rehearsal")
 
@@ -60,6 +64,10 @@ class Rehearsal:
         """Where the fault injector logs its strikes when the script names no
         checkpoint directory (so a relaunch does not strike them again)."""
         return self.directory / "checkpoints" / ".trainguard" / "faults.jsonl"
+
+    def started(self, step: int) -> None:
+        """This launch starts training at ``step`` (what it loaded; 0: nothing)."""
+        self._write({"start": step, "t": round(time.time(), 3)})
 
     def step(self, step: int, fingerprints: Mapping[str, str | None]) -> None:
         """``step`` was committed with these fingerprints."""
@@ -97,6 +105,28 @@ def read_trace(directory: str | os.PathLike, rank: int) -> dict[int, dict]:
             out.setdefault(int(entry.pop("step")), {}).update(entry)
         except (ValueError, KeyError, TypeError, AttributeError):
             continue  # a line cut short by a kill
+    return out
+
+
+def read_launches(directory: str | os.PathLike, rank: int) -> list[dict]:
+    """A rank's launches, in order: ``{"start": step it started at, "last":
+    the highest step it traced}`` (empty: none traced)."""
+    out: list[dict] = []
+    try:
+        lines = (Path(directory) / "trace" / f"r{rank}.jsonl").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if not isinstance(entry, dict):
+            continue
+        if isinstance(entry.get("start"), int):
+            out.append({"start": entry["start"], "last": entry["start"]})
+        elif isinstance(entry.get("step"), int) and out:
+            out[-1]["last"] = max(out[-1]["last"], entry["step"])
     return out
 
 

@@ -30,10 +30,10 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from trainguard.core.rehearsal import read_final, read_trace
+from trainguard.core.rehearsal import read_final, read_launches, read_trace
 
 from .cases import Case, plan_cases
-from .runs import launcher, run, saved_steps, strikes, trained_seconds
+from .runs import first_error, launcher, run, saved_steps, strikes
 from .verdict import judge
 
 __all__ = ["main"]
@@ -86,6 +86,12 @@ def main(argv: Sequence[str]) -> int:
         print(f"trainguard rehearse: the fault-free run failed (exit {reference.launches[-1].rc}); see "
               f"{reference.launches[-1].log}", file=sys.stderr)
         return 2
+    flaw = _not_fault_free(reference, final)
+    if flaw:  # every case would be compared with a run that went through a recovery itself
+        print(f"trainguard rehearse: the fault-free run was not free of faults: {flaw}; a rehearsal compares each "
+              f"case with a run that needed no recovery (on a busy machine a step slower than the hang limit reads "
+              f"as a hang: TRAINGUARD_HANG_MIN_S raises its floor); see {reference.launches[-1].log}", file=sys.stderr)
+        return 2
     world, steps = len(final), final[0]["steps_completed"]
     cases = plan_cases(world, steps, saved_steps(reference.directory), quick=opts["quick"])
     if opts.get("kinds"):
@@ -98,11 +104,10 @@ def main(argv: Sequence[str]) -> int:
         cases = [c for c in cases if c.kind in kinds]
     print(f"fault-free: {world} ranks, {steps} steps in {reference.launches[0].seconds:.1f} s; "
           f"{len(cases)} cases", flush=True)
-    within = trained_seconds(reference.directory) / 2
     ref_traces = {r: read_trace(reference.directory, r) for r in final}
     rows = []
     for i, case in enumerate(cases):
-        rows.append(_one(case, root, command, strategies, within, seed + i, final, ref_traces))
+        rows.append(_one(case, root, command, strategies, steps, seed + i, final, ref_traces))
         print(_line(rows[-1]), flush=True)
     passed = all(r["identical"] or r["skipped"] for r in rows)
     print("\n" + table(rows))
@@ -117,7 +122,22 @@ def main(argv: Sequence[str]) -> int:
     return 0 if passed else 1
 
 
-def _one(case: Case, root: Path, command: list[str], strategies: str | None, within: float, seed: int,
+def _not_fault_free(reference, final: dict) -> str:
+    """Why the fault-free run cannot stand as the reference ("" when it can):
+    it needed more than one launch, or recorded a recovery."""
+    if len(reference.launches) > 1:
+        first = reference.launches[0]
+        why = first_error(first.log)
+        return f"launch 1 of {len(reference.launches)} exited {first.rc}{': ' + why if why else ''}"
+    for rank in sorted(final):
+        for rec in final[rank].get("recoveries", []):
+            what = rec.get("message") or rec.get("reason") or ""
+            return (f"it recovered ({rec.get('strategy')}) from a {rec.get('fault')} on rank {rec.get('rank')} at "
+                    f"step {rec.get('step')}{': ' + what if what else ''}")
+    return ""
+
+
+def _one(case: Case, root: Path, command: list[str], strategies: str | None, steps: int, seed: int,
          reference: dict, ref_traces: dict) -> dict:
     row = {"case": case.name, "kind": case.kind, "fault": case.fault, "skipped": bool(case.skip),
            "identical": False, "reason": case.skip, "strategy": "", "lost_steps": None, "detect_s": None,
@@ -125,10 +145,12 @@ def _one(case: Case, root: Path, command: list[str], strategies: str | None, wit
     if case.skip:
         return row
     r = run(root / case.slug, command, fault=case.fault, strategies=strategies, outside=case.outside,
-            within_s=within, seed=seed)
+            rank=max(reference), steps=steps, seed=seed)
     final = read_final(r.directory)
     row["exits"] = [launch.rc for launch in r.launches]
-    verdict = judge(reference, final, {k: read_trace(r.directory, k) for k in reference}, ref_traces, row["exits"])
+    verdict = judge(reference, final, {k: read_trace(r.directory, k) for k in reference}, ref_traces, row["exits"],
+                    launches={k: read_launches(r.directory, k) for k in reference},
+                    planned_exits=case.planned_exits, errors=[first_error(launch.log) for launch in r.launches])
     row.update(identical=verdict.identical, reason=verdict.reason, dir=str(r.directory))
     records = final[0].get("recoveries", []) if final else []
     if records:
@@ -140,7 +162,7 @@ def _one(case: Case, root: Path, command: list[str], strategies: str | None, wit
         if t0 is not None and records[0].get("detected_at"):
             row["detect_s"] = round(records[0]["detected_at"] - t0, 3)
     elif final:
-        row["strategy"] = "none needed" if not strikes(r.directory) else "?"
+        row["strategy"] = "none needed" if not strikes(r.directory) else "none recorded"
     if case.outside is not None and r.launches and r.launches[0].signalled is None:
         row.update(identical=False, reason="the signal was never sent (the run ended first)")
     return row

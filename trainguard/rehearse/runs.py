@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from typing import Sequence
 
 from trainguard.core.rehearsal import ENV, read_trace
 
-__all__ = ["Launch", "Run", "run"]
+__all__ = ["Launch", "Run", "first_error", "run"]
 
 #: Launches of one run: the first and the relaunches a user would make
 #: after a dying gasp (exit 75) or a stop.
@@ -50,7 +51,7 @@ class Run:
 
 
 def run(directory: Path, command: Sequence[str], *, fault: str | None = None, strategies: str | None = None,
-        outside: int | None = None, within_s: float = 0.0, seed: int = 0, timeout_s: float = 3600) -> Run:
+        outside: int | None = None, rank: int = 0, steps: int = 0, seed: int = 0, timeout_s: float = 3600) -> Run:
     """Launch ``command`` (``trainguard run ...``) in ``directory`` and
     relaunch it, as a user would, while it stops after a dying gasp (75) or
     for any other reason, up to :data:`MAX_LAUNCHES` launches.
@@ -58,8 +59,8 @@ def run(directory: Path, command: Sequence[str], *, fault: str | None = None, st
     Args:
         fault: ``TRAINGUARD_FAULT`` for every launch (a fault strikes once
             per job: the run's checkpoint directory logs its strikes).
-        outside: a signal for the last rank's worker of the first launch, at
-            a random moment within ``within_s`` after its first step (seeded).
+        outside: a signal for ``rank``'s worker in the first launch, at a
+            random moment of its ``steps`` steps of training (seeded).
     """
     directory.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("TRAINGUARD_FAULT", ENV)}
@@ -78,7 +79,7 @@ def run(directory: Path, command: Sequence[str], *, fault: str | None = None, st
             signalled = None
             try:
                 if outside is not None and i == 0:
-                    signalled = _signal_at_random(proc, directory, outside, within_s, seed)
+                    signalled = _signal_at_random(proc, directory, outside, rank, steps, seed)
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -90,26 +91,31 @@ def run(directory: Path, command: Sequence[str], *, fault: str | None = None, st
     return out
 
 
-def _signal_at_random(proc: subprocess.Popen, directory: Path, sig: int, within_s: float,
+def _signal_at_random(proc: subprocess.Popen, directory: Path, sig: int, rank: int, steps: int,
                       seed: int) -> dict | None:
-    """Once the last rank traced its first step, wait a random moment
-    (at most ``within_s``) and send ``sig`` to that rank's worker."""
+    """At a random moment of training (seeded): once ``rank`` committed a
+    random step from 1 to ``steps - 2``, a random fraction of a step later,
+    send ``sig`` to its worker. Anchored to the run's own steps: a moment
+    drawn in seconds could fall after a fast run's training had ended."""
+    rng = random.Random(seed)
+    target, fraction = rng.randint(1, max(1, steps - 2)), rng.random()
     deadline = time.monotonic() + 600
-    rank = None
+    trace: dict = {}
     while proc.poll() is None and time.monotonic() < deadline:
-        traced = sorted(int(p.stem[1:]) for p in (directory / "trace").glob("r*.jsonl") if p.stat().st_size)
-        if traced:
-            rank = traced[-1]
+        trace = read_trace(directory, rank)
+        if any(step >= target for step in trace):
             break
         time.sleep(0.02)
-    if rank is None:
+    else:
         return None
-    time.sleep(random.Random(seed).uniform(0.0, max(0.0, within_s)))
+    times = [trace.get(s, {}).get("t") for s in (target - 1, target)]
+    if all(isinstance(t, (int, float)) for t in times):
+        time.sleep(fraction * max(0.0, times[1] - times[0]))
     pid = _worker(directory, rank)
     if pid is None or proc.poll() is not None:
         return None
     os.kill(pid, sig)
-    return {"rank": rank, "pid": pid, "signal": signal.Signals(sig).name, "time": time.time()}
+    return {"rank": rank, "pid": pid, "signal": signal.Signals(sig).name, "time": time.time(), "step": target}
 
 
 def _worker(directory: Path, rank: int) -> int | None:
@@ -128,12 +134,6 @@ def _worker(directory: Path, rank: int) -> int | None:
     return None
 
 
-def trained_seconds(directory: Path, rank: int = 0) -> float:
-    """How long the run's training took, from its trace."""
-    times = [e["t"] for e in read_trace(directory, rank).values() if "t" in e]
-    return max(times) - min(times) if len(times) > 1 else 0.0
-
-
 def saved_steps(directory: Path, rank: int = 0) -> list[int]:
     """The steps a run saved a periodic checkpoint of."""
     return sorted(s for s, e in read_trace(directory, rank).items() if e.get("saved"))
@@ -143,6 +143,26 @@ def launcher(argv: Sequence[str], framework: str) -> list[str]:
     """The ``trainguard run`` command for the user's launcher arguments."""
     return [sys.executable, "-m", "trainguard.cli", "run", *(["--framework", framework] if framework != "torch"
                                                             else []), *argv]
+
+
+def first_error(log: Path, width: int = 240) -> str:
+    """The first thing a launch's log says went wrong, in one line: a rank
+    that left its step on an error the guard did not recover, else the
+    launcher's line of a fault and how it ended, else the first ERROR, else
+    the decision the controller took ("" when none)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    error = re.compile(r"^\[trainguard [^\]]* ERROR \d{4}-")  # the log level, not "UCE ERROR" in a message
+    for pick in (lambda ln: error.match(ln) and " left step " in ln,
+                 lambda ln: "] fault: " in ln and " -> " in ln,  # the launcher's summary: the fault and its end
+                 lambda ln: error.match(ln), lambda ln: "] decision: " in ln):
+        line = next((ln for ln in lines if pick(ln)), None)
+        if line is not None:
+            text = line.split("] ", 1)[-1].strip()
+            return text if len(text) <= width else text[:width - 3] + "..."
+    return ""
 
 
 def strikes(directory: Path) -> list[dict]:

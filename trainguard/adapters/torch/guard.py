@@ -68,10 +68,12 @@ from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
 from .own import fingerprints
+from .probes import ThreadProbes
 from .process_group import AbortableProcessGroup
 from .sharding import refuse_different_models, sharding_of, structure
 from .state import state_sha256
 from .trainstate import TrainState
+from .undeclared import Undeclared
 
 __all__ = ["Guard"]
 
@@ -181,6 +183,10 @@ class Guard(Checkpoints, RankRuntime):
         self.state = TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, data=data, extra=extra,
                                 rank=self.rank, sharded=self.sharding is not None)
         self.optimizer = GuardedOptimizer(optimizer, self._start_update, self._end_update)
+        optimizers = {"optimizer": optimizer, "guarded": self.optimizer}  # what a scaler may step, by name
+        if self.state.scaler is not None:
+            self.state.scaler.optimizers.update(optimizers)
+        self.undeclared = Undeclared(scaler, self.state.host.get("data"), optimizers, warn=self.rank == 0)
         self.groups = tuple(replicas) if replicas else (ReplicaGroup.full(range(self.world_size)),)
         if self.sharding is not None:
             if replicas and tuple(replicas) != (self.sharding.replicas,):
@@ -255,8 +261,11 @@ class Guard(Checkpoints, RankRuntime):
         self.processor.add_stop_listener(self.comm.stop)
         if self.mesh_groups is not None:
             self.processor.add_stop_listener(self.mesh_groups.stop)
-        self._thread = threading.get_ident()
-        self.processor.watchdog.in_collective = self._blocked_on_comm
+        probes = ThreadProbes(threading.get_ident(), lambda: self.comm.busy or (
+            self.mesh_groups is not None and self.mesh_groups.busy))
+        self.processor.watchdog.in_collective = probes.blocked_on_comm
+        self.processor.watchdog.in_pause = probes.waiting_for_loader
+        self.processor.watchdog.where = probes.where
         self._exit_code: int | None = None
         atexit.register(self._exit_now)
         if join:
@@ -305,17 +314,6 @@ class Guard(Checkpoints, RankRuntime):
         for group in [self.process_group, *(self.mesh_groups.groups if self.mesh_groups is not None else ())]:
             group.black_hole()
 
-    def _blocked_on_comm(self) -> bool:
-        """For the watchdog (called on the processor's thread): is the
-        training thread waiting on communication? Collectives are in flight
-        and its innermost Python frame is in torch or in our group's wait
-        (``backward`` waiting for DDP's buckets, ``Work.wait``), not in the
-        training script."""
-        if not (self.comm.busy or (self.mesh_groups is not None and self.mesh_groups.busy)):
-            return False
-        frame = sys._current_frames().get(self._thread)
-        return frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
-
     # ----------------------------------------------------------- the loop
     def _begin(self) -> None:
         self.injector.strike("gc", self._step)
@@ -335,6 +333,7 @@ class Guard(Checkpoints, RankRuntime):
         if self._updated:
             raise ConfigError("guard.optimizer.step() was called twice in one step: one optimizer update per step "
                               "(guard.end_step(), or the end of `with guard.protect():`, commits each)")
+        self.undeclared.update_starts(sys._getframe(1))  # a GradScaler not given to the Guard steps?
         self.settle_snapshot()  # a snapshot copy of the last step may still be reading parameters
         self.record_own_at_update()
         if self.ddp is not None and self.ddp.will_sync_module_buffers():
@@ -364,7 +363,19 @@ class Guard(Checkpoints, RankRuntime):
         self.take_snapshot(self._step, background=True)  # settled at the next update
 
     def _fingerprints(self) -> dict:
-        return fingerprints(self.state.module, self.state.committed_own(), self.rank)
+        return fingerprints(self.state.module, self.state.committed_own(), self.rank, self._pieces())
+
+    def _pieces(self) -> dict:
+        """What a rehearsal compares besides the model and the own part:
+        the optimizer, the learning rates, the scheduler, the scaler (one
+        found stepping but not given too) and each extra, as committed."""
+        pieces = self.state.pieces()
+        if self.undeclared.scaler is not None and "scaler" not in pieces:
+            pieces["scaler"] = self.undeclared.scaler.state_dict()
+        return pieces
+
+    def _loop_ran(self, frame) -> None:
+        self.undeclared.loop_ran(frame)
 
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left and carry out the recovery."""
@@ -406,8 +417,9 @@ class Guard(Checkpoints, RankRuntime):
         return {"replicas": list(self.replicas), "own_fingerprints": {k: v for k, v in own.items() if k != "model"}}
 
     def _final_extras(self) -> dict:
-        return {"data_given": "data" in self.state.host,
-                **fingerprints(self.state.module, self.state.own_part(), self.rank)}
+        return {"data_given": "data" in self.state.host, "given": sorted(self.state.host),
+                "undeclared": dict(self.undeclared.found),
+                **fingerprints(self.state.module, self.state.own_part(), self.rank, self._pieces())}
 
     def _close_snapshots(self, finished: bool) -> None:
         super()._close_snapshots(finished)
@@ -415,4 +427,3 @@ class Guard(Checkpoints, RankRuntime):
             self.own_records.close()
 
 
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))

@@ -80,12 +80,14 @@ def unpack(data: bytes, where: str = "own part") -> Any:
         raise CheckpointError(f"{where} is malformed ({type(e).__name__}: {e})") from None
 
 
-def fingerprints(module: torch.nn.Module, own: dict, rank: int) -> dict:
+def fingerprints(module: torch.nn.Module, own: dict, rank: int, pieces: dict | None = None) -> dict:
     """For ``trainguard rehearse``: the model, this rank's streams (torch's
-    apart from Python's and NumPy's, which a script may leave unseeded) and
-    its data position, each as a fingerprint."""
+    apart from Python's and NumPy's, which a script may leave unseeded),
+    its data position and each of ``pieces`` (the optimizer, the scheduler,
+    ...: :meth:`.trainstate.TrainState.pieces`), each as a fingerprint."""
     rng = own["rng"][str(rank)]
     return {"model": fingerprint(module.state_dict()),
             "rng": fingerprint({"torch": rng["torch"], "cuda": rng.get("cuda")}),
             "python": fingerprint(rng["python"]), "numpy": fingerprint(rng.get("numpy")),
-            "data": fingerprint(own["data"]) if "data" in own else None}
+            "data": fingerprint(own["data"]) if "data" in own else None,
+            **{name: fingerprint(value) for name, value in (pieces or {}).items()}}

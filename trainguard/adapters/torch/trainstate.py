@@ -21,6 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .data import resumable
+from .scaler import ScalerState, is_scaler
 
 __all__ = ["TrainState", "unwrap"]
 
@@ -82,7 +83,9 @@ class TrainState:
         optimizer: the (unwrapped) optimizer.
         scheduler, scaler, data: optional objects with ``state_dict`` /
             ``load_state_dict``; ``data`` may also be a torchdata
-            ``StatefulDataLoader`` (:func:`.data.resumable`).
+            ``StatefulDataLoader`` (:func:`.data.resumable`), and a
+            ``torch.amp`` GradScaler is carried with its per-optimizer
+            state (:class:`.scaler.ScalerState`).
         extra: more named stateful objects to save and repair.
         sharded: the model is sharded (``fully_shard``): the state dicts
             hold each DTensor's local shard, put back into DTensors on load
@@ -97,6 +100,10 @@ class TrainState:
         self.rank = rank
         self.optimizer = optimizer
         data = resumable(data)  # a StatefulDataLoader: with its sampler's epoch; a plain DataLoader: refused
+        #: The GradScaler given, carried whole (its stage and found-inf per optimizer too).
+        self.scaler = ScalerState(scaler, {"optimizer": optimizer}) if is_scaler(scaler) else None
+        if self.scaler is not None:
+            scaler = self.scaler
         self.host: dict[str, Any] = {k: v for k, v in
                                      {"scheduler": scheduler, "scaler": scaler, "data": data, **(extra or {})}.items()
                                      if v is not None}
@@ -250,6 +257,17 @@ class TrainState:
         self.rng_loaded = own is not None
         if own is not None:
             _set_rng_state(_from_portable(own))
+
+    def pieces(self) -> dict:
+        """What a rehearsal compares besides the model and the own part, as
+        at the last commit: ``optimizer``, ``lr`` (every group's learning
+        rate), ``scheduler``, ``scaler`` and ``extra:<name>`` for each extra."""
+        host = self.snapshot["host"] if self.snapshot is not None else {k: v.state_dict() for k, v in self.host.items()}
+        out = {"optimizer": self.optimizer.state_dict(), "lr": [g["lr"] for g in self.optimizer.param_groups]}
+        for name, state in host.items():
+            if name != "data":
+                out[name if name in ("scheduler", "scaler") else f"extra:{name}"] = state
+        return out
 
     def model_and_optimizer(self) -> dict:
         state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}

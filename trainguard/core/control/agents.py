@@ -52,15 +52,19 @@ class AgentTable:
         self._agents[node] = _Agent(node, set(hello.ranks), hello.spare, probe=probe)
         log.info("node agent %s runs ranks %s (%d spare)", node, sorted(hello.ranks)[:16], hello.spare)
 
-    def lost(self, node: str, *, done: set[int] | frozenset[int] = frozenset()) -> None:
+    def lost(self, node: str, *, done: set[int] | frozenset[int] = frozenset(), starting: bool = False) -> None:
         """``node``'s relay stream ended; ``done``: the ranks that finished
         or were told to exit (an agent whose ranks are all done leaves as
-        the job ends: no news)."""
+        the job ends: no news); ``starting``: before every rank registered
+        (the agent ends its round when a rank failed while starting, and
+        said why: nothing was running that could be restarted)."""
         agent = self._agents.pop(node, None)
         if agent is not None:
             self.gone.append(node)
             if agent.ranks <= done:
                 log.debug("node agent %s left: its ranks are done", node)
+            elif starting:
+                log.info("node agent %s left before every rank had registered", node)
             else:
                 log.warning("node agent %s is gone: its ranks cannot be restarted on its node", node)
 

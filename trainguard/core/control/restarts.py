@@ -67,7 +67,8 @@ class Restarts:
         roster = self.roster
         # A rank that never registered (its script built no Guard) is no rank trainguard could restart.
         self.agents.lost(node, done=set(range(self.world_size)) if over else
-                         roster.finished | roster.exiting | roster.missing())
+                         roster.finished | roster.exiting | roster.missing(),
+                         starting=self.job.state is ControllerState.INIT)
 
     def no_more_restarts(self) -> None:
         """Spend the job's restart budget: every node agent is told none is left, so neither a

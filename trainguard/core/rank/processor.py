@@ -30,6 +30,7 @@ import grpc
 
 from ..api import (EXIT_HUNG, ControllerLostError, DataStatus, FaultKind, ProtocolError, RankStatus, RunStatus,
                    Severity, TransitionError)
+from .. import forks
 from ..checkpoint_parts import FileInfo, SavedShard
 from ..commands import Command, CommandResult, Exit, Stop
 from ..config import ProcessorConfig
@@ -121,6 +122,10 @@ class Processor:
                                device=device, device_repairable=device_repairable, restart_count=restart_count,
                                joining=joining, resumed_after_dump=resumed_after_dump,
                                join_refused=join_refused)
+        # A forked child (a DataLoader worker) keeping this connection open
+        # would outlive the rank: its replacement would be refused as a rank
+        # already connected (see :mod:`..forks`).
+        forks.keep_peer_from_children(self.config.controller)
         self._channel = client_channel(self.config.controller, self.config.max_message_bytes, self.config.tls)
         session = self._channel.stream_stream(
             f"/{SERVICE}/Session",

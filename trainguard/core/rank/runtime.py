@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Iterable, Iterator
@@ -31,6 +32,7 @@ from .processor import Processor
 from ..snapshot.shared import with_holders
 from .recovery import Outcome, recover
 from .history import JobHistory, Protected
+from .reached import note, notes, redone
 from .resume import resume
 
 __all__ = ["RankRuntime"]
@@ -106,6 +108,10 @@ class RankRuntime(JobHistory, abc.ABC):
         """What a rehearsal compares after each step (default: the state's hash)."""
         return {"model": self._state_sha256()}
 
+    def _loop_ran(self, frame) -> None:
+        """The first step of this process ended; ``frame`` is the training
+        loop's (an adapter may look at what it iterates)."""
+
     def _final_extras(self) -> dict:
         """What a rehearsal's final record adds to the report."""
         return {"data_given": False}
@@ -168,7 +174,7 @@ class RankRuntime(JobHistory, abc.ABC):
                 found[0] = None
             return found[0]
         try:
-            return resume(memory, newest, gather=self._gather_steps, outcomes=self._gather_outcomes, rank=self.rank,
+            step = resume(memory, newest, gather=self._gather_steps, outcomes=self._gather_outcomes, rank=self.rank,
                           load_memory=lambda step, slot, source: self._load_memory(
                               step, slot, source, found[0], holders.get(step)),
                           load_stored=self._load_stored,
@@ -176,6 +182,12 @@ class RankRuntime(JobHistory, abc.ABC):
         finally:  # a read closes its slots; these were not all read
             for slot in holders.values():
                 slot.close()
+        if self.rehearsal is not None:
+            self.rehearsal.started(step)
+        record = redone(self.store.root, step, say=self.rank == 0) if self.store is not None else None
+        if record is not None:  # the last launch got further and left no checkpoint of it
+            self.records.append(record)
+        return step
 
     # ------------------------------------------------------------- the controller
     def _connect(self, *, joining: bool = False) -> Processor:
@@ -270,6 +282,7 @@ class RankRuntime(JobHistory, abc.ABC):
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the number of completed steps until ``total`` are done."""
+        first = True
         while self._step < total:
             if self._at_boundary():
                 continue
@@ -279,6 +292,9 @@ class RankRuntime(JobHistory, abc.ABC):
             yield self._step
             if not self._entered:
                 raise ConfigError("wrap the body of `for step in guard.steps(...)` in `with guard.protect():`")
+            if first:
+                first = False
+                self._loop_ran(sys._getframe(1))  # the frame of the loop that drives this generator
 
     def protect(self) -> Protected:
         """Context manager around one step's body: a fault in it is
@@ -331,6 +347,8 @@ class RankRuntime(JobHistory, abc.ABC):
     def _leave(self, outcome: Outcome) -> None:
         """The controller said exit: say so, close, and leave with its code."""
         log.info("rank %d exits with code %d: %s", self.rank, outcome.exit_code, outcome.reason)
+        if self.store is not None and notes(self.rank, self.world_size):
+            note(self.store.root, self.rank, self._step, outcome.reason)  # a relaunch from older state counts it
         self.close(finished=False)
         self._exit(outcome.exit_code)
 

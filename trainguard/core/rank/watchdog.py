@@ -18,7 +18,12 @@ that with a limit learned from the steps it has seen::
   600 s), since storage and evaluation vary far more than steps do;
   trainguard's own saves open one, users wrap evaluation in one;
 * **the first step** has no learned time yet and gets ``first_step_s``
-  (default 600 s); after a recovery the clock restarts with what was learned.
+  (default 600 s); after a recovery the clock restarts with what was learned;
+* **a pause the adapter recognises** (:attr:`ProgressWatchdog.in_pause`: the
+  training thread waits for a ``DataLoader`` whose worker processes are
+  starting -- spawned workers import torch and the script, seconds at each
+  epoch) is held to ``first_section_s``, as a section seen for the first
+  time; the step's own time resumes from the last check that saw it.
 
 What the alarm says matters as much as when it rings. A rank waiting in a
 collective is usually the victim of a peer: one stuck elsewhere (which names
@@ -62,10 +67,12 @@ class Alarm:
     limit_s: float
     why: str  # how the limit was set
     in_collective: bool
+    where: str = ""  # where the training thread was, when the adapter can tell
 
     def describe(self) -> str:
         where = "waiting in a collective" if self.in_collective else "not in a collective"
-        return f"no progress for {self.idle_s:.2f} s (limit {self.limit_s:.2f} s: {self.why}; {where})"
+        at = f"; at {self.where}" if self.where else ""
+        return f"no progress for {self.idle_s:.2f} s (limit {self.limit_s:.2f} s: {self.why}; {where}{at})"
 
 
 class ProgressWatchdog:
@@ -79,6 +86,10 @@ class ProgressWatchdog:
         self._sections: list[tuple[str, float]] = []
         #: Set by the adapter: is the training thread blocked on communication?
         self.in_collective: Callable[[], bool] = lambda: False
+        #: Set by the adapter: what benign pause the training thread is in now ("" when none).
+        self.in_pause: Callable[[], str] = lambda: ""
+        #: Set by the adapter: where the training thread is now, in words (for the alarm).
+        self.where: Callable[[], str] = lambda: ""
         #: Set by the processor: called as a section opens (it tells the controller).
         self.on_section: Callable[[], None] = lambda: None
         self._armed = False
@@ -88,6 +99,7 @@ class ProgressWatchdog:
         self._gc_started: float | None = None
         self._alarmed = False
         self._waited = False  # this step waited on peers in a collective past its own limit
+        self._pause_since: float | None = None  # when the benign pause in_pause reports began
         self._track_gc = track_gc
         if track_gc:
             gc.callbacks.append(self._on_gc)
@@ -126,6 +138,7 @@ class ProgressWatchdog:
         self._excluded = 0.0
         self._alarmed = False
         self._waited = False
+        self._pause_since = None
 
     @property
     def median_step_s(self) -> float:
@@ -192,12 +205,26 @@ class ProgressWatchdog:
                     limit = max(self.config.steps_factor * median, self.config.min_limit_s)
                     why = f"{self.config.steps_factor:g} x median step {median:.2f} s, at least " \
                           f"{self.config.min_limit_s:g} s"
-            if idle <= limit:
+            if idle <= limit and self._pause_since is None:
                 return None  # the common case: no need to probe the training thread
             try:
                 in_collective = bool(self.in_collective())
+                pause = "" if in_collective or self._sections else str(self.in_pause() or "")
             except Exception:  # a probe must never break the watchdog
-                in_collective = False
+                in_collective, pause = False, ""
+            if pause:
+                if self._pause_since is None:
+                    self._pause_since = now - idle  # from the step's start: what came before is not known
+                paused = now - self._pause_since
+                if paused <= self.config.first_section_s:
+                    self._excluded = now - self._since  # excused up to this sighting; the step goes on from here
+                    return None
+                idle, limit = paused, self.config.first_section_s
+                why = f"{pause}, at least {limit:g} s"
+            else:
+                self._pause_since = None  # probed at every check while it lasted: its end is known to a poll
+                if idle <= limit:
+                    return None
             self._waited = self._waited or (in_collective and not self._sections)
             if in_collective or self._waited:
                 if self._steps and not self._sections:
@@ -210,4 +237,8 @@ class ProgressWatchdog:
             if idle <= limit:
                 return None
             self._alarmed = True
-            return Alarm(idle_s=idle, limit_s=limit, why=why, in_collective=in_collective)
+            try:
+                where = str(self.where() or "")
+            except Exception:  # a probe must never break the watchdog
+                where = ""
+            return Alarm(idle_s=idle, limit_s=limit, why=why, in_collective=in_collective, where=where)

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any
 
+from .. import forks
+
 __all__ = ["PersistWorker"]
 
 
@@ -41,6 +43,7 @@ class PersistWorker:
         if self._proc is None or self._proc.poll() is not None:
             if self._proc is not None:
                 self.restarts += 1
+                self._forget(self._proc)
             self._proc = subprocess.Popen([sys.executable, "-c", "from trainguard.core.snapshot.persist import main; "
                                                            "main()"],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -48,8 +51,23 @@ class PersistWorker:
                                                "TRAINGUARD_PERSIST_PARENT": str(os.getpid())},
                                           start_new_session=False)
             proc = self._proc
+            # A forked child (a DataLoader worker) holding the request pipe's
+            # write end would keep the worker from ever seeing its end.
+            forks.keep_from_children(proc.stdin.fileno())
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()
         return self._proc
+
+    @staticmethod
+    def _forget(proc: subprocess.Popen) -> None:
+        """Close our end of a worker's request pipe (forgotten by forked
+        children first: its number is reused once closed)."""
+        if proc.stdin.closed:
+            return
+        forks.release(proc.stdin.fileno())
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the worker is gone: nothing was waiting for the end of its input
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -67,7 +85,8 @@ class PersistWorker:
                 proc.stdin.write(json.dumps(req) + "\n")
                 proc.stdin.flush()
             except BrokenPipeError:
-                self._proc = None  # died between the check and the write: the next submit restarts it
+                self._forget(proc)  # died between the check and the write: start another
+                self._proc = None
                 proc = self._ensure()
                 proc.stdin.write(json.dumps(req) + "\n")
                 proc.stdin.flush()
@@ -108,10 +127,7 @@ class PersistWorker:
         wait for that (up to a minute), else leave it to finish alone (a
         process about to exit after a dying gasp)."""
         if self._proc is not None:
-            try:
-                self._proc.stdin.close()
-            except BrokenPipeError:
-                pass
+            self._forget(self._proc)
             if wait:
                 try:
                     self._proc.wait(timeout=60)
