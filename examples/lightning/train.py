@@ -1,6 +1,6 @@
 """A small model trained with Lightning, protected by trainguard.
 
-    trainguard run --max-restarts 0 --nproc-per-node 2 examples/lightning/train.py steps=12 checkpoint_dir=ckpt save_every=4
+    trainguard run --nproc-per-node 2 examples/lightning/train.py steps=12 checkpoint_dir=ckpt save_every=4
 
 A plain LightningModule and ``L.Trainer`` with ``GuardedDDPStrategy``
 (trainguard.integrations.lightning) as the strategy. Synthetic data, dropout

@@ -22,6 +22,11 @@ to the Guard's step, and the training loader -- wrapped in
 (Lightning's fetcher prefetches a batch, so the position kept is the
 batches Lightning has trained on, not fetched).
 
+No new process joins a running Lightning job (``fit``'s setup runs
+collectives of its own the running ranks do not take part in): a lost rank
+is dumped, and under ``trainguard run``'s restart budget the launcher
+restarts the whole group, which resumes from the dump.
+
 One optimizer, automatic optimization, ``accumulate_grad_batches=1``
 (one batch is one step); other setups are refused before step 0. Tied to
 Lightning 2.6's loop internals (the training epoch loop's
@@ -80,6 +85,19 @@ class _Position:
             self.loader.load_state_dict(self.pending)
 
 
+class _LightningGuard(Guard):
+    """The torch Guard, telling the controller that no process can join (a
+    new one would wait for good in ``fit``'s setup collectives: seen hanging
+    the job under the defaults), so recover-in-place hands over to the dump."""
+
+    def _connect_details(self) -> dict:
+        return {**super()._connect_details(), "join_refused": JOIN_REFUSED}
+
+
+JOIN_REFUSED = ("a new process cannot join a running Lightning job (fit's setup runs collectives the running "
+                "ranks do not take part in)")
+
+
 class _Commit(Callback):
     def __init__(self, strategy: "GuardedDDPStrategy") -> None:
         self.strategy = strategy
@@ -132,7 +150,7 @@ class GuardedDDPStrategy(DDPStrategy):
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None
         options = {"checkpoint_dir": f"{trainer.default_root_dir}/trainguard", **self.guard_options}
-        self.guard = Guard(self.model, self.optimizers[0], scheduler=scheduler, data=self._position, **options)
+        self.guard = _LightningGuard(self.model, self.optimizers[0], scheduler=scheduler, data=self._position, **options)
         self.optimizers = [self.guard.optimizer]  # Lightning's optimizer_step now goes through the wrapper
         trainer.callbacks.append(_Commit(self))
         loop = trainer.fit_loop.epoch_loop
