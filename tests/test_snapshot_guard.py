@@ -21,7 +21,11 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _job(job_runner, name, **kw):
+    """A job of SCRIPT. Its lost rank is dumped and the group restarted from the snapshots (with
+    --max-restarts, torch's agent): the strategies before issue 43's defaults, which restart a lost
+    rank alone instead (tests/test_defaults.py)."""
     job_id = f"snaptest-{uuid.uuid4().hex[:8]}"
+    kw.setdefault("strategies", "retry,dump,exit")
     job = job_runner(name, nproc=2, steps=12, save_every=4, script=SCRIPT,
                      extra_args=["--job-id", job_id, *kw.pop("extra_args", [])], **kw)
     assert not list(Path("/dev/shm").glob(f"trainguard-{job_id}-*")), "the node agent must remove its snapshots"
