@@ -18,6 +18,7 @@ import pytest
 from conftest import WORKERS, run_job
 from trainguard.core import Strategy
 from trainguard.core.annotations import resolve_strategies
+from trainguard.core.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -104,3 +105,32 @@ def test_a_dump_after_the_scripts_own_exception_is_not_restarted_in_a_loop(tmp_p
     assert "not restarting the group: the dump followed an exception of the script itself" in job.log, job
     assert "a bug in the script at step 4" in job.log, job
     assert job.log.count("all 2 ranks registered") == 1, job  # one round: the group was not started again
+
+
+def test_a_process_lost_during_a_periodic_save_gives_that_save_up_at_once_and_training_goes_on(tmp_path, reference):
+    """Rank 1 dies as the save of step 3 begins, before it wrote its own
+    part of it (random streams, data position); its replacement never
+    writes it. The survivor that finalises gives the save up when the
+    recovery ends instead of waiting the save timeout for it (and training
+    for a snapshot slot meanwhile): the job is bound below that timeout."""
+    ref, theirs = reference
+    env = {**SNAPSHOTS, "TRAINGUARD_SAVE_TIMEOUT_S": "120"}
+    job = run_job(tmp_path, "save", nproc=2, steps=STEPS, script=LM, env=env, save_every=3,
+                  fault="crash:rank=1,step=3,phase=save", max_restarts=None, timeout=100)
+    assert job.rc == 0, job
+    (record,) = job.report["recoveries"]
+    assert (record["fault"], record["rank"], record["strategy"], record["step"], record["lost_steps"]) == (
+        "process_lost", 1, "recover-in-place", 3, 0), record
+    assert len(job.report["pids"]["0"]) == 1 and len(job.report["pids"]["1"]) == 2, job.report["pids"]
+    assert job.log.count("rank 0: the checkpoint of step 3 is given up: own_r1.bin will never be written (rank 1 "
+                         "died before writing it and was restarted)") == 1, job
+    assert "never arrived" not in job.log and "was not saved" not in job.log, job  # no wait, no store failure
+    # Nothing of step 3 is left, and the next periodic save is complete: every rank's own part in it.
+    assert sorted(p.name for p in job.ckpt.iterdir() if p.name.startswith("step_")) == ["step_00000006"], job
+    saved = CheckpointStore(job.ckpt).latest()
+    assert saved is not None and saved.step == 6, job
+    assert {"own_r0.bin", "own_r1.bin"} <= set(saved.manifest["files"]), saved.manifest
+    ours = _ranks(tmp_path, "save")
+    for rank in (0, 1):
+        for key in ("final_state_sha256", "rng_sha256", "data"):
+            assert ours[rank][key] == theirs[rank][key], (rank, key)

@@ -19,7 +19,7 @@ from .comm import TorchComm
 from .fsdp import reset
 from .device import Device
 from .join import meet
-from .own import pack, unpack
+from .own import own_file, pack, unpack
 from .process_group import AbortableProcessGroup
 from .state import recv_state, send_state
 from .trainstate import TrainState
@@ -42,6 +42,7 @@ class TorchRank(Protocol):
     mesh_groups: Any  # the .fsdp.MeshGroups of a sharded model, or None
     processor: Processor
     store: Any  # a CheckpointStore, or None
+    snapshots: Any  # a SnapshotRing, or None
     history: dict
     replacement: bool  # a new process, until its history came from a replica
 
@@ -51,6 +52,8 @@ class TorchRank(Protocol):
     def merged_history(self, controller: dict) -> dict: ...
 
     def record_resume(self, record: dict, pids: dict | None) -> None: ...
+
+    def replaced_ranks(self, pids: dict | None) -> list[int]: ...
 
     def recorded_own(self, rank: int, step: int) -> bytes | None: ...
 
@@ -178,7 +181,14 @@ class TorchHandlers(Handlers):
         self.guard.finalize_checkpoint(step, shards, self.guard.merged_history(history), extra=own)
 
     def resumed(self, step: int, record: dict, pids: dict | None = None, replicas: int = 0) -> None:
-        self.guard.record_resume(record, pids)
+        g = self.guard
+        lost = g.replaced_ranks(pids)
+        if lost and g.snapshots is not None and g.store is not None:
+            # A save in flight that awaits a lost rank's own part: its replacement never writes it.
+            g.snapshots.give_up(g.store, [own_file(r) for r in lost],
+                                f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+                                "died before writing it and was restarted")
+        g.record_resume(record, pids)
         if replicas:
             self.guard.replicas_changed(step, replicas)
 

@@ -39,6 +39,12 @@ class JobHistory:
         records = list(self.history.get("records", [])) + self.records + list(controller.get("records", []))
         return {"records": records, "pids": pids}
 
+    def replaced_ranks(self, pids: Mapping[str, list] | None) -> list[int]:
+        """The ranks a recovery gave new processes: those with a PID in
+        ``pids`` (a Resume's, before :meth:`record_resume`) not known yet."""
+        known = self.merged_history({})["pids"]
+        return sorted(int(r) for r, seen in (pids or {}).items() if any(p not in known.get(str(r), []) for p in seen))
+
     def resumed_after_dump(self, step: int) -> str:
         """The cause of the dying gasp this rank resumed from at ``step`` (the history's last record
         is a dump of that step), or "" (the controller stops a relaunch that fails alike)."""

@@ -22,7 +22,9 @@ newest complete checkpoint, untouched); the trainer goes on and
 could not be written leaves an empty ``.failed`` record (it needs no data
 block, so it gets through to a full store), and the finalising worker gives
 up on the step at once and removes its temporary directory
-(:mod:`.records`).
+(:mod:`.records`). So it does for a file a survivor marked lost (its writer
+died before it wrote it): that reply says ``abandoned``, not a failure of
+the store.
 
 Nothing the worker does is on the training loop's path, and it runs at a
 lower CPU priority than the trainer (:data:`NICE`). If it is killed,
@@ -51,7 +53,7 @@ from ..api import CheckpointError
 from ..checkpoint import MEGATRON, MINDSPORE, TORCH, CheckpointStore, FileInfo, io_error
 from ..config import PersistConfig
 from .persist_client import PersistWorker
-from .records import FAILED, GIVE_UP_GRACE_S, RECORDS, Leftover, Leftovers, record_path, write_record
+from .records import FAILED, GIVE_UP_GRACE_S, LOST, RECORDS, Leftover, Leftovers, record_path, write_record
 from .segment import Mappings, Slot, State
 
 __all__ = ["PersistWorker"]
@@ -68,6 +70,10 @@ ORPHAN_GRACE_S = 5.0
 # --------------------------------------------------------------------- worker
 class _Superseded(CheckpointError):
     """A newer step is final already: this one is not needed (not a failure of the store)."""
+
+
+class _Abandoned(CheckpointError):
+    """A file of the step will never be written: its writer was lost (not a failure of the store)."""
 
 
 def _persist(req: dict, parent: int, sealing: Future | None = None, pushed: Future | None = None,
@@ -132,7 +138,8 @@ def _failed(store: CheckpointStore, step: int, name: str, fin: dict | None, erro
             write_record(store, step, FileInfo(name, -1, ""))
         except CheckpointError:  # the finaliser waits its timeout (or fails on the store itself)
             pass
-    return {"ok": False, "error": str(error), "superseded": isinstance(error, _Superseded), "last_complete": newest}
+    return {"ok": False, "error": str(error), "superseded": isinstance(error, _Superseded),
+            "abandoned": isinstance(error, _Abandoned), "last_complete": newest}
 
 
 def _write(req: dict, store: CheckpointStore, sealing: Future | None, pushed: Future | None,
@@ -189,6 +196,9 @@ def _await_records(tmp: Path, expected: list[str], timeout_s: float, parent: int
         failed = [n for n, p in zip(expected, paths) if p.with_suffix(FAILED).exists()]  # see write_record
         if failed:
             raise CheckpointError(f"{tmp.name}: {failed[:4]} could not be written; not finalised")
+        lost = [n for n, p in zip(expected, paths) if p.with_suffix(LOST).exists() and not p.is_file()]
+        if lost:
+            raise _Abandoned(f"{tmp.name}: {lost[:4]} will never be written (their writer was lost); not finalised")
         if all(p.is_file() for p in paths):
             try:
                 return [FileInfo(*json.loads(p.read_text())) for p in paths]

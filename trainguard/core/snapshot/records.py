@@ -6,7 +6,10 @@ worker, or by a rank beside it (its own part) -- is recorded under
 ``<step>_tmp/.records/``; the finaliser waits for every expected record,
 then writes the manifest. A file that could not be written is recorded as
 failed, and the finaliser gives up on the step: :class:`Leftovers` removes
-its temporary directory once the other ranks are done with it.
+its temporary directory once the other ranks are done with it. A file whose
+writer was lost before it wrote it (the process died; its replacement does
+not write the step) is marked lost by a survivor (:func:`give_up`), and the
+finaliser gives up on the step at once rather than wait for it.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from pathlib import Path
 
 from ..checkpoint import TMP_SUFFIX, CheckpointStore, FileInfo, io_error
 
-__all__ = ["FAILED", "RECORDS", "Leftover", "Leftovers", "record_path", "write_record"]
+__all__ = ["FAILED", "LOST", "RECORDS", "Leftover", "Leftovers", "give_up", "record_path", "write_record"]
 
 RECORDS = ".records"
 FAILED = ".failed"  # the suffix of a record saying its file could not be written
+LOST = ".lost"  # the suffix of a record saying its file's writer was lost before it wrote it
 #: How long a finalising worker that gave up on a step waits, beside its other work, for the other ranks'
 #: records before it removes the step's directory (a rank still writing would make it again); once its
 #: trainer closed it, at most :data:`CLOSING_GRACE_S` more (the trainer waits for it to exit).
@@ -61,6 +65,32 @@ def write_record(store: CheckpointStore, step: int, info: FileInfo) -> None:
         raise io_error(f"recording {info.name} of step {step}", e) from None
 
 
+def give_up(store: CheckpointStore, step: int, names: list[str]) -> list[str]:
+    """Mark each of ``names`` (files of ``step`` whose writers were lost)
+    that is not recorded yet as lost, so the finaliser waiting for it gives
+    up on the step; returns those marked. A file already recorded stays:
+    its writer wrote it before it was lost (the step may still complete).
+
+    Raises:
+        CheckpointError: the store did not take a mark.
+    """
+    tmp, marked = store.tmp_path(step), []
+    for name in names:
+        record = record_path(tmp, name)
+        if record.is_file():
+            continue
+        try:
+            # Never made here: without its directory, the finaliser is done with the step (it removes the
+            # records once every one is in, and this one was not), or it gave up on it.
+            record.with_suffix(LOST).touch()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise io_error(f"marking {name} of step {step} lost", e) from None
+        marked.append(name)
+    return marked
+
+
 @dataclasses.dataclass
 class Leftover:
     """A step a finaliser gave up on, to remove from the store."""
@@ -72,7 +102,7 @@ class Leftover:
 
     def due(self, now: float) -> bool:
         return now >= self.deadline or self.final() or \
-            all(p.is_file() or p.with_suffix(FAILED).exists() for p in self.others)
+            all(p.is_file() or p.with_suffix(FAILED).exists() or p.with_suffix(LOST).exists() for p in self.others)
 
     def final(self) -> bool:
         """Whether a newer or the same step is final meanwhile (its finalise

@@ -35,7 +35,7 @@ from ..checkpoint import CheckpointStore, FileInfo
 from .peer import fetch
 from .health import PersistHealth
 from .persist_client import PersistWorker
-from .records import write_record
+from .records import give_up, write_record
 from .segment import Entry, Layout, Slot, State
 from .settings import check_settings, directory_for
 from .shm import SnapshotDir
@@ -76,6 +76,7 @@ class SnapshotRing:
         self._last_entries: Sequence[Entry] = ()
         self.held: dict[int, int] = {}  # slot -> step written there by this process
         self.pinned: dict[int, int | None] = {}  # slot -> request id of a persist not answered yet (None: copying)
+        self.finalising: dict[int, list[str]] = {}  # step -> the files its finalise (asked, not answered) awaits
         self.taken = self.skipped = 0
         self.persisted: list[dict] = []
         self.errors: list[str] = []
@@ -229,12 +230,35 @@ class SnapshotRing:
     def persist(self, index: int, step: int, *, root: str, name: str, finalize: dict | None) -> None:
         """Ask the worker to write slot ``index`` (holding ``step``) to storage
         (once its copy has landed, when it is still running)."""
+        if finalize:
+            self.finalising[step] = list(finalize["expected"])
         if self.pending is not None and self.pending.index == index:
             self.pending.persists.append({"root": root, "name": name, "finalize": finalize})
             return
         rid = self.worker.submit("persist", slot=str(self.slots[index].path), step=step, root=root,
                                  naming=self.naming, name=name, finalize=finalize)
         self.pinned[index] = rid
+
+    def give_up(self, store: CheckpointStore, names: Sequence[str], why: str) -> list[int]:
+        """Give up each save this rank finalises that awaits one of ``names``
+        not written yet: its writer was lost (``why``), so it never will be
+        (:func:`.records.give_up`); the finaliser stops waiting at once and
+        the next save writes a complete checkpoint. Returns those steps."""
+        steps = []
+        for step, expected in sorted(self.finalising.items()):
+            try:
+                lost = give_up(store, step, [n for n in expected if n in names])
+            except CheckpointError as e:  # the finaliser waits its timeout, as before
+                log.warning("rank %d: the save of step %d awaits a file that will never be written, and %s",
+                            self.rank, step, e)
+                continue
+            if lost:
+                steps.append(step)
+                newest = store.tracked_step()
+                log.warning("rank %d: the checkpoint of step %d is given up: %s will never be written (%s). Training "
+                            "goes on; the next save writes a complete one (the newest complete checkpoint is %s)",
+                            self.rank, step, ", ".join(lost), why, "none" if newest is None else f"step {newest}")
+        return steps
 
     def write_beside(self, store: CheckpointStore, step: int, name: str, write: Callable[[], FileInfo], *,
                      whole: bool) -> None:
@@ -263,12 +287,15 @@ class SnapshotRing:
         for r in replies:
             if r["op"] == "persist":
                 self.pinned = {i: rid for i, rid in self.pinned.items() if rid is None or rid != r["id"]}
+                self.finalising.pop(r["step"], None)
                 if r["ok"]:
                     self.persisted.append({"step": r["step"], "final": r.get("final")})
                     self.health.saved(r["step"], final=r.get("final") is not None)
                 else:
                     self.errors.append(f"step {r['step']}: {r['error']}")
-                    if r.get("superseded"):  # not a failure: the newer checkpoint is there
+                    if r.get("abandoned"):  # not a failure of the store: give_up() said so already
+                        log.debug("rank %d: %s", self.rank, r["error"])
+                    elif r.get("superseded"):  # not a failure: the newer checkpoint is there
                         log.info("rank %d: the save of step %s was not finalised: %s", self.rank, r["step"],
                                  r["error"])
                     else:
