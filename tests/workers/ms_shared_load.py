@@ -37,6 +37,7 @@ def sealed(snaps: ParamSnapshots, index: int) -> None:
 class Params:
     def __init__(self) -> None:
         self.loads: list[dict] = []  # every set of arrays put into the parameters
+        self.buffers: list = []  # ModelState's parameters a forward pass moves: none here (no BatchNorm)
 
     def load_arrays(self, loaded: dict, source: str) -> None:
         self.loads.append({k: v.copy() for k, v in loaded.items()})
@@ -50,6 +51,7 @@ class Replica(Checkpoints):
         self.rank, self.world_size, self.snapshots, self.store = 1, 1, snapshots, None
         self.sharing, self.state = Sharing(1, 1, True, {0, 1}), Params()
         self.injector = FaultInjector([], 1)  # no faults: a load strikes phase=resume faults
+        self.rehearsal = None  # not under trainguard rehearse
 
     def all_gather_ints(self, values: list[int]) -> list[int]:
         return list(values)
