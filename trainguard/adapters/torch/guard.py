@@ -253,7 +253,8 @@ class Guard(Checkpoints, RankRuntime):
         self.state.commit(self._step)
         self.recorder = recorder_from_env(rank=self.rank, started_at=started_at, directory=profiling_dir)
         self._markers = TorchMarkers(self.recorder, [self.state.module], lambda: self._step,
-                                     lambda: self.process_group) if self.recorder else None
+                                     lambda: [g for g in (self.process_group, self.comm.default_group) if g is not None]
+                                     ) if self.recorder else None
 
         self.injector.on_stall = self._black_hole
         self._install_fault_hooks()

@@ -121,8 +121,9 @@ class TorchMarkers(LoopMarkers):
             group.observer = None
         self._observed = _groups(found)
         for group in self._observed:
-            try:  # a group torch.distributed made (the trainguard backend): its own name and global ranks
-                name, ranks = group.group_name, dist.get_process_group_ranks(group)
+            try:  # a group torch.distributed made or took as its default (the abortable one): name, global ranks
+                name = dist.distributed_c10d._world.pg_names.get(group) or group.group_name
+                ranks = dist.get_process_group_ranks(group)
             except (ValueError, RuntimeError, AttributeError):  # the Guard's own group
                 name, ranks = _name(group), list(group.members)
             group.observer = functools.partial(self._on_issue, name)
