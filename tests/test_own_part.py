@@ -262,3 +262,41 @@ def test_mindspore_streams_keep_the_op_seeds_its_functional_random_ops_draw_from
     for bad in ([[7, 0, 1]], [["dropout", "zero", 1]], "dropout"):
         with pytest.raises(CheckpointError, match="the record is not a record of random streams"):
             own.unpack(json.dumps({**record, "ops": bad}).encode(), "the record")
+
+
+def test_a_mindspore_own_part_carries_the_ranks_own_batchnorm_statistics():
+    """BatchNorm's moving statistics are each rank's own (its batches move
+    them; the all-reduce moves gradients only), so a rank's own-part record
+    carries them and a resume sets them back over the saver's. A record
+    naming other buffers, or of another shape or dtype, is refused; an
+    older record without them says so (``None``)."""
+    pytest.importorskip("mindspore")
+    from mindspore import Tensor, nn
+
+    from trainguard.adapters.mindspore import own
+    from trainguard.adapters.mindspore.state import ModelState, streams
+
+    net = nn.SequentialCell([nn.Dense(4, 4), nn.BatchNorm1d(4)])
+    state = ModelState(net, nn.SGD(net.trainable_params(), 0.1))
+    assert sorted(p.name for p in state.buffers) == ["1.moving_mean", "1.moving_variance"]
+    net.set_train(True)
+    net(Tensor(np.arange(8, dtype=np.float32).reshape(2, 4)))  # this rank's batch moves its statistics
+    state.updating(3)
+    mine = {k: v.copy() for k, v in state.buffers_at(3).items()}
+    assert not np.array_equal(mine["1.moving_mean"], np.zeros(4, np.float32))
+    record = own.unpack(own.pack(streams(), state.buffers_at(3)), "rank 1's record")
+    net(Tensor(np.ones((2, 4), np.float32)))  # ... and another's (a load of the saver's) replaces them
+    assert not np.array_equal(state.buffers_at(3)["1.moving_mean"], net[1].moving_mean.asnumpy())
+    state.set_buffers(record["buffers"], source="rank 1's record")
+    assert all(np.array_equal(p.asnumpy(), mine[p.name]) for p in state.buffers)
+
+    raw = json.loads(own.pack(streams(), mine))
+    assert own.unpack(json.dumps({k: v for k, v in raw.items() if k != "buffers"}).encode(), "old")["buffers"] is None
+    for bad in ([["1.moving_mean", "object", [4], ""]], [["x", "float32", [4], "!!"]], "buffers"):
+        with pytest.raises(CheckpointError, match="the record is not a record of random streams"):
+            own.unpack(json.dumps({**raw, "buffers": bad}).encode(), "the record")
+    other = {**mine, "1.moving_mean": np.zeros(5, np.float32)}
+    with pytest.raises(ValueError, match="1.moving_mean is float32\\[5\\], the network has float32\\[4\\]"):
+        state.set_buffers(other, source="a record")
+    with pytest.raises(ValueError, match="holds buffers"):
+        state.set_buffers({"1.moving_mean": mine["1.moving_mean"]}, source="a record")

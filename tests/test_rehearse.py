@@ -141,6 +141,22 @@ def test_a_rng_that_parted_beside_a_loader_not_given_names_the_loader():
     assert reason.startswith("random streams not restored") and "likely cause: the loop iterates `batches`" in reason
 
 
+def test_a_mindspore_rank_whose_own_part_parted_is_named_not_its_data_position():
+    """MindSpore's trace holds each rank's own part apart from the model: its
+    BatchNorm statistics (``buffers``) and MindSpore's streams. A rank that
+    resumed with another's statistics is named as such, not blamed on a data
+    position the script never gave (the message before)."""
+    ref = {1: {3: {"model": "a", "buffers": "b1", "streams": "s1"}, 4: {"model": "c", "buffers": "b2", "streams": "s2"}}}
+    case = copy.deepcopy(ref)
+    case[1][4].update(model="x", buffers="other")
+    reason = diagnose(ref, case, [1], {"data_given": False})
+    assert reason.startswith("the buffers (BatchNorm's moving statistics, each rank's own) parted first at step 4 "
+                             "on rank 1 with the same random streams"), reason
+    case[1][4].update(streams="other")
+    assert diagnose(ref, case, [1], {}).startswith("random streams not restored: rank 1's MindSpore's random streams "
+                                                   "(its generator and op seeds) differed from step 4")
+
+
 FINAL = {0: {"steps_completed": 8, "final_state_sha256": "f", "rng": "r", "data": "d", "recoveries": []}}
 
 

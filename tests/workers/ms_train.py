@@ -46,6 +46,7 @@ class Net(nn.Cell):
 
 
 net = Net()
+net.set_train(True)  # as Model.train does: BatchNorm moves each rank's own statistics
 loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 guard = Guard(net, nn.Momentum(net.trainable_params(), 0.05, 0.9), checkpoint_dir=ckpt, save_every=save_every,
               snapshot_every=int(__import__("os").environ.get("TRAIN_SNAPSHOT_EVERY", "0")),

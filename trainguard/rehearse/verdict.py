@@ -26,8 +26,10 @@ __all__ = ["Verdict", "diagnose", "judge", "launch_problem"]
 #: one step: random draws and the batch change everything after them; the
 #: scaler, the schedule and extras change the update; the optimizer's state
 #: and the model are what the others act on.
-_ORDER = ("rng", "python", "numpy", "data", "scaler", "scheduler", "lr", "extra:", "optimizer", "model")
-_STREAMS = {"rng": "torch's random streams", "python": "Python's random stream", "numpy": "NumPy's random stream"}
+_ORDER = ("rng", "streams", "python", "numpy", "data", "scaler", "scheduler", "lr", "extra:", "buffers", "optimizer",
+          "model")
+_STREAMS = {"rng": "torch's random streams", "python": "Python's random stream", "numpy": "NumPy's random stream",
+            "streams": "MindSpore's random streams (its generator and op seeds)"}
 _BUG = "a piece the Guard restores parted: please report it to trainguard with this rehearsal's directory"
 
 
@@ -119,7 +121,8 @@ def _redo(launches: Mapping[int, Sequence[dict]]) -> str:
 
 def _fields(final: Mapping) -> list[str]:
     """The fingerprints a final report or a trace entry holds."""
-    return [f for f in final if f in _STREAMS or f in ("data", "model", "optimizer", "lr", "scheduler", "scaler")
+    return [f for f in final if f in _STREAMS or f in ("data", "model", "buffers", "optimizer", "lr", "scheduler",
+                                                         "scaler")
             or f.startswith("extra:")]
 
 
@@ -189,6 +192,9 @@ def diagnose(reference: Mapping[int, Mapping[int, dict]], case: Mapping[int, Map
             return (f"the learning rate parted first {at} with the same random streams and data position: an LR "
                     f"schedule the Guard was not given -- pass your scheduler as Guard(..., scheduler=sched)")
         return f"the learning rate parted first {at}, the scheduler given: {_BUG}"
+    if part == "buffers":
+        return (f"the buffers (BatchNorm's moving statistics, each rank's own) parted first {at} with the same "
+                f"random streams: {_BUG}")
     if part.startswith("extra:"):
         return f"extra {part[6:]!r} parted first {at}: {_BUG}"
     if "data" in undeclared or not data_given:

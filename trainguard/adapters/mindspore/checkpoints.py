@@ -18,7 +18,8 @@ copies the parameters, the others only a header naming it (MindSpore's
 state has no per-rank part), and a replica that writes a save copies them
 itself.
 
-Each rank's random streams are its own (:mod:`.own`): recorded in the node
+Each rank's random streams and BatchNorm statistics are its own
+(:mod:`.own`): recorded in the node
 agent's memory as each update begins, written as ``own_r<rank>.json`` by
 every rank at a periodic save and by every survivor of a dying gasp (a
 survivor on a lost rank's node carries that rank's record), and set again at
@@ -144,7 +145,7 @@ class Checkpoints(JobHistory):
         """The update to ``step`` begins: the step drew its random numbers."""
         self.state.updating(step)
         if self.own_records is not None:
-            self.own_records.write(step, pack(self.state.streams_at(step)))
+            self.own_records.write(step, pack(self.state.streams_at(step), self.state.buffers_at(step)))
 
     def recorded_own(self, rank: int, step: int) -> bytes | None:
         """``rank``'s streams at ``step`` as recorded on this node, or ``None``."""
@@ -154,18 +155,31 @@ class Checkpoints(JobHistory):
         """``rank``'s streams (packed) as a file of ``step``'s checkpoint."""
         return self.store.write(step, own_file(rank), lambda f: f.write(data))
 
-    def _load_own(self, found: Verified | None, step: int) -> None:
-        """Set this rank's random streams from ``found``, the checkpoint of
-        ``step`` on storage; say so when it holds none of this rank's."""
+    def _load_own(self, found: Verified | None, step: int) -> bool:
+        """Set this rank's random streams and buffers from ``found``, the
+        checkpoint of ``step`` on storage; say so when it holds none of this
+        rank's. True when the buffers were this rank's own."""
         name = own_file(self.rank)
         if found is not None and found.step == step and name in found.manifest.get("files", {}):
             with found.open(name) as path:
-                set_streams(unpack(path.read_bytes(), str(path)))
-            return
+                return self._set_own(path.read_bytes(), str(path))
         log.warning("rank %d: the checkpoint of step %d holds no random streams of this rank (written before "
                     "trainguard saved them, or by a dying gasp that could not carry them: its log says why): they "
                     "go on as this process seeded them, so a script that draws from them is no longer "
                     "bit-identical to a fault-free run", self.rank, step)
+        return False
+
+    def _set_own(self, data: bytes, what: str) -> bool:
+        """Set this rank's streams, and its buffers when the record has them
+        (True), from its own-part record ``data``."""
+        record = unpack(data, what)
+        if record["buffers"] is not None:
+            try:
+                self.state.set_buffers(record["buffers"], source=what)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+        set_streams(record)
+        return record["buffers"] is not None
 
     def resume_user_streams(self, position: int) -> None:
         """Set this rank's random streams from those written beside a user
@@ -179,7 +193,8 @@ class Checkpoints(JobHistory):
                         "on as this process seeded them, so a script that draws from them is no longer "
                         "bit-identical to a fault-free run", self.rank, position, where)
             return
-        set_streams(unpack(data, str(self.stream_files.path(position, self.rank))))
+        if not self._set_own(data, str(self.stream_files.path(position, self.rank))):
+            self._warn_of_others_statistics("your load function's")
         self.state.commit(self._step)  # a retry of the first step sets these back
         log.info("rank %d took its random streams of step %d from %s", self.rank, position,
                  self.stream_files.path(position, self.rank))
@@ -283,7 +298,7 @@ class Checkpoints(JobHistory):
         if streams is None:
             raise CheckpointError(f"rank {self.rank} holds no random streams of step {step} "
                                   f"(it committed step {self.state.snapshot_step})")
-        return self.write_own(step, self.rank, pack(streams))
+        return self.write_own(step, self.rank, pack(streams, self.state.buffers_at(step)))
 
     # ------------------------------------------------- load (RankRuntime._load)
     def _gather_steps(self, steps: list[int], width: int = 64) -> list[list[int]]:
@@ -310,11 +325,11 @@ class Checkpoints(JobHistory):
         stored = found.manifest.get("meta", {}).get("history") if found is not None and found.step == step \
             else None
         self.history = stored or history
-        self._load_own(found, step)
+        own = self._load_own(found, step)
         self.resumed_from = {"step": step, "source": source, **({"state_of": holder.path.name} if holder else {})}
         log.info("rank %d resumed from %s at step %d (%s%s)", self.rank, source, step, slot.path,
                  f" and {holder.path.name}" if holder else "")
-        if holder is not None:
+        if holder is not None and not own:
             self._warn_of_others_statistics(f"{holder.path.name}'s")
 
     def _load_arrays(self, arrays: dict[str, np.ndarray], source: str) -> None:
@@ -332,8 +347,8 @@ class Checkpoints(JobHistory):
             self.history = found.manifest.get("meta", {}).get("history", {"records": [], "pids": {}})
         else:
             self.history = load_checkpoint(found, self.rank, self.state)
-        self._load_own(found, found.step)
-        if mine is not None and mine.get("saved_by", self.rank) != self.rank:
+        own = self._load_own(found, found.step)
+        if mine is not None and mine.get("saved_by", self.rank) != self.rank and not own:
             self._warn_of_others_statistics(f"rank {mine['saved_by']}'s")
         self.resumed_from = {"step": found.step, "source": "storage"}
         log.info("rank %d resumed from storage at step %d (%s)", self.rank, found.step, found.path)
@@ -342,8 +357,9 @@ class Checkpoints(JobHistory):
     def _warn_of_others_statistics(self, whose: str) -> None:
         """A checkpoint holds one replica's parameters; BatchNorm's moving
         statistics are each rank's own (moved by its own batches, never
-        all-reduced), so a rank that loads another's goes on with other
-        statistics than it had (not yet carried in its own part)."""
+        all-reduced), and a rank whose own part does not carry its own (a
+        record written before they were kept) goes on with other
+        statistics than it had."""
         moving = [p.name for p in self.state.buffers if "moving_" in p.name]
         if moving:
             log.warning("rank %d resumed with %s BatchNorm statistics (%s, ...): each rank moves its own, and a "

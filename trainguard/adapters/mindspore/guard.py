@@ -77,7 +77,7 @@ from .handlers import MindSporeHandlers
 from .markers import MindSporeMarkers
 from .optimizer import OptTFTWrapper
 from .random_ops import kernel_random_ops
-from .state import ModelState
+from .state import ModelState, stream_fingerprints
 from .user_saves import StreamFiles
 
 __all__ = ["Guard"]
@@ -358,8 +358,9 @@ class Guard(Collectives, Checkpoints, RankRuntime):
         self._step += 1
         self._phase = _COMPUTE
         self.state.commit(self._step)
-        if self.rehearsal is not None:  # MindSpore's replicas share their streams: the model tells all
-            self.rehearsal.step(self._step, {"model": self.state.sha256()})
+        if self.rehearsal is not None:  # each rank's own part (streams, BatchNorm statistics) is traced apart
+            self.rehearsal.step(self._step, {"model": self.state.sha256(), "buffers": self.state.buffers_sha256(),
+                                             **stream_fingerprints()})
         self._after_commit()
 
     def _reset_step(self) -> None:

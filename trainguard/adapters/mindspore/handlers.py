@@ -197,7 +197,7 @@ class MindSporeHandlers(Handlers):
         if g.save_fn is None and g.store is None:
             raise CheckpointError("no checkpoint_dir was given to the Guard, so there is nowhere to save")
         mine = g.state.streams_at(step)
-        data = pack(mine) if mine is not None else g.recorded_own(g.rank, step)
+        data = pack(mine, g.state.buffers_at(step)) if mine is not None else g.recorded_own(g.rank, step)
         if data is None:
             raise CheckpointError(f"rank {g.rank} committed step {g.state.snapshot_step}, not {step}, and its "
                                   f"node holds no record of step {step}")

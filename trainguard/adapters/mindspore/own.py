@@ -1,9 +1,11 @@
 """A MindSpore rank's own part -- its random streams (Python's, NumPy's
 global one, MindSpore's default generator and its op seeds,
-:func:`.state.streams`) -- as bytes.
+:func:`.state.streams`) and its buffers (BatchNorm's moving statistics) --
+as bytes.
 
 Replicas share their parameters, so any of them saves or serves those;
-each rank's streams are its own. The same bytes go into the node agent's
+each rank's streams are its own, and so are the statistics its own batches
+moved (a data-parallel all-reduce moves gradients only). The same bytes go into the node agent's
 record when each update begins (:mod:`trainguard.core.snapshot.own`) and,
 as ``own_r<rank>.json``, into a dying gasp's checkpoint, where a survivor on
 a lost rank's node copies that rank's record over. The bytes are JSON:
@@ -12,6 +14,7 @@ loading them runs no code, and a record that is not one is refused.
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 from typing import Any
@@ -31,6 +34,8 @@ FILE_INTS = 18
 
 #: MindSpore's generator state (``ms.get_rng_state()``: seed and offset as bytes).
 _GENERATOR_DTYPES = ("uint8", "int64")
+#: What a buffer may hold.
+_BUFFER_DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
 
 
 def own_file(rank: int) -> str:
@@ -49,8 +54,8 @@ def file_from_ints(name: str, ints: list[int]) -> FileInfo:
     return FileInfo(name, int(ints[1]), b"".join(int(w).to_bytes(2, "big") for w in ints[2:FILE_INTS]).hex())
 
 
-def pack(streams: dict[str, Any]) -> bytes:
-    """``streams`` (:func:`.state.streams`) as JSON bytes."""
+def pack(streams: dict[str, Any], buffers: dict[str, np.ndarray] | None = None) -> bytes:
+    """``streams`` (:func:`.state.streams`) and ``buffers`` (by name) as JSON bytes."""
     version, internal, gauss = streams["python"]
     name, keys, pos, has_gauss, cached = streams["numpy"]
     generator = streams["mindspore"].asnumpy()
@@ -59,12 +64,15 @@ def pack(streams: dict[str, Any]) -> bytes:
         "numpy": [name, np.asarray(keys, np.uint32).tobytes().hex(), int(pos), int(has_gauss), float(cached)],
         "mindspore": {"dtype": str(generator.dtype), "shape": list(generator.shape), "hex": generator.tobytes().hex()},
         "ops": sorted([kernel, int(op_seed), int(value)] for (kernel, op_seed), value in streams["ops"].items()),
+        **({} if buffers is None else {"buffers": [
+            [name, str(a.dtype), list(a.shape), base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()]
+            for name, a in sorted(buffers.items())]}),
     }, separators=(",", ":")).encode()
 
 
 def unpack(data: bytes, what: str) -> dict[str, Any]:
     """The streams ``pack`` wrote, checked by setting them in scratch
-    generators first.
+    generators first, and its buffers (``None``: a record without them).
 
     Raises:
         CheckpointError: ``data`` is not such a record (``what`` names it).
@@ -85,9 +93,17 @@ def unpack(data: bytes, what: str) -> dict[str, Any]:
         raw = np.frombuffer(bytes.fromhex(generator["hex"]), np.dtype(generator["dtype"]))
         mindspore = Tensor(raw.reshape([int(n) for n in generator["shape"]]).copy())
         ops = None if "ops" not in record else {(_kernel(k), int(o)): int(v) for k, o, v in record["ops"]}
+        buffers = None if "buffers" not in record else dict(_buffer(*row) for row in record["buffers"])
     except (ValueError, TypeError, KeyError, OverflowError) as e:
         raise CheckpointError(f"{what} is not a record of random streams: {type(e).__name__}: {e}") from None
-    return {"python": python, "numpy": numpy, "mindspore": mindspore, "ops": ops}
+    return {"python": python, "numpy": numpy, "mindspore": mindspore, "ops": ops, "buffers": buffers}
+
+
+def _buffer(name: Any, dtype: Any, shape: Any, data: Any) -> tuple[str, np.ndarray]:
+    if not isinstance(name, str) or dtype not in _BUFFER_DTYPES:
+        raise TypeError(f"a buffer {name!r} of dtype {dtype!r}")
+    raw = base64.b64decode(data, validate=True)
+    return name, np.frombuffer(raw, np.dtype(dtype)).reshape([int(n) for n in shape]).copy()
 
 
 def _kernel(name: Any) -> str:

@@ -27,7 +27,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-__all__ = ["ModelState", "set_streams", "streams", "streams_sha256"]
+__all__ = ["ModelState", "set_streams", "stream_fingerprints", "streams", "streams_sha256"]
 
 #: MindSpore's op seeds: the functional random operators derive each call's
 #: seeds from this table, (kernel name, op seed) -> the next seed, and
@@ -74,21 +74,47 @@ class ModelState:
         self._update_streams = (step, streams())
         self._update_buffers = (step, [p.asnumpy().copy() for p in self.buffers])
 
-    def restore_own_buffers(self, step: int) -> bool:
-        """Set the buffers back to this rank's own of ``step`` (its commit
-        of ``step``, or when its update to ``step`` began), after a repair
-        from a replica: BatchNorm's moving statistics are each rank's own
-        (a data-parallel all-reduce moves gradients only), so a replica's
-        are not this rank's. False when it knows neither."""
+    def buffers_at(self, step: int) -> dict[str, np.ndarray] | None:
+        """This rank's own buffers at ``step`` by name (its commit of
+        ``step``, or when its update to ``step`` began); ``None`` when it
+        knows neither. BatchNorm's moving statistics are each rank's own (a
+        data-parallel all-reduce moves gradients only), so a replica's are
+        not this rank's."""
         if self.snapshot_step == step:
             own = self._buffer_snapshot
         elif self._update_buffers is not None and self._update_buffers[0] == step:
             own = self._update_buffers[1]
         else:
+            return None
+        return {p.name: value for p, value in zip(self.buffers, own)}
+
+    def restore_own_buffers(self, step: int) -> bool:
+        """Set the buffers back to this rank's own of ``step``
+        (:meth:`buffers_at`) after a repair from a replica. False when it
+        knows none."""
+        own = self.buffers_at(step)
+        if own is None:
             return False
-        for p, value in zip(self.buffers, own):
-            ops.assign(p, Tensor(value))
+        self.set_buffers(own, source="this rank's own buffers")
         return True
+
+    def set_buffers(self, arrays: dict[str, np.ndarray], *, source: str) -> None:
+        """Set every buffer from ``arrays`` (the same names, shapes and dtypes).
+
+        Raises:
+            ValueError: ``arrays`` is not this network's buffers.
+        """
+        names = {p.name for p in self.buffers}
+        if set(arrays) != names:
+            raise ValueError(f"{source} holds buffers {sorted(set(arrays) ^ names)[:3]} the network does not, "
+                             f"or lacks them")
+        for p in self.buffers:
+            value = arrays[p.name]
+            if value.shape != tuple(p.shape) or value.dtype != p.asnumpy().dtype:
+                raise ValueError(f"{source}: {p.name} is {value.dtype}{list(value.shape)}, "
+                                 f"the network has {p.asnumpy().dtype}{list(p.shape)}")
+        for p in self.buffers:
+            ops.assign(p, Tensor(arrays[p.name]))
 
     def streams_at(self, step: int) -> dict[str, Any] | None:
         """This rank's random streams at ``step``: at its commit of
@@ -127,12 +153,20 @@ class ModelState:
 
     def sha256(self) -> str:
         """A hash of every parameter's name, dtype, shape and bytes."""
-        h = hashlib.sha256()
-        for name in sorted(self.params):
-            a = np.ascontiguousarray(self.params[name].asnumpy())
-            h.update(f"{name}:{a.dtype}:{a.shape};".encode())
-            h.update(a.tobytes())
-        return h.hexdigest()
+        return _sha256(self.params.values())
+
+    def buffers_sha256(self) -> str:
+        """A hash of the buffers alone (each rank's own)."""
+        return _sha256(self.buffers)
+
+
+def _sha256(params) -> str:
+    h = hashlib.sha256()
+    for p in sorted(params, key=lambda p: p.name):
+        a = np.ascontiguousarray(p.asnumpy())
+        h.update(f"{p.name}:{a.dtype}:{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def streams() -> dict[str, Any]:
@@ -151,6 +185,18 @@ def set_streams(now: dict[str, Any]) -> None:
     if now.get("ops") is not None:
         _OP_SEEDS.clear()
         _OP_SEEDS.update(now["ops"])
+
+
+def stream_fingerprints() -> dict[str, str]:
+    """For ``trainguard rehearse``: MindSpore's streams (its generator and
+    op seeds) apart from Python's and NumPy's, which a script may leave
+    unseeded."""
+    now = streams()
+    kind, keys, pos, gauss, cached = now["numpy"]
+    return {"streams": hashlib.sha256(now["mindspore"].asnumpy().tobytes() +
+                                      repr(sorted(now["ops"].items())).encode()).hexdigest(),
+            "python": hashlib.sha256(repr(now["python"]).encode()).hexdigest(),
+            "numpy": hashlib.sha256(f"{kind}:{pos}:{gauss}:{cached};".encode() + keys.tobytes()).hexdigest()}
 
 
 def streams_sha256() -> str:
