@@ -32,6 +32,8 @@ import torch._C._distributed_c10d as c10d
 
 from trainguard.core import ForceStop
 
+from .work import Work
+
 __all__ = ["AbortableProcessGroup", "run_cancellable"]
 
 log = logging.getLogger("trainguard.torch")
@@ -43,90 +45,6 @@ RETIRE_AT_EXIT_S = 5.0
 
 _live: "weakref.WeakSet[AbortableProcessGroup]" = weakref.WeakSet()
 _retiring: set[threading.Thread] = set()
-
-
-class _Work(dist._Work):
-    """A collective's handle whose future trainguard completes."""
-
-    def __init__(self, group: "AbortableProcessGroup", inner: Any, result: Any) -> None:
-        super().__init__()
-        self._group = group
-        self._result = result
-        self._future: torch.futures.Future = torch.futures.Future()
-        self._lock = threading.Lock()
-        self._inner: Any = None  # the backend's future, or its work when it has none
-        if inner is None:
-            return
-        group._pending.add(self)
-        if group.halted:
-            # stop() ran between the caller's check and the add above: it set
-            # the flag before sweeping _pending, so one of the two catches us.
-            self.finish(error=ForceStop("the process group was stopped"))
-            return
-        try:
-            future = self._inner = inner.get_future()
-        except RuntimeError:  # gloo's send/recv work has no future: wait on a helper thread
-            self._inner = inner
-            threading.Thread(target=self._wait_inner, args=(inner,), daemon=True,
-                             name="trainguard-p2p-wait").start()
-        else:
-            future.then(self._inner_done)
-
-    def _wait_inner(self, inner: Any) -> None:
-        try:
-            inner.wait()
-        except Exception as e:  # the backend's own failure (peer gone, timeout)
-            self.finish(error=e)
-        else:
-            self.finish()
-
-    def _inner_done(self, fut: torch.futures.Future) -> None:
-        try:
-            fut.wait()
-        except Exception as e:  # the backend's own failure (peer gone, timeout)
-            self.finish(error=e)
-        else:
-            self.finish()
-
-    def release(self, reason: str) -> None:
-        """Fail the collective with :class:`ForceStop`, unless the backend
-        already completed it: its callback may still wait for the GIL (a
-        STOP's thread can hold it just then), and a peer that saw the same
-        collective complete has gone on with its result -- a rank stopped
-        here would stay a step behind it."""
-        inner = self._inner
-        future = isinstance(inner, torch._C.Future)  # else gloo's send/recv work itself
-        if inner is None or not (inner.done() if future else inner.is_completed()):
-            self.finish(error=ForceStop(reason))
-        elif future:
-            self._inner_done(inner)
-        else:
-            self._wait_inner(inner)
-
-    def finish(self, error: BaseException | None = None) -> None:
-        with self._lock:
-            if self._future.done():
-                return
-            self._group._pending.discard(self)
-            # The backend's work is not needed past here, and it holds the backend's connections: kept from
-            # this handle (a handle a framework still holds: FSDP's reduce-scatter in an abandoned backward
-            # pass, the frames of its error), a retired backend stays open, and its peers' retiring threads
-            # wait on it into the interpreter's exit ("terminate called without an active exception").
-            self._inner = None
-            if error is None:
-                self._future.set_result(self._result)
-            else:
-                self._future.set_exception(error)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._future.wait()  # raises the stored exception, if any
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
 
 
 class AbortableProcessGroup(dist.ProcessGroup):
@@ -175,7 +93,7 @@ class AbortableProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._namespace = namespace
         self._abort = abort
-        self._pending: set[_Work] = set()
+        self._pending: set[Work] = set()
         self._halted = False
         self._black_hole = False
         self.generation = generation
@@ -191,7 +109,7 @@ class AbortableProcessGroup(dist.ProcessGroup):
 
     def stop(self, reason: str = "stopped by the controller") -> None:
         """Fail every pending collective the backend has not completed
-        (:meth:`_Work.release`) and refuse new ones until :meth:`rebuild`.
+        (:meth:`Work.release`) and refuse new ones until :meth:`rebuild`.
         Safe to call from any thread."""
         self._halted = True
         for work in list(self._pending):
@@ -282,16 +200,16 @@ class AbortableProcessGroup(dist.ProcessGroup):
         black-holed link."""
         self._black_hole = True
 
-    def _issue(self, op: str, *args: Any, result: Any) -> _Work:
+    def _issue(self, op: str, *args: Any, result: Any) -> Work:
         if self._black_hole and not self._halted:
-            work = _Work(self, None, result)
+            work = Work(self, None, result)
             self._pending.add(work)
             return work
         if self._halted:
-            work = _Work(self, None, result)
+            work = Work(self, None, result)
             work.finish(error=ForceStop(f"{op} refused: the process group is stopped"))
             return work
-        work = _Work(self, getattr(self._inner, op)(*args), result)
+        work = Work(self, getattr(self._inner, op)(*args), result)
         if self.observer is not None:
             self.observer(op, args, work)
         return work
