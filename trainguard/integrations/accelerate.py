@@ -44,6 +44,7 @@ import torch
 
 from trainguard.core import ConfigError
 from trainguard.torch import Guard
+from trainguard.adapters.torch.data import EpochBatches
 from trainguard.adapters.torch.data import _own_generator as own_generator  # the one ResumableLoader uses
 
 __all__ = ["ResumableShard", "generator_states", "generators", "guard_prepared", "protect", "set_generator_states"]
@@ -221,7 +222,7 @@ def set_generator_states(loader: Any, states: dict[str, torch.Tensor]) -> None:
             now[name].set_state(state)
 
 
-class _Epoch:
+class _Epoch(EpochBatches):
     """One epoch of a :class:`ResumableShard`: the loader's iterator, made at
     the first ``next`` (a collective of accelerate's: every rank makes it
     at the same step), counting the batches it yields."""
@@ -247,7 +248,7 @@ class _Epoch:
                 self._source.end()
         self._it = self._source = None
 
-    def _begin(self) -> None:
+    def begin(self) -> None:
         owner = self.owner
         if self.generator_at_start is None:
             self.generator_at_start = owner.generator_states()
@@ -261,21 +262,6 @@ class _Epoch:
             self._source = owner.loader
         self._it = iter(self._source)
 
-    def __iter__(self) -> "_Epoch":
-        return self
-
-    def __next__(self) -> Any:
-        if self.owner._live is self:
-            self.owner._loaded = False
-        if self.finished:
-            raise StopIteration
-        if self._it is None:
-            self._begin()
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self.finished, self._it, self._source = True, None, None
-            self.owner.loader.iteration = self.epoch + 1  # a skipping loader counted its own
-            raise
-        self.taken += 1
-        return batch
+    def ended(self) -> None:
+        self.finished, self._it, self._source = True, None, None
+        self.owner.loader.iteration = self.epoch + 1  # a skipping loader counted its own

@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["ResumableLoader", "StatefulLoaderPosition", "distributed_sampler", "resumable"]
+__all__ = ["EpochBatches", "ResumableLoader", "StatefulLoaderPosition", "distributed_sampler", "resumable"]
 
 
 def distributed_sampler(loader: Any) -> DistributedSampler | None:
@@ -235,7 +235,44 @@ class ResumableLoader:
         self._live.begin()
 
 
-class _Batches:
+class EpochBatches:
+    """One epoch of a resumable loader (``owner``): the loader's iterator,
+    made by :meth:`begin` on the first ``next``, counting the batches it
+    yields. ``owner._live`` is the epoch being trained; its first ``next``
+    after a position was loaded clears ``owner._loaded``."""
+
+    owner: Any
+    finished: bool
+    taken: int
+    _it: Iterator | None
+
+    def begin(self) -> None:
+        raise NotImplementedError
+
+    def ended(self) -> None:
+        """The loader's iterator is exhausted."""
+        self.finished = True
+
+    def __iter__(self) -> "EpochBatches":
+        return self
+
+    def __next__(self) -> Any:
+        if self.owner._live is self:
+            self.owner._loaded = False
+        if self.finished:
+            raise StopIteration
+        if self._it is None:
+            self.begin()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.ended()
+            raise
+        self.taken += 1
+        return batch
+
+
+class _Batches(EpochBatches):
     """An epoch of a :class:`ResumableLoader`: the loader's iterator, made
     on the first ``next`` (or when a position is loaded), counting the
     batches it yields."""
@@ -270,20 +307,3 @@ class _Batches:
             skip.disarm()
             object.__setattr__(loader, "batch_sampler", batches)
 
-    def __iter__(self) -> "_Batches":
-        return self
-
-    def __next__(self) -> Any:
-        if self.owner._live is self:
-            self.owner._loaded = False
-        if self.finished:
-            raise StopIteration
-        if self._it is None:
-            self.begin()
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self.finished = True
-            raise
-        self.taken += 1
-        return batch
