@@ -1,6 +1,7 @@
 """The framework-free half of a rank's snapshots: a ring of slots in the
-job's snapshot directory, the persist worker, and finding verified
-snapshots to load (the settings and the directory: :mod:`.settings`).
+job's snapshot directory and the persist worker (the settings and the
+directory: :mod:`.settings`; finding verified snapshots to load:
+:mod:`.found`).
 
 An adapter subclasses :class:`SnapshotRing` and calls :meth:`write` with
 the layout of its state (one :class:`Entry` per tensor, in its own order),
@@ -27,7 +28,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from ..api import CheckpointError
 from ..events import note
@@ -36,6 +37,7 @@ from .peer import fetch
 from .health import PersistHealth
 from .persist_client import PersistWorker
 from .records import give_up, write_record
+from .found import load_verified, verified
 from .segment import Entry, Layout, Slot, State
 from .settings import check_settings, directory_for
 from .shm import SnapshotDir
@@ -346,7 +348,7 @@ class SnapshotRing:
         here, the copy fetched from the peer. Bad ones are logged and
         skipped. Without ``verify`` the checksum is not checked here: the
         caller checks the one it loads (:func:`load_verified`)."""
-        found = self._verified(self.directory.candidates(self.rank), verify)
+        found = verified(self.directory, self.directory.candidates(self.rank), verify, self.rank)
         if self.peer and not any(source == "memory" for _, source in found.values()):
             # A new node in place of a lost one: the copy is on the node this rank pushed to.
             try:
@@ -356,32 +358,13 @@ class SnapshotRing:
                 copy = None
             if copy is not None:
                 copy.close()
-                found = self._verified(self.directory.candidates(self.rank), verify)
+                found = verified(self.directory, self.directory.candidates(self.rank), verify, self.rank)
         return found
 
     def replica_slots(self, rank: int) -> dict[int, Slot]:
         """Sealed snapshots another rank wrote on this node, by step (their
         checksums are checked when one is read, :func:`load_verified`)."""
-        return {step: slot for step, (slot, _) in self._verified(self.directory.slots_of(rank), False).items()}
-
-    def _verified(self, slots: list[Slot], verify: bool) -> dict[int, tuple[Slot, str]]:
-        found: dict[int, tuple[Slot, str]] = {}
-        peer_dir = self.directory.path / "peer"
-        for slot in slots:
-            source = "peer memory" if slot.path.parent == peer_dir else "memory"
-            try:
-                if not slot.lock(False):
-                    continue
-                info = slot.verified() if verify else slot.info()
-                if info is None or info.state is not State.SEALED:
-                    raise CheckpointError(f"{slot.path.name}: snapshot is "
-                                          f"{info.state.name.lower() if info else 'unreadable'}, not sealed")
-                found.setdefault(info.step, (slot, source))
-            except CheckpointError as e:
-                log.warning("rank %d: not using snapshot %s: %s", self.rank, slot.path.name, e)
-            finally:
-                slot.unlock()
-        return found
+        return {step: slot for step, (slot, _) in verified(self.directory, self.directory.slots_of(rank), False, self.rank).items()}
 
 
 @dataclass
@@ -391,21 +374,3 @@ class _Pending:
     step: int
     copying: Future
     persists: list[dict] = field(default_factory=list)  # persist() requests made meanwhile
-
-
-def load_verified(slot: Slot, read: Callable[[memoryview], Any],
-                  then: Callable[[Any], Any] = lambda got: got) -> Any:
-    """``then(read(payload))`` of a slot whose checksum checks out, under its
-    lock (the read runs beside the checksum pass; its result is dropped
-    unless the checksum matches; ``then`` runs after the check, with the
-    payload still mapped).
-
-    Raises:
-        CheckpointError: the snapshot fails its check (or vanished).
-    """
-    try:
-        if not slot.lock(False, block=True):
-            raise CheckpointError(f"{slot.path.name}: gone")
-        return then(slot.verified(read)[1])
-    finally:
-        slot.close()
