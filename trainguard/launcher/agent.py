@@ -45,7 +45,6 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from trainguard.core import Controller, ControllerConfig, Strategy
 from trainguard.core.config_launch import LaunchConfig
@@ -61,6 +60,7 @@ from .node_servers import NodeServers
 from .watch import FrozenWatch, report_exit, stop_controller
 from .restart import Replacements
 from .own_copies import ROUND_KEY, fetch_into
+from .round_store import fresh_worker_store, publish_bootstrap
 from .warm import WarmGroup, script_error
 
 __all__ = ["TrainguardAgent"]
@@ -68,7 +68,6 @@ __all__ = ["TrainguardAgent"]
 log = logging.getLogger("trainguard.launcher")
 
 _ADDRESS_KEY = "trainguard/controller"
-_WORKER_STORE_KEY = "trainguard/worker_store_port"
 _ROUND_KEY = ROUND_KEY  # a random id of the round: the key of the peer servers' addresses
 #: The controller's states between a fault and its outcome.
 _HANDLING = ("ABNORMAL", "RECOVERING", "DUMPING")
@@ -120,25 +119,17 @@ class TrainguardAgent(LocalElasticAgent):
 
     # ----------------------------------------------------------- controller
     def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec) -> list:
-        """torch's, after node 0 publishes the shared store's address in
-        this round too.
-
-        torch 2.13's c10d rendezvous publishes it (``MASTER_ADDR`` /
-        ``MASTER_PORT``) only in node 0's first round, but a node that joins
-        a later round (one replacing a lost node) reads it from that round:
-        it would wait there while node 0 waits for its role here.
-        """
-        info = getattr(spec.rdzv_handler, "_bootstrap_store_info", None)
-        if group_rank == 0 and info is not None:
-            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, info.master_addr.encode())
-            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(info.master_port).encode())
+        """torch's, after node 0 publishes the shared store's address in this
+        round too (:func:`.round_store.publish_bootstrap`)."""
+        if group_rank == 0:
+            publish_bootstrap(store, spec)
         return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         self._failed_at, self._ended_at, self._reported = None, None, set()
         store = worker_group.store
-        self._fresh_worker_store(worker_group)
+        self._worker_store = fresh_worker_store(worker_group) or self._worker_store  # node 0 serves it
         world_size = worker_group.workers[0].world_size
         # First what every node publishes for the others (its peer server), so no node waits for another
         # that is still looking for the controller.
@@ -198,25 +189,6 @@ class TrainguardAgent(LocalElasticAgent):
         event, relay = answer_probe(agent_order(order), self._secret), self.relay
         if relay is not None:
             relay.report(agent_event_to_pb(event))
-
-    def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:
-        """Give each round's workers a store of their own.
-
-        torch 2.13's c10d rendezvous shares one TCP store across rounds and
-        workers no longer prefix their keys by attempt, so restarted workers
-        read the previous attempt's addresses and hang in
-        ``init_process_group``. The agent of node 0 serves a new store each
-        round (it outlives the workers) and every agent points its workers at
-        it.
-        """
-        if worker_group.group_rank == 0:
-            self._worker_store = dist.TCPStore(host_name=worker_group.master_addr, port=0, is_master=True,
-                                               multi_tenant=True, wait_for_workers=False)
-            worker_group.store.set(_WORKER_STORE_KEY, str(self._worker_store.port))
-        worker_group.master_port = int(worker_group.store.get(_WORKER_STORE_KEY).decode())
-        # The same on every node of the round, whatever its restart count (a
-        # node replacing a lost one starts at 0): the workers' store prefix.
-        os.environ["TRAINGUARD_STORE_ROUND"] = str(worker_group.master_port)
 
     def shutdown_controller(self) -> None:
         """After the run: stop the relay, the controller (keeping its last
