@@ -47,6 +47,20 @@ def run_once(tree: Path, script: str, args: list[str], out: Path) -> tuple[dict,
     return json.loads(out.read_text()), uptime, load
 
 
+def medians_of(rows: list[dict]) -> dict:
+    """The median of every numeric column, per tree and per kind of row (its ``mode`` and ``scenario``)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(" ".join([r["tree"], *(str(r[k]) for k in ("mode", "scenario") if r.get(k))]), []).append(r)
+    medians = {}
+    for label, mine in groups.items():
+        for k in mine[0]:
+            values = [r[k] for r in mine if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+            if k != "run" and len(values) == len(mine):
+                medians[f"{label}: median {k}"] = round(statistics.median(values), 3)
+    return medians
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", type=Path, required=True, help="a checkout of the baseline tree")
@@ -58,24 +72,19 @@ def main() -> None:
     script, *args = a.bench[1:] if a.bench[:1] == ["--"] else a.bench
     trees = {f"before ({commit(a.before)})": a.before.resolve(), f"after ({commit(HERE)})": HERE}
     (before, b_dir), (after, h_dir) = trees.items()
-    rows, last, uptimes = [], {}, []
+    rows, last, uptimes, run = [], {}, [], 0
     with tempfile.TemporaryDirectory(prefix="tg-pairs-") as d:
         for pair in range(a.runs):
             order = [(before, b_dir), (after, h_dir)] if pair % 2 == 0 else [(after, h_dir), (before, b_dir)]
             for label, tree in order:
+                run += 1
                 result, uptime, load = run_once(tree, script, args, Path(d) / "run.json")
-                print(f"run {len(rows) + 1}: {label}: {uptime}", file=sys.stderr)
-                uptimes.append(f"run {len(rows) + 1} ({label}): {uptime}")
+                print(f"run {run}: {label}: {uptime}", file=sys.stderr)
+                uptimes.append(f"run {run} ({label}): {uptime}")
                 for row in result["rows"]:
-                    rows.append({"run": len(rows) + 1, "tree": label, **row, "loadavg_1m_at_start": load})
+                    rows.append({"run": run, "tree": label, **row, "loadavg_1m_at_start": load})
                 last[label] = result
-    medians = {}
-    for label in trees:
-        mine = [r for r in rows if r["tree"] == label]
-        for k in mine[0]:
-            values = [r[k] for r in mine if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
-            if k != "run" and len(values) == len(mine):
-                medians[f"{label}: median {k}"] = statistics.median(values)
+    medians = medians_of(rows)
     out = {"benchmark": last[after]["benchmark"], "machine": common.machine(), "quick": last[after]["quick"],
            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "note": a.note, "command": f"python bench/pairs.py --before <{before}> --runs {a.runs} -- "
