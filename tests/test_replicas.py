@@ -113,3 +113,15 @@ def test_a_device_meshs_rows_are_replica_groups_and_its_columns_shards():
     assert choose_sources({r: (fsdp2,) for r in range(4)}, [2], usable=[0, 1, 3]) == ([], [(2, 0)])
     with pytest.raises(ConfigError, match="of one length"):
         ReplicaGroup.mesh([[0, 1], [2]])
+
+
+def test_registry_interns_equal_groups_sent_as_different_objects():
+    """Interning is by value (ranks, copies, shift), whichever object a rank's
+    Hello was parsed into; a group of the same ranks with other copies is another group."""
+    registry = Registry(8)
+    first = registry.intern(ReplicaGroup(tuple(range(8)), 8))
+    again = ReplicaGroup(tuple(list(range(8))), 8)
+    assert again is not first and hash(again) == hash(first) and registry.intern(again) is first
+    halves = ReplicaGroup(tuple(range(8)), 2)
+    assert halves != first and registry.intern(halves) is halves
+    assert registry.intern(ReplicaGroup(tuple(range(8)), 2, 0)) is halves

@@ -141,8 +141,8 @@ def _free_port() -> int:
 
 
 def test_a_two_node_job_whose_store_key_is_flooded_finishes_and_leaks_nothing(tmp_path):
-    """Two node agents on this host meet on the test's store; as soon as the
-    round's keys appear, a thread writes an impostor's address to the
+    """Two node agents on this host meet on the test's store; from before
+    they start, a thread writes an impostor's address to the first round's
     controller key as fast as it can, until node 1 came to the impostor and
     2 s more. Node 1 reads the forged value, refuses it and reads again;
     node 0 writes the true one again each second. The job finishes; the
@@ -160,10 +160,10 @@ def test_a_two_node_job_whose_store_key_is_flooded_finishes_and_leaks_nothing(tm
     stop = threading.Event()
     with Impostor() as impostor:
         def flood() -> None:
-            key = None
-            while key is None and not stop.is_set():
-                key = next((k[:-len("trainguard/round")] + "trainguard/controller" for k in store.list_keys()
-                            if k.endswith("trainguard/round")), None)
+            # The key as the agents see it: torch's rendezvous hands them a PrefixStore of the run id and the
+            # round (0, the only one here). Flooded from the start: waiting for the round's keys to learn the
+            # prefix lost the race under load (node 1 read the true value before the first forged write).
+            key = f"torch.rendezvous.{run_id}.0/trainguard/controller"
             end = time.monotonic() + 60
             while time.monotonic() < end and not stop.is_set():  # until node 1 came to the impostor, and 2 s more
                 store.set(key, impostor.address)

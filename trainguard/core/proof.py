@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from functools import lru_cache
 
 __all__ = ["NONCE_BYTES", "Admission", "Names", "Nonces", "client_proof", "derive", "nonce", "server_proof", "split_address"]
 
@@ -55,14 +56,27 @@ def _fields(*parts: bytes) -> bytes:
     return b"".join(struct.pack("!H", len(p)) + p for p in parts)  # lengths first: no two inputs alike
 
 
+@lru_cache(maxsize=16)
+def _keyed(key: bytes) -> "hmac.HMAC":
+    """HMAC-SHA256 with ``key`` mixed in and nothing else: each proof starts from a copy (the key schedule is
+    computed once per key, not once per proof; a job has a handful of keys, one per channel)."""
+    return hmac.new(key, digestmod=hashlib.sha256)
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    h = _keyed(key).copy()
+    h.update(data)
+    return h.digest()
+
+
 def server_proof(key: bytes, cn: bytes, sn: bytes, address: str) -> bytes:
     """The server's answer to ``cn``: it knows ``key``, for this exchange, at ``address``."""
-    return hmac.new(key, b"server\0" + _fields(cn, sn, address.encode()), hashlib.sha256).digest()
+    return _mac(key, b"server\0" + _fields(cn, sn, address.encode()))
 
 
 def client_proof(key: bytes, sn: bytes, cn: bytes, address: str, what: bytes = b"") -> bytes:
     """The client's answer to ``sn``, for ``what`` (the call it opens, the request it makes)."""
-    return hmac.new(key, b"client\0" + _fields(sn, cn, address.encode(), what), hashlib.sha256).digest()
+    return _mac(key, b"client\0" + _fields(sn, cn, address.encode(), what))
 
 
 def split_address(address: str) -> tuple[str, int] | None:

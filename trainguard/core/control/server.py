@@ -24,6 +24,7 @@ from ..commands import Command
 from ..loop import LoopThread
 from ..config import ControllerConfig
 from .controller import ControllerCore
+from .heap import Heap
 from ..profiling.live import LiveDetector
 from ..protocol import trainguard_pb2 as pb
 from .routing import END, Abort, NodeLink, call_exit_refusal, check_agent, dispatch, exit_refusal
@@ -291,6 +292,7 @@ class Controller(LoopThread):
         self._service: _Service | None = None
         self._core: ControllerCore | None = None
         self._live: LiveDetector | None = None
+        self._heap = Heap(world_size)
 
     thread_name = "trainguard-controller"
 
@@ -317,6 +319,7 @@ class Controller(LoopThread):
         if self._live is not None:
             self._live.stop()
         super().stop(grace_s)
+        self._heap.release()
 
     async def _serve(self, ready: Future) -> None:
         self._core = ControllerCore(self.config, self.world_size, send=lambda r, c: self._service.deliver(r, c),
@@ -369,6 +372,7 @@ class Controller(LoopThread):
             await asyncio.sleep(_TICK_S)
             try:
                 self._core.tick()
+                self._heap.tick(self._core.state)
             except Exception:
                 log.exception("controller tick failed")
 
