@@ -42,7 +42,8 @@ from typing import Any, Callable
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader
 
 from trainguard.core import ConfigError, RecoveryError
@@ -133,6 +134,7 @@ class GuardedDDPStrategy(DDPStrategy):
         self._position = _Position(self)
         self._in_step = False
         self._left = False
+        self._resume_at = 0
 
     # ------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -155,8 +157,7 @@ class GuardedDDPStrategy(DDPStrategy):
         trainer.callbacks.append(_Commit(self))
         loop = trainer.fit_loop.epoch_loop
         loop._broadcast_sigterm_tensor = self._begin_around(loop._broadcast_sigterm_tensor)
-        if self.guard.step:
-            self._resume_progress(trainer, self.guard.step)
+        self._resume_at = self.guard.step  # Lightning's counters are set once the loader is processed
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
@@ -168,13 +169,19 @@ class GuardedDDPStrategy(DDPStrategy):
         self._position.loader = ResumableLoader(dataloader)
         if self._position.pending is not None:
             self._position.loader.load_state_dict(self._position.pending)
+        if self._resume_at:
+            self._resume_progress(trainer, self._resume_at, len(dataloader))
         return self._position.loader
 
-    def _resume_progress(self, trainer, step: int) -> None:
-        """Lightning's counters at the Guard's ``step``: epoch, batch in it, global step."""
-        per_epoch = trainer.num_training_batches
-        if per_epoch in (None, float("inf")) or not per_epoch:
-            per_epoch = len(self._position_loader_hint(trainer))
+    def _resume_progress(self, trainer, step: int, length: int) -> None:
+        """Lightning's counters at the Guard's ``step``: epoch, batch in it,
+        global step. ``length``: the training loader's batches on this rank,
+        as Lightning processed it (its ``DistributedSampler`` in place; the
+        loader given to ``fit`` counts every rank's); an epoch ends at
+        ``limit_train_batches`` as Lightning's does."""
+        per_epoch = _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)
+        if not per_epoch:
+            raise ConfigError("GuardedDDPStrategy needs a training loader with batches to resume mid-run")
         epoch, done = divmod(step, int(per_epoch))
         fit = trainer.fit_loop
         fit.epoch_progress.increment_by(epoch)
@@ -188,13 +195,6 @@ class GuardedDDPStrategy(DDPStrategy):
         if done:
             loop.restarting = True  # keep the batch counter of the epoch at its start
         log.info("rank %d: Lightning goes on at epoch %d, batch %d (step %d)", self.global_rank, epoch, done, step)
-
-    @staticmethod
-    def _position_loader_hint(trainer) -> Any:
-        loader = trainer.fit_loop._data_source.dataloader()
-        if loader is None or not hasattr(loader, "__len__"):
-            raise ConfigError("GuardedDDPStrategy needs a training loader with a length to resume mid-run")
-        return loader
 
     # ------------------------------------------------------------ the step
     def _begin_around(self, broadcast: Callable[[], None]) -> Callable[[], None]:
