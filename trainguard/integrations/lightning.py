@@ -135,6 +135,7 @@ class GuardedDDPStrategy(DDPStrategy):
         self._in_step = False
         self._left = False
         self._resume_at = 0
+        self._broadcast: Callable[[], None] | None = None  # Lightning's SIGTERM broadcast
 
     # ------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -198,6 +199,8 @@ class GuardedDDPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ the step
     def _begin_around(self, broadcast: Callable[[], None]) -> Callable[[], None]:
+        self._broadcast = broadcast
+
         def begin_then_broadcast() -> None:
             while True:
                 self._begin()
@@ -234,9 +237,11 @@ class GuardedDDPStrategy(DDPStrategy):
         self._begin()  # one process: no SIGTERM broadcast began it
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        step = self.guard.step
+        step, again = self.guard.step, False
         while True:
             try:
+                if again:
+                    self._sigterm_broadcast()
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
             except Exception as error:
                 self._fail(error)
@@ -246,6 +251,19 @@ class GuardedDDPStrategy(DDPStrategy):
                 self._taken_over()
                 return None
             self._begin()  # the same batch again: the closure is bound to it
+            again = True
+
+    def _sigterm_broadcast(self) -> None:
+        """Lightning's SIGTERM ``broadcast`` again, before a retried batch's
+        closure: every rank's collectives after a recovery begin with it. A
+        rank whose state was taken over (above) begins its next batch with
+        it; a rank stopped in its own (Lightning ignores the error and goes
+        on to the batch: the fault shows in the closure) and retrying here
+        had it only before the fault: without it, it sent the backward
+        pass's gradients while the other waited in the broadcast, until the
+        watchdog took it for a second fault."""
+        if self._broadcast is not None and self.lightning_module.trainer.world_size > 1:
+            self._broadcast()
 
     def _taken_over(self) -> None:
         for config in self.lightning_module.trainer.lr_scheduler_configs:
