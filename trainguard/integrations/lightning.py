@@ -135,6 +135,7 @@ class GuardedDDPStrategy(DDPStrategy):
         self._in_step = False
         self._left = False
         self._resume_at = 0
+        self._skipping: list[tuple[Any, Any]] = []  # schedulers whose step is skipped (_taken_over)
         self._broadcast: Callable[[], None] | None = None  # Lightning's SIGTERM broadcast
 
     # ------------------------------------------------------------ setup
@@ -225,6 +226,7 @@ class GuardedDDPStrategy(DDPStrategy):
             raise
 
     def _end_step(self) -> None:
+        self._skipped()
         if not self._in_step:
             return  # a step a replica's state committed (_taken_over)
         self._in_step = False
@@ -266,12 +268,22 @@ class GuardedDDPStrategy(DDPStrategy):
             self._broadcast()
 
     def _taken_over(self) -> None:
+        """Lightning's scheduler steps for the rest of this batch are
+        skipped: the replica's scheduler state counts them already. Undone at
+        the batch's end (:meth:`_end_step`), so nothing is left on the
+        scheduler (its ``state_dict`` is its attributes)."""
         for config in self.lightning_module.trainer.lr_scheduler_configs:
-            scheduler, step = config.scheduler, config.scheduler.step
+            scheduler = config.scheduler
+            self._skipping.append((scheduler, vars(scheduler).get("step")))
+            scheduler.step = _skip
 
-            def once(*args: Any, _scheduler=scheduler, _step=step, **kwargs: Any) -> None:
-                _scheduler.step = _step  # the replica's scheduler state counts this step already
-            scheduler.step = once
+    def _skipped(self) -> None:
+        for scheduler, own in self._skipping:
+            if own is None:
+                vars(scheduler).pop("step", None)
+            else:
+                scheduler.step = own
+        self._skipping.clear()
 
     # ------------------------------------------------------------ the end
     def on_exception(self, exception: BaseException) -> None:
@@ -283,3 +295,7 @@ class GuardedDDPStrategy(DDPStrategy):
             self.guard_report = self.guard.report()
             self.guard.close()
         super().teardown()
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    """A scheduler step the replica's state counts already (see ``_taken_over``)."""

@@ -368,9 +368,12 @@ class Guard(Checkpoints, RankRuntime):
         return state_sha256(self.state.model_and_optimizer())
 
     def _report_extras(self) -> dict:
-        # this rank's random streams and data position at its last commit, as fingerprints
-        own = fingerprints(self.state.module, self.state.committed_own(), self.rank)
-        return {"replicas": list(self.replicas), "own_fingerprints": {k: v for k, v in own.items() if k != "model"}}
+        # as fingerprints at the last commit: this rank's random streams and data position (own), and the rest
+        # of the state besides the model (the scheduler, the scaler, extras: final_state_sha256 has the optimizer)
+        found = fingerprints(self.state.module, self.state.committed_own(), self.rank, self._pieces())
+        own = ("rng", "python", "numpy", "data")
+        return {"replicas": list(self.replicas), "own_fingerprints": {k: found[k] for k in own},
+                "piece_fingerprints": {k: v for k, v in found.items() if k not in own and k != "model"}}
 
     def _final_extras(self) -> dict:
         return {"data_given": "data" in self.state.host, "given": sorted(self.state.host),
