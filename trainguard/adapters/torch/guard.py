@@ -369,8 +369,9 @@ class Guard(Checkpoints, RankRuntime):
 
     def _report_extras(self) -> dict:
         # as fingerprints at the last commit: this rank's random streams and data position (own), and the rest
-        # of the state besides the model (the scheduler, the scaler, extras: final_state_sha256 has the optimizer)
-        found = fingerprints(self.state.module, self.state.committed_own(), self.rank, self._pieces())
+        # of the state (learning rates, scheduler, scaler, extras; the model and optimizer: final_state_sha256)
+        pieces = {k: v for k, v in self._pieces().items() if k != "optimizer"}
+        found = fingerprints(self.state.module, self.state.committed_own(), self.rank, pieces)
         own = ("rng", "python", "numpy", "data")
         return {"replicas": list(self.replicas), "own_fingerprints": {k: found[k] for k in own},
                 "piece_fingerprints": {k: v for k, v in found.items() if k not in own and k != "model"}}
