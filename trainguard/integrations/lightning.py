@@ -207,8 +207,8 @@ class GuardedDDPStrategy(DDPStrategy):
                 self._begin()
                 try:
                     return broadcast()
-                except Exception as error:  # a STOP released it: nothing of the step was taken yet
-                    self._fail(error)
+                except Exception as error:  # a STOP released it: nothing of the step was taken yet (Lightning
+                    self._fail(error)           # 2.6 ignores the broadcast's errors itself: see _sigterm_broadcast)
         return begin_then_broadcast
 
     def _begin(self) -> None:
