@@ -11,8 +11,12 @@ random streams and data position, Lightning's global step."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
+from conftest import ROOT, run_bounded
 from integration_jobs import run_example, same_end
 
 pytestmark = pytest.mark.timeout(900)
@@ -82,3 +86,16 @@ def test_a_lost_rank_under_the_defaults_is_dumped_and_the_group_restarted_bit_id
     (record,) = job.report["recoveries"]
     assert (record["fault"], record["rank"], record["strategy"]) == ("process_lost", 1, "dump"), record
     assert all(len(p) == 2 for p in job.report["pids"].values()), job.report["pids"]  # the group restarted
+
+
+def test_training_batches_whose_position_the_guard_cannot_keep_are_refused_before_step_0(tmp_path):
+    """An iterable of the script's own given to fit (no DataLoader to wrap
+    in ResumableLoader): trained before, its position unsaved, so a
+    relaunch or a rollback went on with other batches than a fault-free run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MASTER_", "RANK", "WORLD_SIZE",
+                                                                         "LOCAL_RANK"))}
+    proc = run_bounded([sys.executable, str(ROOT / "tests" / "workers" / "lightning_own_iterable.py"), str(tmp_path)],
+                       env=env, cwd=tmp_path, timeout=120, merge=True)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "ConfigError: GuardedDDPStrategy keeps the position of one training loader" in proc.stdout, proc.stdout[-3000:]
+    assert "got Batches" in proc.stdout and "trained" not in proc.stdout, proc.stdout[-3000:]

@@ -28,7 +28,8 @@ is dumped, and under ``trainguard run``'s restart budget the launcher
 restarts the whole group, which resumes from the dump.
 
 One optimizer, automatic optimization, ``accumulate_grad_batches=1``
-(one batch is one step); other setups are refused before step 0. Tied to
+(one batch is one step), one training ``DataLoader`` (its position is
+kept); other setups are refused before step 0. Tied to
 Lightning 2.6's loop internals (the training epoch loop's
 ``_broadcast_sigterm_tensor`` and progress counters); the ``[lightning]``
 extra pins the tested range.
@@ -164,8 +165,13 @@ class GuardedDDPStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer
-        if not (trainer.training and isinstance(dataloader, DataLoader) and self._position.loader is None):
+        if not trainer.training:
             return dataloader
+        if not isinstance(dataloader, DataLoader) or self._position.loader is not None:
+            # a position the Guard does not keep: a relaunch or a rollback would train on other batches
+            raise ConfigError(f"GuardedDDPStrategy keeps the position of one training loader, a torch DataLoader "
+                              f"given to fit once (no reload_dataloaders_every_n_epochs); got "
+                              f"{'a second one' if self._position.loader is not None else type(dataloader).__name__}")
         if dataloader.generator is None:  # seeded without a draw: a resumed run makes it after its streams are back
             dataloader.generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
         self._position.loader = ResumableLoader(dataloader)
