@@ -148,8 +148,8 @@ def own_records_us(iterations: int, tmp: Path) -> tuple[float, float]:
                             _record_when_sent=None, _step=0, rank=0)
     start = time.perf_counter()
     for _ in range(iterations):
-        Checkpoints.record_own_before_sending(guard)
-        Checkpoints.record_own_at_update(guard)
+        Checkpoints._record_own_before_sending(guard)
+        Checkpoints._record_own_at_update(guard)
         guard._step += 1
     both = (time.perf_counter() - start) / iterations * 1e6
     before.close()

@@ -40,8 +40,12 @@ def run_example(tmp: Path, example: str, name: str, *, steps: int, fault: str = 
 
 def same_end(job: Job, reference: Job) -> None:
     """``job`` ended where ``reference`` did: the state's hash, every rank's
-    random streams and data position, no step lost."""
+    random streams and data position (and the rest of its state, where the
+    example reports it), no step lost."""
     assert job.report is not None, job
     for key in ("steps_completed", "final_state_sha256", "final_own"):
         assert job.report[key] == reference.report[key], (key, job.report[key], reference.report[key], job)
+    if "final_pieces" in reference.report:  # every rank's scheduler, learning rates... (where the example gathers them)
+        assert job.report["final_pieces"] == reference.report["final_pieces"], (
+            job.report["final_pieces"], reference.report["final_pieces"], job)
     assert job.report["lost_steps"] == 0, job

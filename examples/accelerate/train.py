@@ -9,7 +9,7 @@ builds the Guard from the prepared objects and ``ResumableShard`` keeps the
 prepared loader's position. Synthetic data, dropout on; settings as
 ``key=value``: steps, seed, checkpoint_dir, save_every, report (a JSON file
 rank 0 writes: steps, recoveries, the state's hash, every rank's random
-streams and data position as fingerprints).
+streams, data position, scheduler and learning rates as fingerprints).
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def main(argv: list[str]) -> None:
             optimizer.zero_grad()
     report = guard.report()
     report["final_own"] = accelerator.gather_for_metrics([report["own_fingerprints"]], use_gather_object=True)
+    report["final_pieces"] = accelerator.gather_for_metrics([report["piece_fingerprints"]], use_gather_object=True)
     guard.close()
     if cfg["report"] and accelerator.is_main_process:
         with open(cfg["report"], "w") as f:

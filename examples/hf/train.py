@@ -7,8 +7,8 @@ A standard Trainer script with ``GuardedTrainer`` in place of ``Trainer``
 (nothing is downloaded), the data is synthetic, dropout is on. Settings as
 ``key=value``: steps, seed, checkpoint_dir (trainguard's checkpoints),
 save_every, report (a JSON file rank 0 writes: steps, recoveries, the
-state's hash, every rank's random streams and data position as
-fingerprints), hf_save_steps (the Trainer's own checkpoints under
+state's hash, every rank's random streams, data position, scheduler and
+learning rates as fingerprints), hf_save_steps (the Trainer's own checkpoints under
 ``<checkpoint_dir>/hf``; 0: none).
 """
 
@@ -64,9 +64,10 @@ def main(argv: list[str]) -> None:
                                             "save_every": int(cfg["save_every"])})
     trainer.train()
     report = trainer.guard_report
-    owns = [None] * dist.get_world_size()
+    owns, pieces = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(owns, report["own_fingerprints"])
-    report["final_own"] = owns
+    dist.all_gather_object(pieces, report["piece_fingerprints"])  # the scheduler's state, the learning rates...
+    report["final_own"], report["final_pieces"] = owns, pieces
     report["trainer_global_step"] = trainer.state.global_step
     if cfg["report"] and dist.get_rank() == 0:
         with open(cfg["report"], "w") as f:

@@ -7,8 +7,8 @@ A plain LightningModule and ``L.Trainer`` with ``GuardedDDPStrategy``
 on, AdamW with a per-step LambdaLR, a shuffled loader (Lightning gives it a
 DistributedSampler). Settings as ``key=value``: steps, seed, checkpoint_dir,
 save_every, report (a JSON file rank 0 writes: steps, recoveries, the
-state's hash, every rank's random streams and data position as
-fingerprints, Lightning's global step).
+state's hash, every rank's random streams and data position and the rest
+of its state (scheduler, learning rates) as fingerprints, Lightning's global step).
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ def main(argv: list[str]) -> None:
                         enable_model_summary=False, default_root_dir=cfg["checkpoint_dir"])
     trainer.fit(Model(), train_dataloaders=loader)
     report = strategy.guard_report
-    owns = [None] * dist.get_world_size()
+    owns, pieces = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(owns, report["own_fingerprints"])
-    report["final_own"], report["lightning_global_step"] = owns, trainer.global_step
+    dist.all_gather_object(pieces, report["piece_fingerprints"])  # the scheduler's state, the learning rates...
+    report["final_own"], report["final_pieces"], report["lightning_global_step"] = owns, pieces, trainer.global_step
     if cfg["report"] and dist.get_rank() == 0:
         with open(cfg["report"], "w") as f:
             json.dump(report, f, indent=1)

@@ -28,7 +28,8 @@ is dumped, and under ``trainguard run``'s restart budget the launcher
 restarts the whole group, which resumes from the dump.
 
 One optimizer, automatic optimization, ``accumulate_grad_batches=1``
-(one batch is one step); other setups are refused before step 0. Tied to
+(one batch is one step), one training ``DataLoader`` (its position is
+kept); other setups are refused before step 0. Tied to
 Lightning 2.6's loop internals (the training epoch loop's
 ``_broadcast_sigterm_tensor`` and progress counters); the ``[lightning]``
 extra pins the tested range.
@@ -42,7 +43,8 @@ from typing import Any, Callable
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader
 
 from trainguard.core import ConfigError, RecoveryError
@@ -133,6 +135,9 @@ class GuardedDDPStrategy(DDPStrategy):
         self._position = _Position(self)
         self._in_step = False
         self._left = False
+        self._resume_at = 0
+        self._skipping: list[tuple[Any, Any]] = []  # schedulers whose step is skipped (_taken_over)
+        self._broadcast: Callable[[], None] | None = None  # Lightning's SIGTERM broadcast
 
     # ------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -155,26 +160,36 @@ class GuardedDDPStrategy(DDPStrategy):
         trainer.callbacks.append(_Commit(self))
         loop = trainer.fit_loop.epoch_loop
         loop._broadcast_sigterm_tensor = self._begin_around(loop._broadcast_sigterm_tensor)
-        if self.guard.step:
-            self._resume_progress(trainer, self.guard.step)
+        self._resume_at = self.guard.step  # Lightning's counters are set once the loader is processed
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer
-        if not (trainer.training and isinstance(dataloader, DataLoader) and self._position.loader is None):
+        if not trainer.training:
             return dataloader
+        if not isinstance(dataloader, DataLoader) or self._position.loader is not None:
+            # a position the Guard does not keep: a relaunch or a rollback would train on other batches
+            raise ConfigError(f"GuardedDDPStrategy keeps the position of one training loader, a torch DataLoader "
+                              f"given to fit once (no reload_dataloaders_every_n_epochs); got "
+                              f"{'a second one' if self._position.loader is not None else type(dataloader).__name__}")
         if dataloader.generator is None:  # seeded without a draw: a resumed run makes it after its streams are back
             dataloader.generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
         self._position.loader = ResumableLoader(dataloader)
         if self._position.pending is not None:
             self._position.loader.load_state_dict(self._position.pending)
+        if self._resume_at:
+            self._resume_progress(trainer, self._resume_at, len(dataloader))
         return self._position.loader
 
-    def _resume_progress(self, trainer, step: int) -> None:
-        """Lightning's counters at the Guard's ``step``: epoch, batch in it, global step."""
-        per_epoch = trainer.num_training_batches
-        if per_epoch in (None, float("inf")) or not per_epoch:
-            per_epoch = len(self._position_loader_hint(trainer))
+    def _resume_progress(self, trainer, step: int, length: int) -> None:
+        """Lightning's counters at the Guard's ``step``: epoch, batch in it,
+        global step. ``length``: the training loader's batches on this rank,
+        as Lightning processed it (its ``DistributedSampler`` in place; the
+        loader given to ``fit`` counts every rank's); an epoch ends at
+        ``limit_train_batches`` as Lightning's does."""
+        per_epoch = _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)
+        if not per_epoch:
+            raise ConfigError("GuardedDDPStrategy needs a training loader with batches to resume mid-run")
         epoch, done = divmod(step, int(per_epoch))
         fit = trainer.fit_loop
         fit.epoch_progress.increment_by(epoch)
@@ -189,22 +204,17 @@ class GuardedDDPStrategy(DDPStrategy):
             loop.restarting = True  # keep the batch counter of the epoch at its start
         log.info("rank %d: Lightning goes on at epoch %d, batch %d (step %d)", self.global_rank, epoch, done, step)
 
-    @staticmethod
-    def _position_loader_hint(trainer) -> Any:
-        loader = trainer.fit_loop._data_source.dataloader()
-        if loader is None or not hasattr(loader, "__len__"):
-            raise ConfigError("GuardedDDPStrategy needs a training loader with a length to resume mid-run")
-        return loader
-
     # ------------------------------------------------------------ the step
     def _begin_around(self, broadcast: Callable[[], None]) -> Callable[[], None]:
+        self._broadcast = broadcast
+
         def begin_then_broadcast() -> None:
             while True:
                 self._begin()
                 try:
                     return broadcast()
-                except Exception as error:  # a STOP released it: nothing of the step was taken yet
-                    self._fail(error)
+                except Exception as error:  # a STOP released it: nothing of the step was taken yet (Lightning
+                    self._fail(error)           # 2.6 ignores the broadcast's errors itself: see _sigterm_broadcast)
         return begin_then_broadcast
 
     def _begin(self) -> None:
@@ -222,6 +232,7 @@ class GuardedDDPStrategy(DDPStrategy):
             raise
 
     def _end_step(self) -> None:
+        self._skipped()
         if not self._in_step:
             return  # a step a replica's state committed (_taken_over)
         self._in_step = False
@@ -234,9 +245,11 @@ class GuardedDDPStrategy(DDPStrategy):
         self._begin()  # one process: no SIGTERM broadcast began it
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        step = self.guard.step
+        step, again = self.guard.step, False
         while True:
             try:
+                if again:
+                    self._sigterm_broadcast()
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
             except Exception as error:
                 self._fail(error)
@@ -246,14 +259,37 @@ class GuardedDDPStrategy(DDPStrategy):
                 self._taken_over()
                 return None
             self._begin()  # the same batch again: the closure is bound to it
+            again = True
+
+    def _sigterm_broadcast(self) -> None:
+        """Lightning's SIGTERM ``broadcast`` again, before a retried batch's
+        closure: every rank's collectives after a recovery begin with it. A
+        rank whose state was taken over (above) begins its next batch with
+        it; a rank stopped in its own (Lightning ignores the error and goes
+        on to the batch: the fault shows in the closure) and retrying here
+        had it only before the fault: without it, it sent the backward
+        pass's gradients while the other waited in the broadcast, until the
+        watchdog took it for a second fault."""
+        if self._broadcast is not None and self.lightning_module.trainer.world_size > 1:
+            self._broadcast()
 
     def _taken_over(self) -> None:
+        """Lightning's scheduler steps for the rest of this batch are
+        skipped: the replica's scheduler state counts them already. Undone at
+        the batch's end (:meth:`_end_step`), so nothing is left on the
+        scheduler (its ``state_dict`` is its attributes)."""
         for config in self.lightning_module.trainer.lr_scheduler_configs:
-            scheduler, step = config.scheduler, config.scheduler.step
+            scheduler = config.scheduler
+            self._skipping.append((scheduler, vars(scheduler).get("step")))
+            scheduler.step = _skip
 
-            def once(*args: Any, _scheduler=scheduler, _step=step, **kwargs: Any) -> None:
-                _scheduler.step = _step  # the replica's scheduler state counts this step already
-            scheduler.step = once
+    def _skipped(self) -> None:
+        for scheduler, own in self._skipping:
+            if own is None:
+                vars(scheduler).pop("step", None)
+            else:
+                scheduler.step = own
+        self._skipping.clear()
 
     # ------------------------------------------------------------ the end
     def on_exception(self, exception: BaseException) -> None:
@@ -265,3 +301,7 @@ class GuardedDDPStrategy(DDPStrategy):
             self.guard_report = self.guard.report()
             self.guard.close()
         super().teardown()
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    """A scheduler step the replica's state counts already (see ``_taken_over``)."""

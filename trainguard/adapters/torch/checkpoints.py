@@ -57,7 +57,7 @@ class Checkpoints(JobHistory):
     """Saving and loading checkpoints for a :class:`~.guard.Guard` (a mix-in)."""
 
     # ------------------------------------------------------------ snapshots
-    def setup_snapshots(self, every: int, count: int, peer: bool, shared: bool = False) -> None:
+    def _setup_snapshots(self, every: int, count: int, peer: bool, shared: bool = False) -> None:
         """Snapshots every ``every`` steps in ``count`` slots (0: none), with a
         copy on the next node when ``peer``, one per node for the replicas
         there when ``shared``.
@@ -84,7 +84,7 @@ class Checkpoints(JobHistory):
                                   node_dir=self.settings.node_dir, root=self.settings.snapshot_root)
         self.snapshots = Snapshots(directory, self.rank, count=count, peer=address, token=self.settings.token)
 
-    def snapshot_state(self, step: int, holder: int | None = None) -> dict:
+    def _snapshot_state(self, step: int, holder: int | None = None) -> dict:
         """The snapshot of ``step``: the committed state, or with a
         ``holder`` other than this rank only this rank's own part."""
         if holder is not None and holder != self.rank:
@@ -97,17 +97,17 @@ class Checkpoints(JobHistory):
                       whole: bool = False) -> int | None:
         """Copy the committed state at ``step`` into memory; with ``wait_s``,
         wait that long for a slot a persist still holds; with ``background``,
-        host state is copied while training goes on (:meth:`settle_snapshot`
+        host state is copied while training goes on (:meth:`_settle_snapshot`
         before the next update); with ``whole``, the whole state even where
         a replica's snapshot on this node holds it."""
         background = background and self.snapshot_overlap
         holder = self.rank if whole else self.snapshot_holder()
         meta = self.sharing.meta(holder)
-        index = self.snapshots.take(self.snapshot_state(step, holder), step, background=background, meta=meta)
+        index = self.snapshots.take(self._snapshot_state(step, holder), step, background=background, meta=meta)
         if index is None and wait_s:
             log.warning("rank %d: every snapshot slot is being persisted; waiting for one", self.rank)
             self.snapshots.wait(wait_s)
-            index = self.snapshots.take(self.snapshot_state(step, holder), step, background=background, meta=meta)
+            index = self.snapshots.take(self._snapshot_state(step, holder), step, background=background, meta=meta)
         if index is not None:
             self.sharing.taken(step, holder, len(self.snapshots.slots))
         return index
@@ -119,13 +119,13 @@ class Checkpoints(JobHistory):
         return self.sharing.holder(self.groups[0].copies(self.rank), self.process_group.members,
                                    self.snapshots.directory.slots_of)
 
-    def settle_snapshot(self) -> None:
+    def _settle_snapshot(self) -> None:
         """Wait for a snapshot copy still running (before the state changes)."""
         if self.snapshots is not None:
             self.snapshots.settle()
 
     # ------------------------------------------------------------ own part
-    def setup_own_records(self) -> None:
+    def _setup_own_records(self) -> None:
         """Record this rank's own part in the node agent's memory at every
         update (:mod:`trainguard.core.snapshot.own`); none without an agent."""
         self._node_dir = self.settings.node_dir
@@ -133,11 +133,11 @@ class Checkpoints(JobHistory):
         self._sent_own: bytes | None = None  # packed when this step's first gradient bucket left
         self._record_when_sent: bool | None = None  # None: not known yet whether the script draws in between
 
-    def record_own(self, step: int, own: dict) -> None:
+    def _record_own(self, step: int, own: dict) -> None:
         if self.own_records is not None:
             self.own_records.write(step, pack(own))
 
-    def record_own_before_sending(self) -> None:
+    def _record_own_before_sending(self) -> None:
         """(DDP's comm hook, at the step's first gradient bucket.) Once this
         rank's gradients reached every peer, the peers can commit the step
         while this process dies before it began its update: the dump then
@@ -157,7 +157,7 @@ class Checkpoints(JobHistory):
             log.debug("rank %d: no record of its own part when its gradients left: %s", self.rank, e)
             self._sent_own, self._record_when_sent = None, False
 
-    def record_own_at_update(self) -> None:
+    def _record_own_at_update(self) -> None:
         """The update begins: the step drew its random numbers and batch."""
         if self.own_records is None:
             return

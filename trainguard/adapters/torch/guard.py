@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -62,8 +61,9 @@ from .checkpoints import Checkpoints
 from .comm import TorchComm, job_namespace
 from .compile_cache import TorchCompileCache, key_parts
 from .device import for_module
-from .fsdp import MeshGroups, backward_hook
+from .fsdp import MeshGroups
 from .handlers import TorchHandlers
+from .injection import fault_hooks
 from .join import joining
 from .markers import TorchMarkers
 from .optimizer import GuardedOptimizer
@@ -73,7 +73,7 @@ from .process_group import AbortableProcessGroup
 from .sharding import refuse_different_models, sharding_of, structure
 from .state import state_sha256
 from .trainstate import TrainState
-from .undeclared import Undeclared
+from .update import UpdateBracket
 
 __all__ = ["Guard"]
 
@@ -182,11 +182,8 @@ class Guard(Checkpoints, RankRuntime):
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.state = TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, data=data, extra=extra,
                                 rank=self.rank, sharded=self.sharding is not None)
-        self.optimizer = GuardedOptimizer(optimizer, self._start_update, self._end_update)
-        optimizers = {"optimizer": optimizer, "guarded": self.optimizer}  # what a scaler may step, by name
-        if self.state.scaler is not None:
-            self.state.scaler.optimizers.update(optimizers)
-        self.undeclared = Undeclared(scaler, self.state.host.get("data"), optimizers, warn=self.rank == 0)
+        self._update = UpdateBracket(self, optimizer, scaler, self.state.host.get("data"))
+        self.optimizer = self._update.optimizer
         self.groups = tuple(replicas) if replicas else (ReplicaGroup.full(range(self.world_size)),)
         if self.sharding is not None:
             if replicas and tuple(replicas) != (self.sharding.replicas,):
@@ -206,7 +203,6 @@ class Guard(Checkpoints, RankRuntime):
         self.replicas: list[dict] = [{"step": 0, "replicas": self.world_size}]  # data-parallel width over time
         self._handlers = TorchHandlers(self)
         self._step = 0
-        self._updated = False
         self._entered = False
         self._step_started = 0.0
         self._hooks: list[Any] = []
@@ -229,12 +225,12 @@ class Guard(Checkpoints, RankRuntime):
         self.comm = TorchComm(self.rank, self.world_size, self.device, self.ddp, timeout=comm_timeout,
                               namespace=job_namespace(self.settings),
                               generation=join["generation"] if join else 0,
-                              first_bucket=self.record_own_before_sending, route_default=self.sharding is None)
+                              first_bucket=self._record_own_before_sending, route_default=self.sharding is None)
         self.mesh_groups = MeshGroups(self.sharding, self.rank, self.world_size, self.device, timeout=comm_timeout,
                                       namespace=job_namespace(self.settings), generation=join["generation"] if join
-                                      else 0, first_reduce=self.record_own_before_sending) if self.sharding else None
-        self.setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer, snapshot_shared)
-        self.setup_own_records()
+                                      else 0, first_reduce=self._record_own_before_sending) if self.sharding else None
+        self._setup_snapshots(snapshot_every, snapshots_in_memory, snapshot_peer, snapshot_shared)
+        self._setup_own_records()
         started_at = time.time()
         if join:
             # The others are paused in a recovery: no start-up collectives;
@@ -257,7 +253,7 @@ class Guard(Checkpoints, RankRuntime):
                                      ) if self.recorder else None
 
         self.injector.on_stall = self._black_hole
-        self._install_fault_hooks()
+        self._hooks.extend(fault_hooks(self.state.module, self.injector, self.sharding, lambda: self._step))
         self.processor = processor or self._connect(joining=join is not None)
         self.processor.add_stop_listener(self.comm.stop)
         if self.mesh_groups is not None:
@@ -293,69 +289,31 @@ class Guard(Checkpoints, RankRuntime):
         """The group the step's collectives run on now (see :class:`.comm.TorchComm`)."""
         return self.comm.process_group
 
-    def _install_fault_hooks(self) -> None:
-        module = self.state.module
-        if self.injector.wants("forward"):
-            self._hooks.append(module.register_forward_pre_hook(
-                lambda mod, args: self.injector.strike("forward", self._step)))
-        if self.injector.wants("backward") and self.sharding is not None:
-            self._hooks.append(backward_hook(self.sharding, lambda: self.injector.strike("backward", self._step)))
-        elif self.injector.wants("backward"):
-            params = [p for p in module.parameters() if p.requires_grad]
-            middle = params[len(params) // 2]  # mid-backward: some buckets already reduced
-
-            def hook(grad: torch.Tensor) -> torch.Tensor:
-                self.injector.strike("backward", self._step)
-                return grad
-
-            self._hooks.append(middle.register_hook(hook))
-
     def _black_hole(self) -> None:
         """Fault injection (``stall``): the groups in use then stop sending."""
         for group in [self.process_group, *(self.mesh_groups.groups if self.mesh_groups is not None else ())]:
             group.black_hole()
 
     # ----------------------------------------------------------- the loop
+    # The step API's torch side (begin_step, end_step, fail_step: RankRuntime); the optimizer update is
+    # bracketed by self._update (.update).
     def _begin(self) -> None:
         self.injector.strike("gc", self._step)
         self._entered = True
-        self._updated = False
+        self._update.reset()
         self._step_started = time.perf_counter()
         self.comm.arm()
         if self.mesh_groups is not None:
             self.mesh_groups.arm()
 
-    def _start_update(self) -> None:
-        if not self._in_step:
-            raise ConfigError(
-                "guard.optimizer.step() was called outside a step: begin each step with guard.begin_step() and "
-                "end it with guard.end_step() (or wrap its body in `with guard.protect():`); for a framework's "
-                "trainer use its integration (trainguard.integrations.hf, .lightning, .accelerate)")
-        if self._updated:
-            raise ConfigError("guard.optimizer.step() was called twice in one step: one optimizer update per step "
-                              "(guard.end_step(), or the end of `with guard.protect():`, commits each)")
-        self.undeclared.update_starts(sys._getframe(1))  # a GradScaler not given to the Guard steps?
-        self.settle_snapshot()  # a snapshot copy of the last step may still be reading parameters
-        self.record_own_at_update()
-        if self.ddp is not None and self.ddp.will_sync_module_buffers():
-            # Make buffers (BatchNorm statistics) identical on every replica
-            # before the update, so any replica can serve or save the step.
-            self.ddp._sync_buffers()
-        self.processor.start_update()
-
-    def _end_update(self) -> None:
-        self.injector.strike("optimizer", self._step)
-        self._updated = True
-
     def _commit(self) -> None:
-        if not self._updated:  # no optimizer step in this iteration (e.g. GradScaler skipped it)
-            self._start_update()
+        self._update.finish()
         self.processor.end_update(self._step + 1)
         self._step += 1
-        self._updated = False
+        self._update.reset()
         self.state.commit(self._step)
         if self.own_records is not None and self.state.streams_moved():  # drawn after the update began
-            self.record_own(self._step, self.state.committed_own())
+            self._record_own(self._step, self.state.committed_own())
         if self.ddp is not None:
             self.comm.keep_bucket_layout()
         self._after_commit()
@@ -370,17 +328,14 @@ class Guard(Checkpoints, RankRuntime):
         """What a rehearsal compares besides the model and the own part:
         the optimizer, the learning rates, the scheduler, the scaler (one
         found stepping but not given too) and each extra, as committed."""
-        pieces = self.state.pieces()
-        if self.undeclared.scaler is not None and "scaler" not in pieces:
-            pieces["scaler"] = self.undeclared.scaler.state_dict()
-        return pieces
+        return self._update.pieces(self.state.pieces())
 
     def _loop_ran(self, frame) -> None:
-        self.undeclared.loop_ran(frame)
+        self._update.loop_ran(frame)
 
     def _handle(self, error: BaseException) -> None:
         """Report why the step was left and carry out the recovery."""
-        self.settle_snapshot()  # before a repair or a dump touches the state or the slots
+        self._settle_snapshot()  # before a repair or a dump touches the state or the slots
         phase = "optimizer" if self.processor.data is DataStatus.UPDATING else "step"
         report_left_step(self.processor, error, self.classifier, phase=phase)  # logs it too
         self._recover(error)
@@ -406,20 +361,24 @@ class Guard(Checkpoints, RankRuntime):
             self.optimizer.lr_factor = replicas / self.world_size
 
     def _reset_step(self) -> None:
-        self._updated = False
+        self._update.reset()
 
     # ------------------------------------------------------------- report
     def _state_sha256(self) -> str:
         return state_sha256(self.state.model_and_optimizer())
 
     def _report_extras(self) -> dict:
-        # this rank's random streams and data position at its last commit, as fingerprints
-        own = fingerprints(self.state.module, self.state.committed_own(), self.rank)
-        return {"replicas": list(self.replicas), "own_fingerprints": {k: v for k, v in own.items() if k != "model"}}
+        # as fingerprints at the last commit: this rank's random streams and data position (own), and the rest
+        # of the state (learning rates, scheduler, scaler, extras; the model and optimizer: final_state_sha256)
+        pieces = {k: v for k, v in self._pieces().items() if k != "optimizer"}
+        found = fingerprints(self.state.module, self.state.committed_own(), self.rank, pieces)
+        own = ("rng", "python", "numpy", "data")
+        return {"replicas": list(self.replicas), "own_fingerprints": {k: found[k] for k in own},
+                "piece_fingerprints": {k: v for k, v in found.items() if k not in own and k != "model"}}
 
     def _final_extras(self) -> dict:
         return {"data_given": "data" in self.state.host, "given": sorted(self.state.host),
-                "undeclared": dict(self.undeclared.found),
+                "undeclared": self._update.found,
                 **fingerprints(self.state.module, self.state.own_part(), self.rank, self._pieces())}
 
     def _close_snapshots(self, finished: bool) -> None:
