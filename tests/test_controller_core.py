@@ -428,7 +428,7 @@ def test_registrations_persist_health_and_agent_messages_cross_the_wire_field_fo
 
 
 def test_the_state_machine_takes_and_makes_no_protobuf():
-    """Protobuf is read and made at the controller's edge only (its server,
+    """Protobuf is read and made at the controller's edge only (its server and service,
     routing, wire translation and client), never by the core's state machine,
     the plain data it takes and makes, or the link survey (both sides)."""
     from pathlib import Path
@@ -436,5 +436,5 @@ def test_the_state_machine_takes_and_makes_no_protobuf():
     control = Path(command_to_pb.__code__.co_filename).parent
     plain = [*control.glob("*.py"), *(control.parent / f for f in ("api.py", "reports.py", "commands.py",
                                                                      "agent_messages.py", "links.py"))]
-    edge = {"server.py", "routing.py", "wire.py", "client.py"}
+    edge = {"server.py", "service.py", "routing.py", "wire.py", "client.py"}
     assert [f.name for f in plain if f.name not in edge and "trainguard_pb2" in f.read_text()] == []
