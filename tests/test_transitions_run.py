@@ -11,6 +11,7 @@ import pytest
 from trainguard.core import FaultKind, RunStatus, Severity, TransitionError
 from trainguard.core import transitions
 from trainguard.core.rank import processor as processor_module
+from trainguard.core.rank import standing as standing_module
 from trainguard.core.rank.processor import Processor
 from trainguard.core.commands import Clean, Command, Exit, Rebuild, Repair, Resume, Rollback, Stop
 from trainguard.core.rank.recovery import Handlers, recover
@@ -53,8 +54,8 @@ def test_every_live_state_may_exit_and_the_ends_are_final():
 
 # ------------------------------------------------------------- the processor
 class _Recorder:
-    """Wraps advance (the processor's, for its data status, and the one its
-    locked run status calls): records each change and whether the
+    """Wraps advance (its standing's, for the processor's data status, and
+    the one its locked run status calls): records each change and whether the
     processor's run-status lock was held while it was checked."""
 
     def __init__(self, processor):
@@ -69,7 +70,7 @@ class _Recorder:
 def recorded(monkeypatch):
     p = Processor(None, rank=0)
     rec = _Recorder(p)
-    monkeypatch.setattr(processor_module, "advance", rec)
+    monkeypatch.setattr(standing_module, "advance", rec)
     monkeypatch.setattr(transitions, "advance", rec)
     return p, rec
 

@@ -8,7 +8,8 @@ collectives stuck on a faulty peer); every command is also queued for the
 training thread, which executes it in :mod:`trainguard.core.rank.recovery`.
 
 The per-step calls :meth:`start_update` and :meth:`end_update` only change a
-field (after checking the transition); they never touch the network.
+field (after checking the transition); they never touch the network (the
+rank's standing: :mod:`.standing`).
 
 The same thread polls the rank's :class:`~.watchdog.ProgressWatchdog` a few
 times a second and reports a hang the moment the training loop has gone too
@@ -28,8 +29,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import grpc
 
-from ..api import (EXIT_HUNG, ControllerLostError, DataStatus, FaultKind, ProtocolError, RankStatus, RunStatus,
-                   Severity, TransitionError)
+from ..api import (EXIT_HUNG, ControllerLostError, FaultKind, ProtocolError, RankStatus, RunStatus, Severity,
+                   TransitionError)
 from .. import forks
 from ..checkpoint_parts import FileInfo, SavedShard
 from ..commands import Command, CommandResult, Exit, Stop
@@ -39,8 +40,8 @@ from ..protocol import trainguard_pb2 as pb
 from ..replicas import ReplicaGroup
 from ..handshake import Impostor, login
 from ..rpc import SERVICE, client_channel, status_to_pb
-from ..transitions import Locked, advance
 from . import messages
+from .standing import Standing
 from .watchdog import ProgressWatchdog, WatchdogConfig
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ _RETRYABLE = ("CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
 _WAKE = object()  # re-arm the heartbeat timer (the interval arrives with Welcome)
 
 
-class Processor:
+class Processor(Standing):
     """One per training process.
 
     Args:
@@ -75,10 +76,8 @@ class Processor:
         self.config = config
         self.rank = config.rank if config is not None else rank
         self.world_size = config.world_size if config is not None else 1
+        super().__init__(self.rank)
         self.stops = 0  # STOP commands received; a handler compares it to notice a new one
-        self.step = 0
-        self.data = DataStatus.UPDATED
-        self._run = Locked(RunStatus.STARTING, f"rank {self.rank}")
         self.stop_event = threading.Event()
         self.job_id = ""
         self._force_exit = force_exit
@@ -290,50 +289,10 @@ class Processor:
         if illegal is not None:
             raise illegal
 
-    # ----------------------------------------------------------- run status
-    @property
-    def run(self) -> RunStatus:
-        """What this rank is doing; changed only by :meth:`set_run`."""
-        return self._run.value
-
-    def set_run(self, new: RunStatus, what: str) -> None:
-        """Change the run status to ``new`` (``what``: the cause, for the error), checked and set under one
-        lock: reports come from other threads (stop listeners, the watchdog, a background saver).
-
-        Raises:
-            TransitionError: ``run -> new`` is not in :data:`~.transitions.RUN`.
-        """
-        self._run.set(new, what)
-
-    def _set_run_reporting(self, new: RunStatus, what: str) -> None:
-        """:meth:`set_run` for a report that must go out whatever the state (raised on another thread, an error
-        would lose it): an illegal change is logged at ERROR instead, the state stays, the report goes out."""
-        try:
-            self.set_run(new, what)
-        except TransitionError as e:
-            log.error("%s; the report is sent anyway (run status stays %s)", e, self.run.name)
-
     # ----------------------------------------------------------- hot path
-    def start_update(self) -> None:
-        self.data = advance(self.data, DataStatus.UPDATING, what=f"rank {self.rank} start_update")
-
     def end_update(self, step: int) -> None:
-        self.data = advance(self.data, DataStatus.UPDATED, what=f"rank {self.rank} end_update")
-        self.step = step
+        super().end_update(step)
         self.watchdog.step_done()
-
-    def abandon_update(self) -> None:
-        """The update window closes without an update: it failed before it
-        changed the state, which is still that of :attr:`step`."""
-        self.data = advance(self.data, DataStatus.UPDATED, what=f"rank {self.rank} abandon_update")
-
-    def begin_copy(self) -> None:
-        """This rank's state is being replaced from a replica."""
-        self.data = advance(self.data, DataStatus.COPYING, what=f"rank {self.rank} repair")
-
-    def end_copy(self, step: int) -> None:
-        self.data = advance(self.data, DataStatus.UPDATED, what=f"rank {self.rank} repair")
-        self.step = step
 
     # ----------------------------------------------------------- reports
     def status(self) -> RankStatus:
