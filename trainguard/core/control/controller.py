@@ -243,18 +243,10 @@ class ControllerCore:
         it running at ``last_running`` (unix time, 0 if unknown), so the
         fault came after that."""
         r = self.ranks.get(rank)
-        ep = self.episode
-        grow = self.job.grow
-        if ep is None and grow is not None and grow.started.get(rank) == pid:
-            self.restarts.grow_failed(f"the new process for rank {rank} (pid {pid}) exited with code {code}")
-            return
-        new_pid = ep.starts.started.get(rank) if ep is not None and ep.starts is not None else None
-        if new_pid == pid and (r is None or r.pid != pid or not r.alive):
-            # The replacement died before it joined: a fault during the recovery.
-            if ep.grow:
-                ep.tried.add(Strategy.ELASTIC_TRAINING)
-            self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank, detected_at=self._wall(),
-                              message=f"replacement pid {pid} exited with code {code} before it joined"))
+        early = self.restarts.exited_before_joining(rank, pid, code, joined=r is not None and r.pid == pid and r.alive)
+        if early is not None:  # a new process of the restarts': a fault during the recovery, if any
+            if early:
+                self._fault(Fault(kind=FaultKind.PROCESS_LOST, rank=rank, detected_at=self._wall(), message=early))
             return
         if r is None or r.pid != pid or not r.alive or rank in self.roster.exiting or rank in self.roster.finished:
             return

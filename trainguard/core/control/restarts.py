@@ -187,6 +187,22 @@ class Restarts:
         return Plan(strategy=Strategy.ELASTIC_TRAINING, step=lock, participants=tuple(sorted(r.rank for r in live)),
                     transfers=tuple(transfers), replacements=dict(ep.starts.placement))
 
+    def exited_before_joining(self, rank: int, pid: int, code: int, *, joined: bool) -> str | None:
+        """A process ``pid`` for ``rank`` exited with ``code`` (``joined``:
+        it registered as that rank and is alive). One a scale-up started:
+        the scale-up fails (""). A replacement a recovery started that had
+        not joined: why, as the fault during the recovery (a scale-up's
+        strategy then counts as tried). ``None``: not a new process of ours."""
+        ep, grow = self.job.episode, self.job.grow
+        if ep is None and grow is not None and grow.started.get(rank) == pid:
+            self.grow_failed(f"the new process for rank {rank} (pid {pid}) exited with code {code}")
+            return ""
+        if ep is not None and ep.starts is not None and ep.starts.started.get(rank) == pid and not joined:
+            if ep.grow:
+                ep.tried.add(Strategy.ELASTIC_TRAINING)
+            return f"replacement pid {pid} exited with code {code} before it joined"
+        return None
+
     def grow_failed(self, why: str) -> None:
         log.warning("scaling back up abandoned: %s", why)
         grow, self.job.grow = self.job.grow, None
