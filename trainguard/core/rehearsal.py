@@ -92,19 +92,30 @@ class Rehearsal:
         self._trace.close()
 
 
-def read_trace(directory: str | os.PathLike, rank: int) -> dict[int, dict]:
-    """A rank's trace: step -> its last fingerprints (empty when none)."""
-    out: dict[int, dict] = {}
+def _entries(directory: str | os.PathLike, rank: int) -> list[dict]:
+    """A rank's trace entries in order; a line cut short by a kill is skipped."""
     try:
         lines = (Path(directory) / "trace" / f"r{rank}.jsonl").read_text().splitlines()
     except OSError:
-        return out
+        return []
+    out = []
     for line in lines:
         try:
             entry = json.loads(line)
-            out.setdefault(int(entry.pop("step")), {}).update(entry)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # a line cut short by a kill
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            out.append(entry)
+    return out
+
+
+def read_trace(directory: str | os.PathLike, rank: int) -> dict[int, dict]:
+    """A rank's trace: step -> its last fingerprints (empty when none)."""
+    out: dict[int, dict] = {}
+    for entry in _entries(directory, rank):
+        step = entry.pop("step", None)
+        if isinstance(step, int):
+            out.setdefault(step, {}).update(entry)
     return out
 
 
@@ -112,17 +123,7 @@ def read_launches(directory: str | os.PathLike, rank: int) -> list[dict]:
     """A rank's launches, in order: ``{"start": step it started at, "last":
     the highest step it traced}`` (empty: none traced)."""
     out: list[dict] = []
-    try:
-        lines = (Path(directory) / "trace" / f"r{rank}.jsonl").read_text().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a kill
-        if not isinstance(entry, dict):
-            continue
+    for entry in _entries(directory, rank):
         if isinstance(entry.get("start"), int):
             out.append({"start": entry["start"], "last": entry["start"]})
         elif isinstance(entry.get("step"), int) and out:

@@ -43,19 +43,13 @@ class Work(dist._Work):
             threading.Thread(target=self._wait_inner, args=(inner,), daemon=True,
                              name="trainguard-p2p-wait").start()
         else:
-            future.then(self._inner_done)
+            future.then(self._wait_inner)
 
     def _wait_inner(self, inner: Any) -> None:
+        """Wait for the backend's future or work (done, as a future's
+        callback), then finish with its outcome."""
         try:
             inner.wait()
-        except Exception as e:  # the backend's own failure (peer gone, timeout)
-            self.finish(error=e)
-        else:
-            self.finish()
-
-    def _inner_done(self, fut: torch.futures.Future) -> None:
-        try:
-            fut.wait()
         except Exception as e:  # the backend's own failure (peer gone, timeout)
             self.finish(error=e)
         else:
@@ -71,8 +65,6 @@ class Work(dist._Work):
         future = isinstance(inner, torch._C.Future)  # else gloo's send/recv work itself
         if inner is None or not (inner.done() if future else inner.is_completed()):
             self.finish(error=ForceStop(reason))
-        elif future:
-            self._inner_done(inner)
         else:
             self._wait_inner(inner)
 
