@@ -87,6 +87,9 @@ class Relay(LoopThread):
         self._upstream_alive = False
         self._stopping = False
         self._agent, self._on_order = agent, on_order
+        #: The ranks whose sessions are open now (replaced whole on each
+        #: change, so another thread reads it without a lock).
+        self.connected: frozenset[int] = frozenset()
         self.refusals = Refusals(log, f"relay {self.node}")
         # A rank's message travels inside an envelope inside a NodeMessage: it must leave room for both, or
         # the controller would refuse the batch and end the stream of every rank on this node.
@@ -260,6 +263,7 @@ class Relay(LoopThread):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "trainguard: the relay lost the controller")
         queue: asyncio.Queue = asyncio.Queue()
         self._local[rank] = queue
+        self.connected = frozenset(self._local)
         self._forward(rank, first)
         state = {"goodbye": False}
         reader = asyncio.ensure_future(self._pump(rank, stream, queue, state))
@@ -275,6 +279,7 @@ class Relay(LoopThread):
             reader.cancel()
             if self._local.get(rank) is queue:
                 del self._local[rank]
+                self.connected = frozenset(self._local)
                 if not state["goodbye"] and not self._stopping and self._upstream_alive:
                     self._forward(rank, disconnected=True)
 

@@ -12,10 +12,11 @@ them at the first failure. :class:`Replacements` lets the
   node's workers (a *spare slot*), with the rank's identity
   (``RANK``) and the next free local rank.
 
-With a restart strategy enabled the agent keeps a warm *standby* process
-per node (:mod:`.standby`: torch already imported) and hands it the rank's
-environment and command line, which saves the interpreter start and the
-imports (``TRAINGUARD_STANDBY=off`` starts cold).
+With a restart strategy enabled the agent keeps warm *standby* processes
+(:mod:`.standby`: torch already imported; the pool :mod:`.warm` also keeps
+for a restart of the whole group) and hands one the rank's environment and
+command line, which saves the interpreter start and the imports
+(``TRAINGUARD_STANDBY=off`` starts cold).
 
 The new process finds its peers on a fresh store this agent serves (the
 job's store holds the old rendezvous keys of the default group, which a new
@@ -32,7 +33,7 @@ import os
 import socket
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
@@ -40,7 +41,7 @@ from torch.distributed.elastic.utils import macros
 
 from trainguard.core.protocol import trainguard_pb2 as pb
 
-from .standby import command_for, handler_for, new_standby
+from .standby import command_for, handler_for
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -60,11 +61,12 @@ class Replacements:
         agent: the node agent (for its host name and spec).
         group: this round's worker group.
         context: torch's process context holding the group's workers.
-        standby: keep a warm standby process for the next restart.
+        standbys: hands out a warm standby process for a restart (``None``
+            when none waits), or ``None``: restarts start cold.
     """
 
-    def __init__(self, agent: Any, group: "WorkerGroup", context: Any, *, standby: bool = False,
-                 own_copy: Any = None) -> None:
+    def __init__(self, agent: Any, group: "WorkerGroup", context: Any, *,
+                 standbys: Callable[[], subprocess.Popen | None] | None = None, own_copy: Any = None) -> None:
         self.context = context
         # (rank, step) -> None, or why the rank's own part of that step cannot be had on this node
         self._own_copy = own_copy
@@ -75,21 +77,17 @@ class Replacements:
         self._stores: list[dist.TCPStore] = []
         self._starting: dict[int, tuple] = {}  # rank -> (order, handler, store or None, address), not yet ready
         self._host = group.master_addr if group.group_rank == 0 else (group.spec.local_addr or socket.getfqdn())
-        self._standby: subprocess.Popen | None = None
-        self._use_standby = standby and command_for(context.entrypoint, context.args[0]) is not None
-        if self._use_standby:
-            self._standby = self._new_standby()
-
-    def _new_standby(self) -> subprocess.Popen:
-        return new_standby()
+        self._standbys = standbys if command_for(context.entrypoint, context.args[0]) is not None else None
 
     def _launch(self, args: tuple, env: dict[str, str], stdout: str | None, stderr: str | None,
                 local_rank: int) -> SubprocessHandler:
         """Start a worker: in the standby when one is ready (and the worker's
         output is not redirected to files), else as torch starts one."""
-        ctx, standby = self.context, self._standby
+        ctx = self.context
         command = command_for(ctx.entrypoint, args)
-        if standby is not None and standby.poll() is None and command is not None and not stdout and not stderr:
+        standby = self._standbys() if self._standbys is not None and command is not None and not stdout \
+            and not stderr else None
+        if standby is not None:
             argv, module = command
             try:
                 standby.stdin.write(json.dumps({"env": {**os.environ, **env}, "argv": argv, "module": module}) + "\n")
@@ -97,7 +95,6 @@ class Replacements:
             except OSError:
                 log.warning("the standby process is gone; starting the worker cold")
             else:
-                self._standby = self._new_standby()
                 return handler_for(standby, local_rank)
         return get_subprocess_handler(entrypoint=ctx.entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
                                       local_rank_id=local_rank)
@@ -218,14 +215,9 @@ class Replacements:
         self.context._failures.pop(lr, None)
 
     def close(self) -> None:
-        """End adopted workers and the standby (the round is over), and the
-        join stores."""
+        """End adopted workers (the round is over), and the join stores."""
         for handler in self._adopted.values():
             if handler.proc.poll() is None:
                 handler.close()
         self._adopted.clear()
         self._stores.clear()
-        if self._standby is not None:
-            self._standby.kill()
-            self._standby.wait()
-            self._standby = None

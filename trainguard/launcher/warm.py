@@ -67,6 +67,12 @@ class WarmGroup:
         while len(self._pool) < count:
             self._pool.append(new_standby())
 
+    def take(self) -> subprocess.Popen | None:
+        """A waiting standby, out of the pool, for one restarted rank
+        (``None``: none is there)."""
+        self._pool = [p for p in self._pool if p.poll() is None]
+        return self._pool.pop(0) if self._pool else None
+
     def start(self, previous: Any, worker_group: Any, restart_count: int, logs_specs: Any,
               log_line_prefix_template: str | None) -> SubprocessContext | None:
         """The round's workers, started in standbys: torch's process context

@@ -5,18 +5,19 @@ scalars (what ``state_dict()`` methods return). :func:`flatten` splits it
 into a JSON *skeleton* and a list of tensors, so it can cross a process group
 without pickling and be hashed canonically (:func:`state_sha256`).
 :func:`send_state` / :func:`recv_state` move it between two ranks: a
-header, then each tensor straight from (and, on the receiver, straight into)
-the memory it lives in -- recoveries must not wait on hundreds of megabytes
-of fresh allocations -- and the receiver verifies the CRC32 the sender
-computed (a transfer between live ranks needs to catch accidental
-corruption, not forgery; checkpoints on disk use SHA-256).
+header, then each large tensor straight from (and, on the receiver, straight
+into) the memory it lives in -- recoveries must not wait on hundreds of
+megabytes of fresh allocations -- and the small ones packed a megabyte at a
+time, and the receiver verifies the XXH3 checksum the sender computed (a
+transfer between live ranks needs to catch accidental corruption, not
+forgery; checkpoints on disk use SHA-256).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import zlib
+import math
 from typing import Any
 
 import torch
@@ -173,24 +174,32 @@ _DATA_TAG = 4
 
 def send_state(group: Any, obj: Any, dst: int, *, device: torch.device) -> None:
     """Send ``obj`` to ``dst`` over ``group`` (point to point): a header
-    (structure, where each tensor sits, dtypes, shapes), each tensor as it
-    lies in memory (nothing is packed into a new buffer), then the running
-    CRC32 over all of them. Sends are posted ahead (up to
-    :data:`IN_FLIGHT_BYTES`), so the checksum and the next tensors overlap
-    the wire instead of one round trip per tensor."""
+    (structure, where each tensor sits, dtypes, shapes), the tensors, then
+    the running XXH3 checksum over all of them. A tensor of
+    :data:`BUCKET_BYTES` or more goes as it lies in memory (nothing is packed
+    into a new buffer); runs of smaller ones (an optimizer's per-parameter
+    steps and biases: most of a state's tensors, little of its bytes) go
+    packed into one message each, so a state of hundreds of tensors costs a
+    few dozen messages. Sends are posted ahead (up to
+    :data:`IN_FLIGHT_BYTES`), so the checksum and the next pieces overlap the
+    wire instead of one round trip per piece."""
     paths: list[str] = []
     skeleton, tensors = flatten(obj, paths)
     metas = [{"path": p, "dtype": str(t.dtype), "shape": list(t.shape), "device": t.device.type}
              for p, t in zip(paths, tensors)]
     _send_bytes(group, json.dumps({"skeleton": skeleton, "tensors": metas}).encode(), dst, 0, device)
-    crc = 0
+    digest = xxhash.xxh3_64()
     with _Window() as window:
-        for i, t in enumerate(tensors):
-            t = t.detach().contiguous()
-            wire = t.to(device)
-            window.post(group.send([wire], dst, _DATA_TAG + i), wire)
-            crc = zlib.crc32(_raw(t), crc)
-    _send_bytes(group, json.dumps({"crc32": crc}).encode(), dst, 2, device)
+        for tag, piece in enumerate(_pieces([_nbytes(t) for t in tensors]), _DATA_TAG):
+            parts = [tensors[i].detach().contiguous() for i in piece]
+            if len(parts) == 1:
+                wire = parts[0].to(device)
+            else:
+                wire = torch.cat([_bytes_of(t).to(device) for t in parts])
+            window.post(group.send([wire], dst, tag), wire)
+            for t in parts:
+                digest.update(_raw(t))
+    _send_bytes(group, json.dumps({"xxh3": digest.intdigest()}).encode(), dst, 2, device)
 
 
 def recv_state(group: Any, src: int, *, device: torch.device, into: Any = None) -> Any:
@@ -199,8 +208,9 @@ def recv_state(group: Any, src: int, *, device: torch.device, into: Any = None) 
     Args:
         into: this rank's own state of the same structure, when it has one:
             each tensor at the same place with the same dtype and shape is
-            received in place (no new memory); the rest is allocated on the
-            device type the sender's sat on.
+            received in place (a tensor sent alone lands in it directly, a
+            packed one is copied there; no new memory either way); the rest
+            is allocated on the device type the sender's sat on.
 
     Raises:
         RecoveryError: the header is malformed or the data fails its checksum
@@ -210,40 +220,96 @@ def recv_state(group: Any, src: int, *, device: torch.device, into: Any = None) 
     try:
         header = json.loads(_recv_bytes(group, src, 0, device))
         skeleton, metas = header["skeleton"], header["tensors"]
-    except (ValueError, KeyError) as e:
+        kinds = [(_dtype(m["dtype"]), tuple(m["shape"]), m["device"] != "cpu") for m in metas]
+        sizes = [math.prod(shape) * _itemsize(dtype) for dtype, shape, _ in kinds]
+    except (ValueError, KeyError, TypeError) as e:
         raise RecoveryError(f"malformed state header from rank {src}: {e}") from None
     mine: dict[str, torch.Tensor] = {}
     if into is not None:
         my_paths: list[str] = []
         _, my_tensors = flatten(into, my_paths)
         mine = dict(zip(my_paths, my_tensors))
-    tensors, crc = [], 0
+    tensors = []
+    for m, (dtype, shape, on_device) in zip(metas, kinds):
+        target = mine.get(m["path"])
+        home = device.type if on_device else "cpu"
+        if (target is None or target.dtype != dtype or tuple(target.shape) != shape
+                or not target.is_contiguous() or target.device.type != home):
+            target = torch.empty(shape, dtype=dtype, device=device if on_device else "cpu")
+        tensors.append(target)
+    digest = xxhash.xxh3_64()
 
-    def landed(landing: torch.Tensor, target: torch.Tensor) -> None:
-        nonlocal crc
-        if landing is not target:
-            target.copy_(landing)
-        crc = zlib.crc32(_raw(target), crc)
+    def landed(landing: torch.Tensor, piece: list[int]) -> None:
+        at = 0
+        for i in piece:
+            target = tensors[i]
+            if landing is not target:
+                _bytes_of(target).copy_(landing[at:at + sizes[i]] if len(piece) > 1 else _bytes_of(landing))
+            at += sizes[i]
+            digest.update(_raw(target))
 
-    with _Window() as window:  # received in order: the checksum runs while later tensors arrive
-        for i, m in enumerate(metas):
-            dtype, shape = _dtype(m["dtype"]), tuple(m["shape"])
-            target = mine.get(m["path"])
-            if (target is None or target.dtype != dtype or tuple(target.shape) != shape
-                    or not target.is_contiguous()
-                    or target.device.type != (device.type if m["device"] != "cpu" else "cpu")):
-                target = torch.empty(shape, dtype=dtype, device=device if m["device"] != "cpu" else "cpu")
-            landing = target if target.device == device else torch.empty(shape, dtype=dtype, device=device)
-            window.post(group.recv([landing], src, _DATA_TAG + i), landing,
-                        lambda landing=landing, target=target: landed(landing, target))
-            tensors.append(target)
+    with _Window() as window:  # received in order: the checksum runs while later pieces arrive
+        for tag, piece in enumerate(_pieces(sizes), _DATA_TAG):
+            target = tensors[piece[0]]
+            if len(piece) > 1:
+                landing = torch.empty(sum(sizes[i] for i in piece), dtype=torch.uint8, device=device)
+            elif target.device == device:
+                landing = target
+            else:
+                landing = torch.empty_like(target, device=device)
+            window.post(group.recv([landing], src, tag), landing,
+                        lambda landing=landing, piece=piece: landed(landing, piece))
     try:
-        theirs = json.loads(_recv_bytes(group, src, 2, device))["crc32"]
+        theirs = json.loads(_recv_bytes(group, src, 2, device))["xxh3"]
     except (ValueError, KeyError) as e:
         raise RecoveryError(f"malformed checksum from rank {src}: {e}") from None
-    if theirs != crc:
+    if theirs != digest.intdigest():
         raise RecoveryError(f"state received from rank {src} fails its checksum")
     return unflatten(skeleton, tensors)
+
+
+#: Tensors smaller than this travel packed with their neighbours, in
+#: messages of up to about this size (see :func:`send_state`).
+BUCKET_BYTES = 1 << 20
+
+
+def _pieces(sizes: list[int]) -> list[list[int]]:
+    """The messages a state's tensors travel in, as lists of their indices,
+    in order: one per tensor of :data:`BUCKET_BYTES` or more, and runs of
+    smaller ones packed up to that size. Both sides compute it from the
+    header's sizes."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    run_bytes = 0
+    for i, size in enumerate(sizes):
+        if size >= BUCKET_BYTES:
+            if run:
+                out.append(run)
+                run, run_bytes = [], 0
+            out.append([i])
+            continue
+        if run and run_bytes + size > BUCKET_BYTES:
+            out.append(run)
+            run, run_bytes = [], 0
+        run.append(i)
+        run_bytes += size
+    if run:
+        out.append(run)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat ``uint8`` view (no copy)."""
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
 #: How many bytes of point-to-point transfers :func:`send_state` and
