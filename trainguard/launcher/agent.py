@@ -268,7 +268,10 @@ class TrainguardAgent(LocalElasticAgent):
         if not failed:
             self._failed_at = None
         state = self._controller_state() if failed else None
-        self._keep_standbys(worker_group, procs, state)
+        if getattr(self, "_remaining_restarts", 0) > 0 and self._launch.standby:  # (none without run())
+            self._warm.keep(worker_group.spec.local_world_size, dumping=state in ("DUMPING", "EXITED"),
+                            ranks_up=self.relay is None or set(procs) <= self.relay.connected,
+                            for_a_rank=self._wants_standby())
         if failed and state == "INIT" and running:
             # A rank failed before every rank registered (while starting or
             # resuming): nothing can be recovered in place, and the others
@@ -354,17 +357,6 @@ class TrainguardAgent(LocalElasticAgent):
             torch_log.setLevel(level)
         if time.monotonic() - start >= self._exit_barrier_timeout - 0.5:
             log.info("node agents %s are gone: the end-of-job barrier gave up on them", gone[:8])
-
-    def _keep_standbys(self, worker_group: WorkerGroup, procs: dict, state: str | None) -> None:
-        """The pool of standbys (:mod:`.warm`): one for a restarted rank once
-        every rank here has its session (an import slows the workers beside
-        it), one per worker while a dump runs (the group restart follows)."""
-        if getattr(self, "_remaining_restarts", 0) <= 0 or not self._launch.standby:
-            return
-        if state in ("DUMPING", "EXITED"):
-            self._warm.fill(worker_group.spec.local_world_size)
-        elif self._wants_standby() and (self.relay is None or set(procs) <= self.relay.connected):
-            self._warm.fill(1)
 
     def _wants_standby(self) -> bool:
         restarts = {Strategy.RECOVER_IN_PLACE, Strategy.RECOVER} & set(self._config.strategies)

@@ -6,9 +6,10 @@ left, starts the group again: every worker pays the interpreter start and
 meets the others and loads the state the job resumes from (from the node's
 snapshots in memory, which outlive the workers).
 
-:class:`WarmGroup` keeps one standby (:mod:`.standby`: torch imported, at
-idle priority while it imports, so it takes only CPU that training leaves)
-per local worker while restarts are left, and :meth:`WarmGroup.start` hands the next
+:class:`WarmGroup` keeps standbys (:mod:`.standby`: torch imported, at
+idle priority while it imports) while restarts are left, as many as
+:meth:`WarmGroup.keep` says, hands one to a restarted rank
+(:meth:`WarmGroup.take`), and :meth:`WarmGroup.start` hands the next
 round's workers to them as torch's own process context, so torch's
 monitoring, signals and shutdown cover them like workers it started. A
 round is started cold, as torch starts it, when there are not enough
@@ -66,6 +67,18 @@ class WarmGroup:
         self._pool = [p for p in self._pool if p.poll() is None]
         while len(self._pool) < count:
             self._pool.append(new_standby())
+
+    def keep(self, workers: int, *, dumping: bool, ranks_up: bool, for_a_rank: bool) -> None:
+        """Fill the pool for what may come: one standby per worker while a
+        dump runs (the group restart follows, and the workers leave the CPU
+        to the imports meanwhile); else, once every rank of the node is up
+        (``ranks_up``: an import slowed the workers starting beside it, idle
+        priority or not), one for a restarted rank (``for_a_rank``) or one
+        per worker where a dump and the group restart are the only way back."""
+        if dumping:
+            self.fill(workers)
+        elif ranks_up:
+            self.fill(1 if for_a_rank else workers)
 
     def take(self) -> subprocess.Popen | None:
         """A waiting standby, out of the pool, for one restarted rank
