@@ -221,6 +221,14 @@ def main() -> None:
     intervals = [int(n) for n in (args.intervals or ("10" if args.quick else "10,25,50")).split(",")]
     steps = args.steps or (30 if args.quick else 120)
     layers = args.layers.split(",")
+    left_out = {}
+    if "torchft" in layers:
+        try:
+            import torchft  # noqa: F401
+        except ImportError as e:
+            left_out["torchft"] = f"cannot run: {e} (pip install -c constraints-cpu.txt -e '.[bench]')"
+            print(f"torchft {left_out['torchft']}; its rows are left out", file=sys.stderr)
+            layers.remove("torchft")
     out_path = args.out or common.RESULTS / f"goodput{'-quick' if args.quick else ''}.json"
     kept, earlier = [], {}
     if args.replace_layers:
@@ -271,7 +279,7 @@ def main() -> None:
         extra={"steps": steps, "nproc": NPROC, "model": size, "torchrun_checkpoint_every": SAVE_EVERY,
                "fault_free_torchrun_s": [round(plain_s, 1), round(plain_end["wall_s"], 1)],
                "schedules": {n: schedule(steps, n, args.seed) for n in intervals},
-               "load_average": os.getloadavg(), **extra})
+               "load_average": os.getloadavg(), "layers_left_out": left_out, **extra})
     _plot(result, args.out)
 
 
