@@ -108,11 +108,38 @@ def _wait(procs: list[subprocess.Popen], deadline: float, done=lambda: False, ti
     return False
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (torchrun starts its workers in
+    sessions of their own, so killing the launcher's group leaves them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
+    """End each launch and everything it started (a worker left stopped or
+    hung by a fault would else run on beside the next launches)."""
     for p in procs:
+        below = _descendants(p.pid)
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         p.wait()
