@@ -118,3 +118,46 @@ def test_workers_left_running_after_the_job_ended_are_stopped_after_a_short_grac
     finally:
         alive.kill()
         alive.wait()
+
+
+class RecordingPool:
+    def __init__(self):
+        self.kept = []
+
+    def keep(self, workers, *, dumping, ranks_up, for_a_rank):
+        self.kept.append((workers, dumping, ranks_up, for_a_rank))
+
+
+class FakeRelay:
+    def __init__(self):
+        self.connected = frozenset()
+
+    def report(self, event):
+        pass
+
+
+def test_standbys_wait_until_every_rank_of_the_node_has_its_session(agent):
+    """A standby's import beside workers still starting slowed their start
+    (seconds on a small box): the pool is filled only once each rank here
+    has connected to the node's relay, and one per worker while a dump runs."""
+    from trainguard.core.config import parse_strategies
+    from trainguard.core.config_launch import LaunchConfig
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        agent.replacements.procs = {1: live}
+        agent.relay, agent._warm = FakeRelay(), RecordingPool()
+        agent._remaining_restarts, agent._launch, agent._spare = 3, LaunchConfig(), 0
+        agent._config = ControllerConfig(strategies=parse_strategies("retry,recover-in-place,dump,exit"))
+        group = type("Group", (), {"spec": type("Spec", (), {"local_world_size": 1})()})()
+        assert agent._monitor_workers(group).state is WorkerState.HEALTHY
+        assert agent._warm.kept == [(1, False, False, True)]  # rank 1 has no session yet: nothing starts
+        agent.relay.connected = frozenset({1})
+        agent._monitor_workers(group)
+        assert agent._warm.kept[-1] == (1, False, True, True)
+        agent._remaining_restarts = 0  # no budget: no standby at all
+        agent._monitor_workers(group)
+        assert len(agent._warm.kept) == 2
+    finally:
+        live.kill()
+        live.wait()
