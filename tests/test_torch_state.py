@@ -74,18 +74,27 @@ def two_ranks(fn, group_cls=AbortableProcessGroup):
     return results, errors
 
 
-def test_state_moves_between_ranks_intact():
-    state = sample_state()
+def transfer(state, into=None, group_cls=AbortableProcessGroup):
+    """``state`` sent by rank 0 and received by rank 1 (into ``into``):
+    rank 1's result, the errors, and each rank's group."""
+    groups = {}
 
     def body(group, rank):
+        groups[rank] = group
         if rank == 0:
             send_state(group, state, 1, device=CPU)
             return None
-        return recv_state(group, 0, device=CPU)
+        return recv_state(group, 0, device=CPU, into=into)
 
-    results, errors = two_ranks(body)
+    results, errors = two_ranks(body, group_cls)
+    return results.get(1), errors, groups
+
+
+def test_state_moves_between_ranks_intact():
+    state = sample_state()
+    got, errors, _ = transfer(state)
     assert not errors, errors
-    assert_same(results[1], state)
+    assert_same(got, state)
 
 
 def test_state_lands_in_the_receivers_own_tensors_where_they_fit():
@@ -93,18 +102,11 @@ def test_state_lands_in_the_receivers_own_tensors_where_they_fit():
     mine = sample_state()
     mine["model"]["h"] = torch.zeros(7).half()  # a different shape: must be allocated, not overwritten
     own_w, own_h = mine["model"]["w"], mine["model"]["h"]
-
-    def body(group, rank):
-        if rank == 0:
-            send_state(group, state, 1, device=CPU)
-            return None
-        return recv_state(group, 0, device=CPU, into=mine)
-
-    results, errors = two_ranks(body)
+    got, errors, _ = transfer(state, mine)
     assert not errors, errors
-    assert_same(results[1], state)
-    assert results[1]["model"]["w"] is own_w and torch.equal(own_w, state["model"]["w"])
-    assert results[1]["model"]["h"] is not own_h and own_h.shape == (7,)
+    assert_same(got, state)
+    assert got["model"]["w"] is own_w and torch.equal(own_w, state["model"]["w"])
+    assert got["model"]["h"] is not own_h and own_h.shape == (7,)
 
 
 class CountingGroup(AbortableProcessGroup):
@@ -145,19 +147,10 @@ def test_transfers_are_posted_ahead_within_the_window(monkeypatch):
     state = {f"t{i}": torch.randn(250) for i in range(40)}  # 1000 bytes each: two to a message
     mine = {f"t{i}": torch.zeros(250) for i in range(40)}
     own = dict(mine)
-    groups = {}
-
-    def body(group, rank):
-        groups[rank] = group
-        if rank == 0:
-            send_state(group, state, 1, device=CPU)
-            return None
-        return recv_state(group, 0, device=CPU, into=mine)
-
-    results, errors = two_ranks(body, CountingGroup)
+    got, errors, groups = transfer(state, mine, CountingGroup)
     assert not errors, errors
-    assert_same(results[1], state)
-    assert all(results[1][k] is own[k] for k in own)  # received in place
+    assert_same(got, state)
+    assert all(got[k] is own[k] for k in own)  # received in place
     for group in groups.values():
         assert 2000 <= group.most <= 6000, group.most
 
@@ -192,19 +185,9 @@ def test_small_tensors_travel_packed_and_land_in_place(monkeypatch):
             "flags": torch.zeros(33, dtype=torch.bool), "half": torch.zeros(7, 3).half(),
             "ids": torch.zeros(9, dtype=torch.int64), "none": torch.empty(0), "tail": torch.zeros(2, 5).double()}
     own = [mine["big"], mine["flags"], mine["ids"], mine["steps"][17]]
-    groups = {}
-
-    def body(group, rank):
-        groups[rank] = group
-        if rank == 0:
-            send_state(group, state, 1, device=CPU)
-            return None
-        return recv_state(group, 0, device=CPU, into=mine)
-
-    results, errors = two_ranks(body, MessageCountingGroup)
+    got, errors, groups = transfer(state, mine, MessageCountingGroup)
     assert not errors, errors
-    assert_same(results[1], state)
-    got = results[1]
+    assert_same(got, state)
     assert all(a is b for a, b in zip([got["big"], got["flags"], got["ids"], got["steps"][17]], own))
     assert torch.equal(own[1], state["flags"]) and torch.equal(own[2], state["ids"])
     assert got["steps"][17] is own[3] and own[3].item() == 17.0
@@ -224,13 +207,7 @@ class FlippingGroup(AbortableProcessGroup):
 
 
 def test_a_corrupted_transfer_is_detected():
-    def body(group, rank):
-        if rank == 0:
-            send_state(group, {"w": torch.randn(1000)}, 1, device=CPU)
-        else:
-            recv_state(group, 0, device=CPU)
-
-    _, errors = two_ranks(body, FlippingGroup)
+    _, errors, _ = transfer({"w": torch.randn(1000)}, group_cls=FlippingGroup)
     assert isinstance(errors.get(1), RecoveryError) and "fails its checksum" in str(errors[1])
 
 

@@ -190,7 +190,7 @@ def send_state(group: Any, obj: Any, dst: int, *, device: torch.device) -> None:
     _send_bytes(group, json.dumps({"skeleton": skeleton, "tensors": metas}).encode(), dst, 0, device)
     digest = xxhash.xxh3_64()
     with _Window() as window:
-        for tag, piece in enumerate(_pieces([_nbytes(t) for t in tensors]), _DATA_TAG):
+        for tag, piece in enumerate(_pieces([t.numel() * t.element_size() for t in tensors]), _DATA_TAG):
             parts = [tensors[i].detach().contiguous() for i in piece]
             if len(parts) == 1:
                 wire = parts[0].to(device)
@@ -221,7 +221,7 @@ def recv_state(group: Any, src: int, *, device: torch.device, into: Any = None) 
         header = json.loads(_recv_bytes(group, src, 0, device))
         skeleton, metas = header["skeleton"], header["tensors"]
         kinds = [(_dtype(m["dtype"]), tuple(m["shape"]), m["device"] != "cpu") for m in metas]
-        sizes = [math.prod(shape) * _itemsize(dtype) for dtype, shape, _ in kinds]
+        sizes = [math.prod(shape) * dtype.itemsize for dtype, shape, _ in kinds]
     except (ValueError, KeyError, TypeError) as e:
         raise RecoveryError(f"malformed state header from rank {src}: {e}") from None
     mine: dict[str, torch.Tensor] = {}
@@ -243,8 +243,10 @@ def recv_state(group: Any, src: int, *, device: torch.device, into: Any = None) 
         at = 0
         for i in piece:
             target = tensors[i]
-            if landing is not target:
-                _bytes_of(target).copy_(landing[at:at + sizes[i]] if len(piece) > 1 else _bytes_of(landing))
+            if len(piece) > 1:
+                _bytes_of(target).copy_(landing[at:at + sizes[i]])
+            elif landing is not target:  # received on the device, kept where the sender's was
+                target.copy_(landing)
             at += sizes[i]
             digest.update(_raw(target))
 
@@ -298,18 +300,9 @@ def _pieces(sizes: list[int]) -> list[list[int]]:
     return out
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a flat ``uint8`` view (no copy)."""
-    flat = t.reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.reshape(-1).view(torch.uint8)
 
 
 #: How many bytes of point-to-point transfers :func:`send_state` and
